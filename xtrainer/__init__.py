@@ -1,0 +1,8 @@
+"""xtrainer: a Lightning-style Trainer for PyTorch on XLA devices, down to a laptop's CPU."""
+
+__version__ = "0.1.0"
+
+from xtrainer.module import XModule  # noqa: E402
+from xtrainer.trainer import Trainer  # noqa: E402
+
+__all__ = ["Trainer", "XModule", "__version__"]

@@ -1,0 +1,200 @@
+"""The one module of xtrainer that imports ``torch_xla``.
+
+Everything else in the package reaches the XLA runtime through the functions here, so that a
+version difference, a deprecated name or a private API lives in one place. Importing this module
+does not initialise the XLA runtime: ``torch_xla.launch`` refuses to start replicas if the parent
+process has touched the runtime, so nothing here talks to a device until a function is called.
+
+Checked against torch_xla 2.9 (``TORCH_XLA_VERSION`` below). Functions marked *private API* use
+torch_xla internals that may move in another release.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as _metrics
+import torch_xla.distributed.parallel_loader as _parallel_loader
+import torch_xla.runtime as xr
+from lightning_utilities.core.imports import RequirementCache
+
+TORCH_XLA_VERSION = torch_xla.__version__
+#: The release every private API used below was checked against.
+TESTED_TORCH_XLA = RequirementCache("torch_xla>=2.9,<2.10")
+
+
+# --------------------------------------------------------------------------------------------
+# Runtime facts that are safe to ask in a parent process (no runtime initialisation).
+# --------------------------------------------------------------------------------------------
+def requested_device_type() -> str:
+    """The PJRT device type the runtime will use (``PJRT_DEVICE``), without initialising it.
+
+    An unset ``PJRT_DEVICE`` lets torch_xla choose (a TPU if one is present, else the CPU).
+    """
+    value = os.environ.get("PJRT_DEVICE")
+    if value:
+        return value.upper()
+    import torch_xla._internal.tpu as tpu  # private API: PCI scan, no runtime start
+
+    return "TPU" if tpu.num_available_chips() > 0 else "CPU"
+
+
+def local_device_count_without_runtime() -> int | None:
+    """How many replicas ``torch_xla.launch`` would run on this host, or None if unknown.
+
+    Reads the environment and, on TPU hosts, the PCI bus; it never starts the runtime, so the
+    parent of a multi-replica launch may call it. On the CPU runtime this is ``CPU_NUM_DEVICES``
+    (default 1).
+    """
+    kind = requested_device_type()
+    if kind == "CPU":
+        return int(os.environ.get("CPU_NUM_DEVICES", "1"))
+    if kind == "TPU":
+        import torch_xla._internal.tpu as tpu  # private API; untested here (no TPU on CI)
+
+        return tpu.num_available_devices()
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Inside a replica.
+# --------------------------------------------------------------------------------------------
+def device() -> torch.device:
+    return torch_xla.device()
+
+
+def device_type() -> str:
+    return xr.device_type()
+
+
+def world_size() -> int:
+    return xr.world_size()
+
+
+def global_rank() -> int:
+    return xr.global_ordinal()
+
+
+def local_rank() -> int:
+    return xr.local_ordinal()
+
+
+def launch(fn: Callable[..., Any], args: tuple = ()) -> None:
+    """Run ``fn(index, *args)`` once per local replica (``torch_xla.launch``).
+
+    On TPU this starts one process per chip with the ``spawn`` method, so ``fn`` and ``args``
+    must pickle; on the CPU runtime the replicas are threads of the calling process.
+    """
+    torch_xla.launch(fn, args=args)
+
+
+def sync() -> None:
+    """Cut the lazy graph here and launch its execution (asynchronous; no host wait)."""
+    torch_xla.sync()
+
+
+def add_step_closure(fn: Callable[..., Any], args: tuple = ()) -> None:
+    xm.add_step_closure(fn, args=args)
+
+
+def reduce_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """All-reduce (mean) the gradients of ``optimizer``'s parameters across replicas."""
+    xm.reduce_gradients(optimizer)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """``xm.optimizer_step``: all-reduce gradients across replicas, then ``optimizer.step()``."""
+    xm.optimizer_step(optimizer)
+
+
+REDUCE_OPS = {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """An all-reduce recorded in the lazy graph (no host sync)."""
+    return xm.all_reduce(REDUCE_OPS[op], tensor)
+
+
+def rendezvous(tag: str) -> None:
+    """A host-side barrier of every replica. Blocks the host until all replicas arrive."""
+    xm.rendezvous(tag)
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every replica. A host-side rendezvous: use it rarely."""
+    return xm.mesh_reduce("xtrainer_broadcast_object", obj, lambda values: values[0])
+
+
+def is_xla_tensor(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "xla"
+
+
+def to_cpu(data: Any) -> Any:
+    """Every XLA tensor in ``data`` (nested) copied to the host in one batched transfer.
+
+    Syncs the host: it waits for the pending graph that produces the tensors. *Private API*
+    (``xm._maybe_convert_to_cpu``) so that many tensors cost one transfer, not one each.
+    """
+    return xm._maybe_convert_to_cpu(data)
+
+
+def device_loader(loader: Iterable, dev: torch.device) -> Iterable:
+    """Wrap a CPU data loader so batches arrive on ``dev``, loaded in background threads.
+
+    ``MpDeviceLoader`` also cuts the graph (``torch_xla.sync()``) each time it yields a batch.
+    """
+    return _parallel_loader.MpDeviceLoader(loader, dev)
+
+
+# --------------------------------------------------------------------------------------------
+# Debug metrics (used by tests and benchmarks to count compilations and transfers).
+# --------------------------------------------------------------------------------------------
+def metric_count(name: str) -> int:
+    """How many times the XLA metric ``name`` was recorded (0 if never)."""
+    data = _metrics.metric_data(name)
+    return int(data[0]) if data else 0
+
+
+def counter_value(name: str) -> int:
+    value = _metrics.counter_value(name)
+    return int(value) if value else 0
+
+
+def compile_count() -> int:
+    return metric_count("CompileTime")
+
+
+def execute_count() -> int:
+    return metric_count("ExecuteTime")
+
+
+def transfer_from_device_count() -> int:
+    return metric_count("TransferFromDeviceTime")
+
+
+def clear_metrics() -> None:
+    _metrics.clear_all()
+
+
+def metrics_report() -> str:
+    return _metrics.metrics_report()
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed pieces used by strategies.
+# --------------------------------------------------------------------------------------------
+def register_xla_process_group_backend() -> None:
+    """Register the ``xla`` backend of ``torch.distributed`` (import side effect)."""
+    import torch_xla.distributed.xla_backend  # noqa: F401
+
+
+def fsdp_module():
+    """torch_xla's FSDP package (``XlaFullyShardedDataParallel`` and its helpers)."""
+    import torch_xla.distributed.fsdp as fsdp
+
+    return fsdp
+

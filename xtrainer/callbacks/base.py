@@ -1,0 +1,127 @@
+"""The callback contract."""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from xtrainer.module import XModule
+    from xtrainer.trainer import Trainer
+
+
+class Callback:
+    """Base class of callbacks: every hook is a no-op; override the ones you need.
+
+    ``Trainer.fit`` calls the hooks in this order (the module's hook of the same name runs
+    first, then each callback's, in the order given to the Trainer)::
+
+        on_fit_start
+        on_train_start
+        while not (max_epochs or max_steps reached or trainer.should_stop):
+            on_train_epoch_start
+            for batch_idx, batch in train_dataloader:          # batch already on the device
+                on_train_batch_start(batch, batch_idx)
+                loss = training_step(batch, batch_idx) / accumulate_grad_batches
+                on_before_backward(loss); backward; on_after_backward
+                if this micro-batch steps the optimizer:
+                    reduce gradients
+                    on_before_optimizer_step(optimizer); clip; optimizer.step()
+                    on_before_zero_grad(optimizer); zero_grad; step schedulers (interval="step")
+                sync()                                          # graph cut: one execution
+                every log_every_n_steps: read logged values     # host sync
+                on_train_batch_end(outputs, batch, batch_idx)
+                if val_check_interval hits: validation loop (below)
+            read epoch-level values                             # host sync
+            on_train_epoch_end                                  # checkpoints are saved here
+            step schedulers (interval="epoch")
+        on_train_end
+        on_fit_end
+
+        validation loop:
+            on_validation_start; on_validation_epoch_start
+            for batch_idx, batch in val_dataloader:
+                on_validation_batch_start; validation_step; sync(); on_validation_batch_end
+            read epoch-level values                             # host sync
+            on_validation_epoch_end; on_validation_end
+
+    ``validate``/``test``/``predict`` run the evaluation loop alone, with their own names.
+    A callback stops training by setting ``trainer.should_stop = True``. A callback with state
+    returns it from ``state_dict`` so that resuming from a checkpoint restores it.
+    """
+
+    @property
+    def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint (unique per class by default)."""
+        return type(self).__qualname__
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        del state_dict
+
+    def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None: ...
+    def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None: ...
+    def on_fit_start(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_fit_end(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_train_start(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_train_end(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_train_epoch_start(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None: ...
+    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None: ...
+    def on_validation_start(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_validation_epoch_start(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_validation_epoch_end(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_validation_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_start(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_test_end(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_test_epoch_start(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_test_epoch_end(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_test_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_start(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_predict_end(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_predict_epoch_start(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_predict_epoch_end(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_predict_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int,
+                               dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_before_backward(self, trainer: "Trainer", module: "XModule", loss: Any) -> None: ...
+    def on_after_backward(self, trainer: "Trainer", module: "XModule") -> None: ...
+    def on_before_optimizer_step(self, trainer: "Trainer", module: "XModule", optimizer: Any) -> None: ...
+    def on_before_zero_grad(self, trainer: "Trainer", module: "XModule", optimizer: Any) -> None: ...
+    def on_save_checkpoint(self, trainer: "Trainer", module: "XModule", checkpoint: dict[str, Any]) -> None: ...
+    def on_load_checkpoint(self, trainer: "Trainer", module: "XModule", checkpoint: dict[str, Any]) -> None: ...
+    def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
+        """Logged values just read back to the host (floats), every ``log_every_n_steps``
+        steps and at the end of each epoch. Loggers and progress bars listen here."""
+
+
+CALLBACK_HOOKS = frozenset(name for name in vars(Callback) if name.startswith("on_")) | {"setup", "teardown"}
+
+
+def check_hook_names(obj: Any, known: Iterable[str], base: type) -> None:
+    """Refuse a method named like a hook that is not one (``on_train_epoch_ned``...)."""
+    known = set(known)
+    for klass in type(obj).__mro__:
+        if klass is base or klass is object:
+            break
+        for name, value in vars(klass).items():
+            if name.startswith("on_") and callable(value) and name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise AttributeError(
+                    f"{klass.__name__}.{name} looks like a hook but there is no hook of that name, "
+                    f"so it would never be called.{hint} Rename it, or drop the 'on_' prefix if it is a "
+                    "helper."
+                )

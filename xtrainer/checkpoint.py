@@ -1,0 +1,112 @@
+"""The one place that reads and writes checkpoint files.
+
+A checkpoint is a plain dict, saved with ``torch.save``:
+
+=====================  ==========================================================================
+key                    what it holds
+=====================  ==========================================================================
+``format``             ``"xtrainer"``; ``format_version`` its layout version (now 1)
+``xtrainer_version``   the package version that wrote it
+``strategy``           the strategy's name; ``world_size`` how many replicas trained
+``state_dict``         the user module's state dict, as ``module.state_dict()`` gives it
+``optimizer_states``   one ``optimizer.state_dict()`` per optimizer
+``lr_schedulers``      one ``scheduler.state_dict()`` per scheduler
+``loops``              ``{"global_step", "epoch", "batches_in_epoch"}``: where training stopped
+``callbacks``          ``{callback.state_key: callback.state_dict()}``
+``hyper_parameters``   the module's ``hparams`` (a plain dict)
+=====================  ==========================================================================
+
+A sharded checkpoint (``xla_fsdp``) is a folder instead: ``trainer.pt`` holds every key above but
+the module and optimizer state, and each rank's ``rank-RRRRR-of-WWWWW.pt`` holds its shard of
+those with the shard metadata. Files are written atomically (a temporary file renamed into
+place), so an interrupted save never leaves a truncated checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from typing import Any
+
+import torch
+
+FORMAT = "xtrainer"
+FORMAT_VERSION = 1
+TRAINER_FILE = "trainer.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, or does not fit this run."""
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def save_file(obj: Any, path: str) -> None:
+    """``torch.save`` ``obj`` to ``path`` atomically (temporary file, fsync, rename)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load_file(path: str, what: str = "checkpoint") -> Any:
+    """``torch.load`` a file written by ``save_file``, with errors that say what went wrong."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"The {what} {path!r} does not exist.")
+    try:
+        # weights_only=False: checkpoints hold optimizer and callback state, not just tensors.
+        # Only load checkpoints you trust.
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
+        raise CheckpointError(
+            f"The {what} {path!r} could not be read ({type(err).__name__}: {err}). The file is "
+            "corrupt or truncated; resume from an earlier checkpoint instead."
+        ) from err
+
+
+def is_sharded(path: str) -> bool:
+    return os.path.isdir(path)
+
+
+def load_checkpoint(path: str, world_size: int | None = None) -> dict[str, Any]:
+    """Read a whole (single-file) checkpoint and check that it is an xtrainer checkpoint."""
+    if is_sharded(path):
+        trainer_state = load_file(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
+        check_header(trainer_state, path)
+        raise CheckpointError(
+            f"{path!r} is a sharded checkpoint written by {trainer_state.get('strategy')!r} with "
+            f"world size {trainer_state.get('world_size')}. Resume it with strategy='xla_fsdp' at that "
+            f"world size, or consolidate it first: xtrainer consolidate {path} -o full.pt"
+        )
+    checkpoint = load_file(path)
+    check_header(checkpoint, path)
+    del world_size  # a full checkpoint loads at any world size
+    return checkpoint
+
+
+def check_header(checkpoint: Any, path: str) -> None:
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path!r} is not an xtrainer checkpoint (no 'format': 'xtrainer' entry). To start from "
+            "plain weights, load them into your module with module.load_state_dict() before fit()."
+        )
+    if checkpoint.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path!r} has checkpoint format version {checkpoint['format_version']}, newer than this "
+            f"xtrainer reads ({FORMAT_VERSION}). Upgrade xtrainer."
+        )

@@ -1,0 +1,145 @@
+"""Values logged with ``XModule.log``: kept on the device, read back to the host in batches.
+
+Every logged value is stored as a device tensor; nothing here calls ``.item()``. A store keeps,
+per name, the latest value (for per-step logging) and an epoch accumulator, both updated inside
+the step's graph. The host reads them only when the Trainer asks (``read_step`` every
+``log_every_n_steps``, ``read_epoch`` at the end of an epoch), each time in one batched transfer.
+The same tensors are updated on every step, so the graph's outputs, and so its compilation, do
+not change from one step to the next.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from xtrainer import _xla
+
+REDUCE_FXS = ("mean", "sum", "max", "min")
+
+
+@dataclass
+class _Entry:
+    on_step: bool
+    on_epoch: bool
+    prog_bar: bool
+    sync_dist: bool
+    reduce_fx: str
+    last: torch.Tensor | None = None
+    total: torch.Tensor | None = None
+    weight: float = 0.0  # host-side: sum of batch sizes (mean) or number of values
+
+
+@dataclass
+class Results:
+    """Logged values of one stage (``train``, ``validate``, ``test`` or ``predict``)."""
+
+    stage: str
+    default_on_step: bool
+    entries: dict[str, _Entry] = field(default_factory=dict)
+    batch_size: int = 1  # of the batch being processed, inferred from its first tensor
+    in_step: bool = False
+    suffix: str = ""  # "/dataloader_idx_N" when an evaluation has several dataloaders
+
+    def log(self, name: str, value: Any, on_step: bool | None, on_epoch: bool | None,
+            prog_bar: bool, sync_dist: bool, reduce_fx: str, batch_size: int | None) -> None:
+        if reduce_fx not in REDUCE_FXS:
+            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS}.")
+        if not isinstance(value, torch.Tensor):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"self.log({name!r}, ...) takes a scalar tensor or a number, "
+                                f"not {type(value).__name__}.")
+            value = torch.tensor(float(value))
+        if value.numel() != 1:
+            raise ValueError(f"self.log({name!r}, ...) takes a scalar, got a tensor of shape "
+                             f"{tuple(value.shape)}; reduce it (e.g. .mean()) first.")
+        on_step = self.default_on_step if on_step is None else on_step
+        on_epoch = (not self.default_on_step) if on_epoch is None else on_epoch
+        if self.stage != "train":
+            on_step = False  # evaluation values are per epoch (per dataloader)
+            on_epoch = True
+        if not self.in_step:
+            on_step, on_epoch = False, True  # logged from an epoch hook: an epoch-level value
+        if not (on_step or on_epoch):
+            raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) logs nothing.")
+        name = name + self.suffix
+        entry = self.entries.get(name)
+        if entry is None:
+            entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, sync_dist, reduce_fx)
+        value = value.detach().reshape(()).float()
+        if on_step:
+            entry.last = value
+        if on_epoch:
+            weight = (batch_size or self.batch_size) if reduce_fx == "mean" else 1
+            if not self.in_step:
+                entry.total, entry.weight = value * weight, float(weight)
+            elif entry.total is None:
+                entry.total, entry.weight = value * weight if reduce_fx == "mean" else value, float(weight)
+            else:
+                entry.total = _combine(reduce_fx, entry.total, value, weight)
+                entry.weight += weight
+
+    # ---- reading (host syncs happen in the callers' to_cpu) ---------------------------------
+    def step_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int
+                     ) -> dict[str, torch.Tensor]:
+        """Latest per-step values, named ``x`` or ``x_step`` (if also logged per epoch)."""
+        out = {}
+        for name, entry in self.entries.items():
+            if entry.on_step and entry.last is not None:
+                value = entry.last
+                if entry.sync_dist and world_size > 1:
+                    value = reduce(value, "sum") / world_size
+                out[name + "_step" if entry.on_epoch else name] = value
+        return out
+
+    def epoch_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int
+                      ) -> dict[str, torch.Tensor]:
+        """Epoch values, named ``x`` or ``x_epoch`` (if also logged per step)."""
+        out = {}
+        for name, entry in self.entries.items():
+            if not entry.on_epoch or entry.total is None:
+                continue
+            total, weight = entry.total, entry.weight
+            if entry.sync_dist and world_size > 1:
+                total = reduce(total, "sum" if entry.reduce_fx in ("mean", "sum") else entry.reduce_fx)
+                weight *= world_size  # every replica sees the same number of batches
+            value = total / weight if entry.reduce_fx == "mean" else total
+            out[name + "_epoch" if entry.on_step else name] = value
+        return out
+
+    def prog_bar_names(self) -> set[str]:
+        names = set()
+        for name, entry in self.entries.items():
+            if entry.prog_bar:
+                names.update({name, name + "_step", name + "_epoch"})
+        return names
+
+    def reset_epoch(self) -> None:
+        for entry in self.entries.values():
+            entry.total, entry.weight = None, 0.0
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+
+def _combine(reduce_fx: str, total: torch.Tensor, value: torch.Tensor, weight: int) -> torch.Tensor:
+    if reduce_fx == "mean":
+        return total + value * weight
+    if reduce_fx == "sum":
+        return total + value
+    if reduce_fx == "max":
+        return torch.maximum(total, value)
+    return torch.minimum(total, value)
+
+
+def to_floats(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Device scalars to Python floats in one batched transfer. Syncs the host."""
+    host = _xla.to_cpu(tensors)  # host sync: one transfer for every value
+    return {name: float(value) for name, value in host.items()}
+
+
+def non_finite(values: dict[str, float]) -> list[str]:
+    return [name for name, value in values.items() if not math.isfinite(value)]

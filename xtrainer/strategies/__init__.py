@@ -1,0 +1,24 @@
+"""Strategies: how xtrainer launches replicas, wraps the module and steps the optimizer."""
+
+from __future__ import annotations
+
+from xtrainer.strategies.base import Strategy
+from xtrainer.strategies.native import XlaNative
+
+#: Every name ``Trainer(strategy=...)`` accepts, mapped to its class.
+STRATEGIES: dict[str, type[Strategy]] = {
+    XlaNative.name: XlaNative,
+}
+
+
+def resolve_strategy(strategy: "str | Strategy") -> Strategy:
+    """A ``Strategy`` instance for a name from ``STRATEGIES``, or the instance given."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, str) and strategy in STRATEGIES:
+        return STRATEGIES[strategy]()
+    raise ValueError(f"Unknown strategy {strategy!r}. Valid names: {', '.join(sorted(STRATEGIES))}; "
+                     "or pass a Strategy instance.")
+
+
+__all__ = ["STRATEGIES", "Strategy", "XlaNative", "resolve_strategy"]

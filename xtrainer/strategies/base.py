@@ -1,0 +1,311 @@
+"""The strategy contract: everything the Trainer leaves to the device and the distribution.
+
+A strategy decides how replicas are launched, how the module is wrapped, how gradients are reduced
+and the optimizer stepped, where the lazy graph is cut, how batches reach the device and how
+checkpoints are written. The Trainer owns the loop and calls these members in this order::
+
+    launch(fn)                           # in the calling process; runs fn in every replica
+      setup_environment()                # in each replica: device, process group
+      setup_module(module)               # wrap (then the Trainer builds the optimizers)
+      setup_optimizers(module)           # configure_optimizers() against the wrapped parameters
+      process_dataloader(loader)         # sampler for this replica, then batches to the device
+      for each micro-batch:
+        with no_backward_sync(enabled=not stepping):
+          loss = wrapped(...); backward(loss)
+        if stepping: optimizer_step(optimizer, before_step=clip)   # reduce, clip, step
+        sync()                           # the graph cut: one execution per micro-batch
+      save_checkpoint / load_checkpoint  # called on every replica, never on one only
+      teardown()                         # returns what the caller's process needs
+
+Every member runs on every replica; those that are collectives (``reduce``, ``barrier``,
+``broadcast``, ``save_checkpoint``) must be entered by all replicas or they hang.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+import os
+import tempfile
+import threading
+from typing import Any, Callable, ClassVar, Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from xtrainer import _xla
+from xtrainer import checkpoint as ckpt_io
+from xtrainer.precision import Precision
+
+
+class Strategy(abc.ABC):
+    """Base class of all strategies. Subclasses override what differs and nothing else."""
+
+    #: The name ``Trainer(strategy=...)`` accepts for this class.
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.devices: int | None = 1
+        self.precision = Precision("32")
+        self._device: torch.device | None = None
+
+    # ---- configuration (calling process, before launch) --------------------------------
+    def connect(self, devices: int | None, precision: Precision) -> None:
+        """Receive the Trainer's ``devices`` (None: every local device) and precision."""
+        self.devices = devices
+        self.precision = precision
+
+    # ---- launching ---------------------------------------------------------------------
+    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in every replica and return rank 0's result in the calling process.
+
+        ``fn`` begins by calling ``setup_environment()``. With one device it runs here, in the
+        calling process. With more it runs in each replica started by ``torch_xla.launch``, and
+        rank 0's return value comes back through a file (so it must pickle). The calling process
+        never touches the XLA runtime itself, which ``torch_xla.launch`` requires.
+        """
+        if self.devices == 1:
+            return fn(*args)
+        _check_multi_replica_supported(self.devices)
+        with tempfile.TemporaryDirectory(prefix="xtrainer-launch-") as tmp:
+            result_path = os.path.join(tmp, "rank0-result.pt")
+            _xla.launch(_replica_main, args=(_ReplicaJob(fn, args, result_path),))
+            if not os.path.exists(result_path):
+                raise RuntimeError("The replicas finished without rank 0 returning a result.")
+            return ckpt_io.load_file(result_path, what="replica result")["result"]
+
+    def setup_environment(self) -> None:
+        """Per replica, before anything else: pick the device, set up process groups."""
+        self._device = _xla.device()
+
+    # ---- where we are --------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        if self._device is None:
+            raise RuntimeError("The strategy has no device before setup_environment().")
+        return self._device
+
+    @property
+    def world_size(self) -> int:
+        return _xla.world_size() if self._device is not None else 1
+
+    @property
+    def global_rank(self) -> int:
+        return _xla.global_rank() if self._device is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return _xla.local_rank() if self._device is not None else 0
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    # ---- the module and the optimizers -------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Move ``module`` to the device (in the strategy's precision) and wrap it.
+
+        ``module`` is a dispatcher whose ``forward`` calls the user's ``*_step`` methods, so a
+        wrapper's forward hooks run around every step. Returns the module to call.
+        """
+        return self.precision.convert_module(module).to(self.device)
+
+    def setup_optimizers(self, module: "nn.Module", configure: Callable[[], Any]) -> Any:
+        """Call the user's ``configure_optimizers`` once the module is wrapped."""
+        del module
+        return configure()
+
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        """The dispatcher inside whatever wrapper ``setup_module`` put around it."""
+        return wrapped
+
+    # ---- the step ------------------------------------------------------------------------
+    def no_backward_sync(self, wrapped: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Skip gradient reduction during backward while ``enabled`` (accumulating)."""
+        del wrapped, enabled
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make gradients equal on every replica before the step (if backward did not)."""
+        del optimizer
+
+    def clip_gradients(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, value: float,
+                       algorithm: str) -> None:
+        """Clip the (reduced) gradients of ``optimizer`` by global norm or by value."""
+        del wrapped
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_(params, value)
+        else:
+            torch.nn.utils.clip_grad_value_(params, value)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer,
+                       before_step: Callable[[], None] | None = None) -> None:
+        """Reduce gradients, run ``before_step`` (clipping) on the reduced ones, then step."""
+        self.reduce_gradients(optimizer)
+        if before_step is not None:
+            before_step()
+        optimizer.step()
+
+    def sync(self) -> None:
+        """Cut the lazy graph and launch its execution (asynchronously)."""
+        _xla.sync()
+
+    # ---- data ----------------------------------------------------------------------------
+    def process_dataloader(self, loader: Iterable) -> "DeviceData":
+        """Give this replica its share of ``loader`` and deliver batches on the device."""
+        if self.world_size > 1 and isinstance(loader, DataLoader):
+            loader = distribute_dataloader(loader, self.world_size, self.global_rank)
+        return DeviceData(loader, self.device)
+
+    # ---- collectives -----------------------------------------------------------------------
+    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """All-reduce recorded in the graph (``sum``, ``max``, ``min``); identity for one replica."""
+        if self.world_size == 1:
+            return tensor
+        return _xla.all_reduce(tensor, op)
+
+    def barrier(self, name: str = "barrier") -> None:
+        if self.world_size > 1:
+            _xla.rendezvous(name)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every replica (a host rendezvous)."""
+        if self.world_size == 1:
+            return obj
+        return _xla.broadcast_object(obj)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def module_state_dict(self, wrapped: nn.Module) -> dict[str, torch.Tensor]:
+        """The user module's full state dict (keys as in the unwrapped module)."""
+        return self.unwrap(wrapped).module.state_dict()
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Write ``checkpoint`` to ``path``. Every replica calls this; rank 0 writes one file.
+
+        Tensors are brought to the host on every replica (a host sync), then rank 0 writes the
+        file atomically and all replicas meet at a barrier, so no one races ahead of the file.
+        """
+        checkpoint = _xla.to_cpu(checkpoint)  # host sync: checkpoints are written from the host
+        if self.is_global_zero:
+            ckpt_io.save_file(checkpoint, path)
+        self.barrier("xtrainer_save_checkpoint")
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Read a checkpoint written by ``save_checkpoint`` (every replica reads it)."""
+        return ckpt_io.load_checkpoint(path, world_size=self.world_size)
+
+    def load_module_state_dict(self, wrapped: nn.Module, checkpoint: dict[str, Any]) -> None:
+        self.unwrap(wrapped).module.load_state_dict(checkpoint["state_dict"])
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    # ---- the end ---------------------------------------------------------------------------
+    def teardown(self, wrapped: nn.Module) -> None:
+        """Leave the user's module unwrapped, on the CPU, and release what setup took.
+
+        Moving the weights to the CPU is a device-to-host transfer (a host sync).
+        """
+        self.unwrap(wrapped).module.to("cpu")
+
+
+def _check_multi_replica_supported(devices: int | None) -> None:
+    if _xla.requested_device_type() == "CPU":
+        raise NotImplementedError(
+            f"devices={devices} asks for several replicas on the XLA CPU runtime, which xtrainer does "
+            "not run yet (torch_xla's CPU collectives deadlock without extra care). Use devices=1 on "
+            "the CPU runtime; several replicas run on TPU and other PJRT devices."
+        )
+
+
+class _ReplicaJob:
+    """What ``Strategy.launch`` sends to every replica (pickled when replicas are processes)."""
+
+    _copy_lock = threading.Lock()
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, result_path: str) -> None:
+        self.fn, self.args, self.result_path = fn, args, result_path
+        self.parent_pid = os.getpid()
+
+    def __call__(self) -> None:
+        fn, args = self.fn, self.args
+        if os.getpid() == self.parent_pid:
+            # Replicas are threads of the calling process (the CPU runtime): each needs its own
+            # trainer, module and strategy, as separate processes would have.
+            with self._copy_lock:
+                fn, args = copy.deepcopy((fn, args))
+        result = fn(*args)
+        if _xla.global_rank() == 0:
+            ckpt_io.save_file({"result": result}, self.result_path)
+
+
+def _replica_main(index: int, job: _ReplicaJob) -> None:
+    del index  # the rank comes from the runtime
+    job()
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+class DeviceData:
+    """A data loader whose batches arrive on an XLA device, re-seeded at every epoch."""
+
+    def __init__(self, loader: Iterable, device: torch.device) -> None:
+        self.loader = loader
+        self._device_loader = _xla.device_loader(loader, device)
+
+    def set_epoch(self, epoch: int) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        if hasattr(getattr(batch_sampler, "sampler", None), "set_epoch"):
+            batch_sampler.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._device_loader)
+
+
+_DATALOADER_ARGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
+                    "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor",
+                    "persistent_workers")
+
+
+def distribute_dataloader(loader: DataLoader, num_replicas: int, rank: int) -> DataLoader:
+    """``loader`` with its sampler replaced by a ``DistributedSampler`` for ``rank``.
+
+    The new sampler keeps the loader's shuffle setting and is re-seeded each epoch by the
+    Trainer (``set_epoch``). Its padding makes every replica see the same number of batches,
+    so no replica waits at a collective for another that ran out of data.
+    """
+    if isinstance(loader.sampler, DistributedSampler):
+        return loader
+    if type(loader) is not DataLoader or loader.batch_sampler is None or (
+            type(loader.batch_sampler).__name__ != "BatchSampler"):
+        raise TypeError(
+            f"Cannot shard {type(loader).__name__} (sampler {type(loader.sampler).__name__}) across "
+            f"{num_replicas} replicas automatically. Give it a torch.utils.data.DistributedSampler "
+            f"with num_replicas={num_replicas} and rank=trainer.global_rank yourself."
+        )
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        raise TypeError("An IterableDataset cannot be sharded by a sampler: split it by "
+                        "trainer.global_rank inside the dataset instead.")
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    sampler = DistributedSampler(loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle)
+    kwargs = {name: getattr(loader, name) for name in _DATALOADER_ARGS if hasattr(loader, name)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+        kwargs.pop("persistent_workers", None)
+    return DataLoader(loader.dataset, sampler=sampler, **kwargs)

@@ -1,0 +1,692 @@
+"""The ``Trainer``: owns the loops, leaves the device and the distribution to a strategy."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from xtrainer import _xla
+from xtrainer import checkpoint as ckpt_io
+from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
+from xtrainer.loggers import Logger, TensorBoardLogger
+from xtrainer.module import MODULE_HOOKS, XModule
+from xtrainer.precision import Precision
+from xtrainer.results import Results, non_finite, to_floats
+from xtrainer.strategies import Strategy, resolve_strategy
+
+_STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
+                 "predict": "predict_step"}
+_HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
+_LOSS_KEY = "loss"
+
+
+@dataclass
+class _Scheduler:
+    scheduler: Any
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+
+
+class _StepDispatcher(nn.Module):
+    """Calls the user's ``*_step`` from ``forward``, so wrappers' forward hooks (DDP, FSDP)
+    run around every step. Floating-point inputs are cast to the run's precision here."""
+
+    def __init__(self, module: XModule, precision: Precision) -> None:
+        super().__init__()
+        self.module = module
+        self.precision = precision
+
+    def forward(self, stage: str, batch: Any, *args: Any) -> Any:
+        return getattr(self.module, _STEP_METHODS[stage])(self.precision.convert_input(batch), *args)
+
+
+class Trainer:
+    """Trains an ``XModule`` on XLA devices.
+
+    Args:
+        strategy: ``"xla_native"``, ``"xla_ddp"``, ``"xla_fsdp"`` or a ``Strategy`` instance.
+        devices: replicas to run: an int, or ``"auto"`` (every local device; 1 on the CPU runtime).
+        max_epochs: stop after this many epochs (default 1000 when ``max_steps`` is not set).
+        max_steps: stop after this many optimizer steps (-1: no limit).
+        limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches: batches
+            per epoch: a fraction of the loader (float) or a count (int).
+        val_check_interval: validate every this fraction of an epoch (float) or this many training
+            batches (int).
+        check_val_every_n_epoch: validate in every n-th epoch only (None: in every epoch).
+        log_every_n_steps: read logged values back to the host every n optimizer steps.
+        accumulate_grad_batches: micro-batches per optimizer step.
+        gradient_clip_val, gradient_clip_algorithm: clip the reduced gradients by ``"norm"``
+            (global L2 norm) or ``"value"`` before each optimizer step.
+        precision: ``"32"`` or ``"bf16"`` (parameters, optimizer state and inputs in bfloat16).
+        callbacks: ``Callback`` instances, called after the module's hook of the same name.
+        logger: ``True`` (TensorBoard in the run folder), ``False``, or a ``Logger``.
+        default_root_dir: where run folders (``version_N``) are made; default ``./xtrainer_logs``.
+        enable_progress_bar: print progress and ``prog_bar`` values on rank 0.
+        enable_checkpointing: add a ``ModelCheckpoint`` (last epoch) if none is given.
+    """
+
+    def __init__(
+        self,
+        strategy: str | Strategy = "xla_native",
+        devices: int | str = "auto",
+        max_epochs: int | None = None,
+        max_steps: int = -1,
+        limit_train_batches: int | float = 1.0,
+        limit_val_batches: int | float = 1.0,
+        limit_test_batches: int | float = 1.0,
+        limit_predict_batches: int | float = 1.0,
+        val_check_interval: int | float = 1.0,
+        check_val_every_n_epoch: int | None = 1,
+        log_every_n_steps: int = 50,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        precision: str | int = "32",
+        callbacks: Sequence[Callback] | Callback | None = None,
+        logger: bool | Logger | None = True,
+        default_root_dir: str | os.PathLike | None = None,
+        enable_progress_bar: bool = True,
+        enable_checkpointing: bool = True,
+    ) -> None:
+        from xtrainer.callbacks import ModelCheckpoint, ProgressBar  # callbacks import the Trainer's types
+
+        self.strategy = resolve_strategy(strategy)
+        self.precision = Precision(precision)
+        self.strategy.connect(_resolve_devices(devices), self.precision)
+        if max_epochs is None and max_steps == -1:
+            max_epochs = 1000
+        _check_positive("max_epochs", max_epochs, allow_none=True)
+        if max_steps != -1:
+            _check_positive("max_steps", max_steps)
+        _check_positive("log_every_n_steps", log_every_n_steps)
+        _check_positive("accumulate_grad_batches", accumulate_grad_batches)
+        _check_positive("check_val_every_n_epoch", check_val_every_n_epoch, allow_none=True)
+        for name, value in (("limit_train_batches", limit_train_batches), ("limit_val_batches", limit_val_batches),
+                            ("limit_test_batches", limit_test_batches),
+                            ("limit_predict_batches", limit_predict_batches),
+                            ("val_check_interval", val_check_interval)):
+            _check_limit(name, value)
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'.")
+        if gradient_clip_val is not None and gradient_clip_val <= 0:
+            raise ValueError(f"gradient_clip_val={gradient_clip_val} must be positive (or None for no clipping).")
+        self.max_epochs, self.max_steps = max_epochs, max_steps
+        self.limits = {"train": limit_train_batches, "validate": limit_val_batches, "test": limit_test_batches,
+                       "predict": limit_predict_batches}
+        self.val_check_interval = val_check_interval
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.log_every_n_steps = log_every_n_steps
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
+        self.default_root_dir = os.fspath(default_root_dir or os.path.join(os.getcwd(), "xtrainer_logs"))
+        self.log_dir = _next_version_dir(self.default_root_dir)
+
+        if isinstance(callbacks, Callback):
+            callbacks = [callbacks]
+        self.callbacks: list[Callback] = list(callbacks or [])
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}.")
+            check_hook_names(cb, CALLBACK_HOOKS, Callback)
+        if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
+            self.callbacks.append(ModelCheckpoint())
+        if not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
+            raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is among the callbacks.")
+        if enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in self.callbacks):
+            self.callbacks.append(ProgressBar())
+        if logger is True:
+            logger = TensorBoardLogger(self.log_dir)
+        self.loggers: list[Logger] = [logger] if isinstance(logger, Logger) else []
+        if logger not in (None, False) and not isinstance(logger, Logger):
+            raise TypeError(f"logger must be True, False or a Logger, got {type(logger).__name__}.")
+
+        # Loop state: what a checkpoint saves and `fit` continues from.
+        self.global_step = 0
+        self.current_epoch = 0
+        self.should_stop = False
+        self.callback_metrics: dict[str, float] = {}
+        self.progress_bar_metrics: dict[str, float] = {}
+        self.logged_metrics: dict[str, float] = {}
+        self.state = "idle"  # "fit", "validate", "test" or "predict" while one runs
+        self.num_training_batches: float = 0
+        self._batches_in_epoch = 0
+        self._skip_batches = 0
+        self._epoch_finished = True
+        # Set inside a run (per replica).
+        self._module: XModule | None = None
+        self._wrapped: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._schedulers: list[_Scheduler] = []
+        self._results = Results("train", default_on_step=True)
+
+    # ---- where we are (valid inside a run) -------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def module(self) -> XModule:
+        if self._module is None:
+            raise RuntimeError("The Trainer has no module outside fit/validate/test/predict.")
+        return self._module
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self._optimizer] if self._optimizer is not None else []
+
+    @property
+    def lr_schedulers(self) -> list[Any]:
+        return [s.scheduler for s in self._schedulers]
+
+    # ---- entry points (calling process) ------------------------------------------------------
+    def fit(self, model: XModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            ckpt_path: str | os.PathLike | None = None) -> None:
+        """Train ``model``. Afterwards it holds the trained weights (on the CPU)."""
+        _check_module(model, "fit")
+        train = _as_list(train_dataloaders) or _as_list(_module_loader(model, "train_dataloader"))
+        if not train:
+            raise ValueError(f"fit() got no training data: pass train_dataloaders=..., or define "
+                             f"{type(model).__name__}.train_dataloader().")
+        if len(train) > 1:
+            raise ValueError("fit() takes one training dataloader.")
+        val = _as_list(val_dataloaders) or _as_list(_module_loader(model, "val_dataloader"))
+        if val and type(model).validation_step is XModule.validation_step:
+            raise ValueError(f"Validation data was given but {type(model).__name__} has no validation_step.")
+        ckpt_path = os.fspath(ckpt_path) if ckpt_path is not None else None
+        if ckpt_path is not None and not os.path.exists(ckpt_path):
+            raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist.")
+        self._launch("fit", model, {"train": train, "validate": val}, ckpt_path)
+
+    def validate(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[dict[str, float]]:
+        """Run the validation loop once; one dict of metrics per dataloader."""
+        return self._evaluate("validate", model, dataloaders, ckpt_path)
+
+    def test(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[dict[str, float]]:
+        """Run the test loop once; one dict of metrics per dataloader."""
+        return self._evaluate("test", model, dataloaders, ckpt_path)
+
+    def predict(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[Any]:
+        """``predict_step`` outputs on the CPU: one list per dataloader (just the list if one)."""
+        return self._evaluate("predict", model, dataloaders, ckpt_path)
+
+    def _evaluate(self, stage: str, model: XModule, dataloaders: Any, ckpt_path: str | None) -> Any:
+        _check_module(model, stage)
+        hook = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[stage]
+        loaders = _as_list(dataloaders) or _as_list(_module_loader(model, hook))
+        if not loaders:
+            raise ValueError(f"{stage}() got no data: pass dataloaders=..., or define {type(model).__name__}.{hook}().")
+        step = _STEP_METHODS[stage]
+        if stage != "predict" and getattr(type(model), step) is getattr(XModule, step):
+            raise ValueError(f"{type(model).__name__} has no {step}(self, batch, batch_idx) to {stage} with.")
+        return self._launch(stage, model, {stage: loaders}, ckpt_path)
+
+    def _launch(self, stage: str, model: XModule, loaders: dict[str, list], ckpt_path: str | None) -> Any:
+        os.makedirs(self.log_dir, exist_ok=True)  # here, so that every replica shares one run folder
+        result = self.strategy.launch(self._run, stage, model, loaders, ckpt_path)
+        if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
+            model.load_state_dict(result["state_dict"])
+            self.global_step, self.current_epoch = result["global_step"], result["current_epoch"]
+            self._epoch_finished = result["epoch_finished"]
+            self.callback_metrics = result["callback_metrics"]
+            for cb in self.callbacks:
+                cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
+        return result["outputs"]
+
+    # ---- one replica -------------------------------------------------------------------------
+    def _run(self, stage: str, module: XModule, loaders: dict[str, list], ckpt_path: str | None) -> dict[str, Any]:
+        self.strategy.setup_environment()
+        self.state, self.should_stop = stage, False
+        module.trainer = self
+        self._module = module
+        in_process = self.strategy.devices == 1
+        try:
+            for cb in self.callbacks:
+                cb.setup(self, module, stage)
+            self._wrapped = self.strategy.setup_module(_StepDispatcher(module, self.precision))
+            data = {name: [self.strategy.process_dataloader(dl) for dl in dls] for name, dls in loaders.items()}
+            if stage == "fit":
+                self._setup_optimizers()
+            if ckpt_path is not None:
+                self._restore(ckpt_path, stage)
+            if stage == "fit":
+                self._fit_loop(data["train"][0], data["validate"])
+                outputs = None
+            else:
+                outputs = self._eval_loop(stage, data[stage])
+            result: dict[str, Any] = {"outputs": outputs}
+            if not in_process:
+                result.update(
+                    state_dict=_xla.to_cpu(self.strategy.module_state_dict(self._wrapped)),  # host sync
+                    global_step=self.global_step, current_epoch=self.current_epoch,
+                    epoch_finished=self._epoch_finished, callback_metrics=dict(self.callback_metrics),
+                    callbacks={cb.state_key: cb.state_dict() for cb in self.callbacks})
+            return result
+        finally:
+            for logger in self.loggers:
+                logger.finalize()  # flush what was logged, also when training failed
+            if self._wrapped is not None:
+                self.strategy.teardown(self._wrapped)
+            for cb in self.callbacks:
+                cb.teardown(self, module, stage)
+            self.state = "idle"
+            self._wrapped = self._module = None
+
+    def _setup_optimizers(self) -> None:
+        module = self.module
+        config = self.strategy.setup_optimizers(self._wrapped, module.configure_optimizers)
+        self._optimizer, self._schedulers = _parse_optimizers(config, type(module).__name__)
+        self._needs_before_step = self.gradient_clip_val is not None or _overrides(
+            module, self.callbacks, "on_before_optimizer_step")
+
+    # ---- fit ---------------------------------------------------------------------------------
+    def _fit_loop(self, train: Any, val: list) -> None:
+        self.num_training_batches = self._num_batches(train, "train")
+        if self.num_training_batches == 0:
+            raise ValueError("limit_train_batches leaves no training batches to run.")
+        self._results = Results("train", default_on_step=True)
+        self._call("on_fit_start")
+        self._call("on_train_start")
+        while not self._fit_done():
+            self._results.reset_epoch()
+            train.set_epoch(self.current_epoch)
+            self._call("on_train_epoch_start")
+            self._epoch_finished = False
+            skip, self._skip_batches = self._skip_batches, 0
+            for batch_idx, batch in enumerate(train):
+                if batch_idx >= self.num_training_batches:
+                    break
+                if batch_idx < skip:  # resuming inside an epoch: these batches were trained on
+                    continue
+                self._train_batch(batch, batch_idx)
+                self._batches_in_epoch = batch_idx + 1
+                if val and self._validation_due(batch_idx):
+                    self._run_validation(val)
+                if self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps):
+                    break
+            self._epoch_finished = self._batches_in_epoch >= self.num_training_batches
+            self._end_epoch("train", "on_train_epoch_end")
+            self._step_schedulers("epoch")
+            if self._epoch_finished:
+                self.current_epoch += 1
+                self._batches_in_epoch = 0
+        self._call("on_train_end")
+        self._call("on_fit_end")
+
+    def _fit_done(self) -> bool:
+        return (self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps)
+                or (self.max_epochs is not None and self.current_epoch >= self.max_epochs))
+
+    def _train_batch(self, batch: Any, batch_idx: int) -> None:
+        self._call("on_train_batch_start", batch, batch_idx)
+        steps = ((batch_idx + 1) % self.accumulate_grad_batches == 0
+                 or batch_idx + 1 == self.num_training_batches)
+        results = self._results
+        results.batch_size, results.in_step = _batch_size(batch), True
+        with self.strategy.no_backward_sync(self._wrapped, enabled=not steps):
+            outputs = self._wrapped("train", batch, batch_idx)
+            loss = _training_loss(outputs)
+            results.log(_LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
+                        reduce_fx="mean", batch_size=None)
+            if self.accumulate_grad_batches > 1:
+                loss = loss / self.accumulate_grad_batches
+            self._call("on_before_backward", loss)
+            self.strategy.backward(loss)
+            self._call("on_after_backward")
+        results.in_step = False
+        if steps:
+            self._optimizer_step()
+        self.strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
+        if steps and self.global_step % self.log_every_n_steps == 0:
+            self._publish(results.step_tensors(self.strategy.reduce, self.world_size), check_loss=True)
+        self._call("on_train_batch_end", outputs, batch, batch_idx)
+
+    def _optimizer_step(self) -> None:
+        optimizer = self._optimizer
+        before_step = self._before_optimizer_step if self._needs_before_step else None
+        self.strategy.optimizer_step(optimizer, before_step)
+        self._call("on_before_zero_grad", optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        self._step_schedulers("step")
+
+    def _before_optimizer_step(self) -> None:
+        self._call("on_before_optimizer_step", self._optimizer)
+        if self.gradient_clip_val is not None:
+            self.strategy.clip_gradients(self._wrapped, self._optimizer, self.gradient_clip_val,
+                                         self.gradient_clip_algorithm)
+
+    def _step_schedulers(self, interval: str) -> None:
+        count = self.global_step if interval == "step" else self.current_epoch + 1
+        for config in self._schedulers:
+            if config.interval != interval or count % config.frequency:
+                continue
+            if config.monitor is None:
+                config.scheduler.step()
+                continue
+            if config.monitor not in self.callback_metrics:
+                raise KeyError(f"The scheduler monitors {config.monitor!r}, which was not logged. "
+                               f"Logged: {sorted(self.callback_metrics)}.")
+            config.scheduler.step(self.callback_metrics[config.monitor])
+
+    def _validation_due(self, batch_idx: int) -> bool:
+        if self.check_val_every_n_epoch is not None and (self.current_epoch + 1) % self.check_val_every_n_epoch:
+            return False
+        n = self.num_training_batches
+        interval = self.val_check_interval
+        if isinstance(interval, float):
+            if math.isinf(n):
+                if interval != 1.0:
+                    raise ValueError("val_check_interval as a fraction needs a training loader with a length; "
+                                     "give an int (a number of batches) instead.")
+                return False  # validated when the epoch ends
+            every = max(1, int(n * interval))
+        else:
+            every = interval
+        return (batch_idx + 1) % every == 0
+
+    def _run_validation(self, val: list) -> None:
+        train_results = self._results
+        self._eval_loop("validate", val)
+        self._results = train_results
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def _eval_loop(self, stage: str, datas: list) -> Any:
+        hook = _HOOK_STAGE[stage]
+        wrapped = self._wrapped
+        was_training = wrapped.training
+        wrapped.eval()
+        results = self._results = Results(stage, default_on_step=False)
+        predictions: list[list[Any]] = []
+        self._call(f"on_{hook}_start")
+        self._call(f"on_{hook}_epoch_start")
+        with torch.no_grad():
+            for dl_idx, data in enumerate(datas):
+                data.set_epoch(self.current_epoch)
+                extra = (dl_idx,) if len(datas) > 1 else ()
+                results.suffix = f"/dataloader_idx_{dl_idx}" if len(datas) > 1 else ""
+                limit = self._num_batches(data, stage)
+                outputs_of_loader: list[Any] = []
+                for batch_idx, batch in enumerate(data):
+                    if batch_idx >= limit:
+                        break
+                    self._call(f"on_{hook}_batch_start", batch, batch_idx, *extra)
+                    results.batch_size, results.in_step = _batch_size(batch), True
+                    outputs = wrapped(stage, batch, batch_idx, *extra)
+                    results.in_step = False
+                    if stage == "predict":
+                        # host sync: predictions are returned on the host, batch by batch
+                        outputs = _xla.to_cpu(outputs)
+                        outputs_of_loader.append(outputs)
+                    self.strategy.sync()  # the graph cut: one execution per evaluation batch
+                    self._call(f"on_{hook}_batch_end", outputs, batch, batch_idx, *extra)
+                predictions.append(outputs_of_loader)
+        results.suffix = ""
+        metrics = self._end_epoch(stage, f"on_{hook}_epoch_end")
+        self._call(f"on_{hook}_end")
+        if was_training:
+            wrapped.train()
+        if stage == "predict":
+            return predictions[0] if len(predictions) == 1 else predictions
+        if len(datas) == 1:
+            return [metrics]
+        return [{k: v for k, v in metrics.items() if "/dataloader_idx_" not in k or k.endswith(f"_{i}")}
+                for i in range(len(datas))]
+
+    def _end_epoch(self, stage: str, hook: str) -> dict[str, float]:
+        """The module's epoch-end hook (it may still log), then read every epoch value to the host
+        (one host sync), then the callbacks' hook, which sees the new ``callback_metrics``."""
+        getattr(self.module, hook)()
+        metrics = self._publish(self._results.epoch_tensors(self.strategy.reduce, self.world_size))
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, self.module)
+        return metrics
+
+    def _publish(self, tensors: dict[str, torch.Tensor], check_loss: bool = False) -> dict[str, float]:
+        """Read logged values to the host (one batched transfer) and hand them out."""
+        if not tensors:
+            return {}
+        values = to_floats(tensors)  # host sync: the only place logged values reach the host
+        if check_loss and non_finite({k: v for k, v in values.items() if k == _LOSS_KEY}):
+            raise FloatingPointError(
+                f"The training loss is {values[_LOSS_KEY]} at step {self.global_step} (epoch "
+                f"{self.current_epoch}); training stopped. Checkpoints saved before this point are intact "
+                f"under {self.log_dir}. Lower the learning rate, set gradient_clip_val, or check the data.")
+        prog = self._results.prog_bar_names()
+        self.progress_bar_metrics.update({k: v for k, v in values.items() if k in prog})
+        public = {k: v for k, v in values.items() if k != _LOSS_KEY}
+        self.callback_metrics.update(public)
+        self.logged_metrics.update(public)
+        if public and self.is_global_zero and self.state != "predict":
+            for logger in self.loggers:
+                logger.log_metrics(public, self.global_step)
+        return public
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write a checkpoint of the running fit to ``path``. Every replica must call this."""
+        if self._wrapped is None:
+            raise RuntimeError("save_checkpoint() works during fit() only (from a callback or hook).")
+        module = self.module
+        checkpoint = {
+            "format": ckpt_io.FORMAT, "format_version": ckpt_io.FORMAT_VERSION,
+            "xtrainer_version": _version(), "strategy": self.strategy.name, "world_size": self.world_size,
+            "state_dict": self.strategy.module_state_dict(self._wrapped),
+            "optimizer_states": [self.strategy.optimizer_state_dict(opt) for opt in self.optimizers],
+            "lr_schedulers": [s.scheduler.state_dict() for s in self._schedulers],
+            "loops": {"global_step": self.global_step, "epoch": self.current_epoch,
+                      "batches_in_epoch": self._batches_in_epoch, "epoch_finished": self._epoch_finished},
+            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            "hyper_parameters": dict(module.hparams),
+        }
+        module.on_save_checkpoint(checkpoint)
+        for cb in self.callbacks:
+            cb.on_save_checkpoint(self, module, checkpoint)
+        self.strategy.save_checkpoint(checkpoint, os.fspath(path))
+
+    def _restore(self, path: str, stage: str) -> None:
+        checkpoint = self.strategy.load_checkpoint(path)
+        self.strategy.load_module_state_dict(self._wrapped, checkpoint)
+        if stage == "fit":
+            states = checkpoint.get("optimizer_states", [])
+            if len(states) != len(self.optimizers):
+                raise ckpt_io.CheckpointError(f"{path!r} holds {len(states)} optimizer states; this module "
+                                              f"configures {len(self.optimizers)} optimizers.")
+            for optimizer, state in zip(self.optimizers, states):
+                self.strategy.load_optimizer_state_dict(optimizer, state)
+            for config, state in zip(self._schedulers, checkpoint.get("lr_schedulers", [])):
+                config.scheduler.load_state_dict(state)
+            loops = checkpoint["loops"]
+            self.global_step = loops["global_step"]
+            self._epoch_finished = loops["epoch_finished"]
+            self.current_epoch = loops["epoch"] + (1 if loops["epoch_finished"] else 0)
+            self._skip_batches = 0 if loops["epoch_finished"] else loops["batches_in_epoch"]
+            self._batches_in_epoch = self._skip_batches
+            for cb in self.callbacks:
+                if cb.state_key in checkpoint.get("callbacks", {}):
+                    cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
+        self.module.on_load_checkpoint(checkpoint)
+        for cb in self.callbacks:
+            cb.on_load_checkpoint(self, self.module, checkpoint)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _call(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` on the module, then on every callback, in order."""
+        module = self.module
+        getattr(module, hook)(*args)
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, module, *args)
+
+    def _num_batches(self, data: Any, stage: str) -> float:
+        try:
+            length: float = len(data)
+        except TypeError:
+            length = math.inf
+        limit = self.limits["train" if stage == "fit" else stage]
+        if isinstance(limit, float):
+            if math.isinf(length):
+                if limit != 1.0:
+                    raise ValueError(f"limit_{stage}_batches={limit} is a fraction, but the loader has no "
+                                     "length; give a number of batches instead.")
+                return length
+            return int(length * limit) if limit < 1.0 else length
+        return min(length, limit)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_module=None, _wrapped=None, _optimizer=None, _schedulers=[])
+        return state
+
+
+# ---- module-level helpers --------------------------------------------------------------------
+def _version() -> str:
+    from xtrainer import __version__
+
+    return __version__
+
+
+def _resolve_devices(devices: int | str) -> int | None:
+    if devices == "auto":
+        if _xla.requested_device_type() == "CPU":
+            return 1  # several replicas on the CPU runtime are opt-in: devices=N
+        return _xla.local_device_count_without_runtime()
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices={devices!r}: give a positive int or 'auto'.")
+    return devices
+
+
+def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int.")
+
+
+def _check_limit(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r}: give a fraction (float) or a number of batches (int).")
+    if isinstance(value, float) and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value} as a fraction must lie in [0.0, 1.0]; give an int for a batch count.")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name}={value} must not be negative.")
+    if name == "val_check_interval" and value == 0:
+        raise ValueError("val_check_interval must be positive.")
+
+
+def _check_module(model: Any, stage: str) -> None:
+    if not isinstance(model, XModule):
+        raise TypeError(f"{stage}() takes an xtrainer.XModule, got {type(model).__name__}.")
+    check_hook_names(model, MODULE_HOOKS, XModule)
+    if stage == "fit":
+        if type(model).training_step is XModule.training_step:
+            raise NotImplementedError(f"{type(model).__name__} has no training_step(self, batch, batch_idx).")
+        if type(model).configure_optimizers is XModule.configure_optimizers:
+            raise NotImplementedError(
+                f"{type(model).__name__} has no configure_optimizers(). Return an optimizer, "
+                "(optimizers, schedulers), or {'optimizer': ..., 'lr_scheduler': ...}.")
+
+
+def _module_loader(model: XModule, hook: str) -> Any:
+    fn = getattr(model, hook, None)
+    return fn() if callable(fn) else None
+
+
+def _as_list(loaders: Any) -> list:
+    if loaders is None:
+        return []
+    if isinstance(loaders, (list, tuple)):
+        return list(loaders)
+    return [loaders]
+
+
+def _overrides(module: XModule, callbacks: list[Callback], hook: str) -> bool:
+    return (getattr(type(module), hook) is not getattr(XModule, hook)
+            or any(getattr(type(cb), hook) is not getattr(Callback, hook) for cb in callbacks))
+
+
+def _batch_size(batch: Any) -> int:
+    """dim 0 of the batch's first tensor (shape metadata: no host sync)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = _batch_size(item)
+            if size:
+                return size
+    return 1
+
+
+def _training_loss(outputs: Any) -> torch.Tensor:
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if loss is None:
+        raise ValueError(
+            "training_step returned None. Return the loss tensor or a dict with a 'loss' entry; skipping a "
+            "batch by returning None is not supported (deciding it would force a host sync every step).")
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"training_step must return a tensor or a dict with 'loss', got {type(outputs).__name__}.")
+    if loss.numel() != 1:
+        raise ValueError(f"training_step returned a loss of shape {tuple(loss.shape)}; it must be a scalar "
+                         "(reduce it with .mean() or .sum()).")
+    if not loss.requires_grad:
+        raise ValueError("training_step returned a loss that does not require grad: it is detached from the "
+                         "model's parameters (was it computed under torch.no_grad(), or with .detach()?).")
+    return loss.reshape(())
+
+
+def _parse_optimizers(config: Any, name: str) -> tuple[torch.optim.Optimizer, list[_Scheduler]]:
+    optimizers, schedulers = config, []
+    if isinstance(config, dict):
+        if "optimizer" not in config:
+            raise ValueError(f"{name}.configure_optimizers() returned a dict without an 'optimizer' key.")
+        optimizers, schedulers = config["optimizer"], config.get("lr_scheduler")
+    elif isinstance(config, (tuple, list)) and len(config) == 2 and isinstance(config[0], (list, tuple)):
+        optimizers, schedulers = config
+    optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
+        raise ValueError(f"{name}.configure_optimizers() must give exactly one torch.optim.Optimizer "
+                         f"(got {[type(o).__name__ for o in optimizers]}).")
+    if schedulers is None:
+        schedulers = []
+    schedulers = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
+    parsed = []
+    for item in schedulers:
+        if isinstance(item, dict):
+            unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "name"}
+            if "scheduler" not in item or unknown:
+                raise ValueError(f"A lr_scheduler dict needs 'scheduler' and may have 'interval', 'frequency', "
+                                 f"'monitor' (unknown keys: {sorted(unknown)}).")
+            config_item = _Scheduler(item["scheduler"], item.get("interval", "epoch"), item.get("frequency", 1),
+                                     item.get("monitor"))
+        else:
+            config_item = _Scheduler(item)
+        if config_item.interval not in ("step", "epoch"):
+            raise ValueError(f"lr_scheduler interval={config_item.interval!r}: use 'step' or 'epoch'.")
+        if isinstance(config_item.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not config_item.monitor:
+            raise ValueError("ReduceLROnPlateau needs {'scheduler': ..., 'monitor': 'metric_name'}.")
+        parsed.append(config_item)
+    return optimizers[0], parsed
+
+
+def _next_version_dir(root: str) -> str:
+    """``root/version_N`` with the first N not taken (decided in the calling process)."""
+    existing = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith("version_") and name[len("version_"):].isdigit():
+                existing.append(int(name[len("version_"):]))
+    return os.path.join(root, f"version_{max(existing) + 1 if existing else 0}")
