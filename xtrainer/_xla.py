@@ -12,7 +12,8 @@ torch_xla internals that may move in another release.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, Sequence
+import sys
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch_xla
@@ -143,11 +144,27 @@ def to_cpu(data: Any) -> Any:
 
 
 def device_loader(loader: Iterable, dev: torch.device) -> Iterable:
-    """Wrap a CPU data loader so batches arrive on ``dev``, loaded in background threads.
-
-    ``MpDeviceLoader`` also cuts the graph (``torch_xla.sync()``) each time it yields a batch.
-    """
+    """torch_xla's documented ``MpDeviceLoader``: batches arrive on ``dev``, loaded in background
+    threads, and the graph is cut (``torch_xla.sync()``) each time a batch is taken."""
     return _parallel_loader.MpDeviceLoader(loader, dev)
+
+
+class DeviceBatches:
+    """Like ``MpDeviceLoader``, but it leaves graph cuts to the caller (the strategy's
+    ``sync()``), so that each step costs one cut, not two; and it stops its loader threads when
+    iteration ends early (``break`` after ``limit_*_batches``) instead of leaving them blocked.
+    """
+
+    def __init__(self, loader: Iterable, dev: torch.device) -> None:
+        self.loader, self.device = loader, dev
+
+    def __iter__(self) -> Iterator[Any]:
+        parallel = _parallel_loader.ParallelLoader(self.loader, [self.device],
+                                                   batches_per_execution=sys.maxsize)
+        try:
+            yield from parallel.per_device_loader(self.device)
+        finally:
+            parallel.close()
 
 
 # --------------------------------------------------------------------------------------------

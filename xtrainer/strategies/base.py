@@ -261,7 +261,7 @@ class DeviceData:
 
     def __init__(self, loader: Iterable, device: torch.device) -> None:
         self.loader = loader
-        self._device_loader = _xla.device_loader(loader, device)
+        self._device_loader = _xla.DeviceBatches(loader, device)
 
     def set_epoch(self, epoch: int) -> None:
         sampler = getattr(self.loader, "sampler", None)
