@@ -19,6 +19,7 @@ import torch
 from xtrainer import _xla
 
 REDUCE_FXS = ("mean", "sum", "max", "min")
+_IDENTITY = {"mean": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}
 
 
 @dataclass
@@ -43,6 +44,10 @@ class Results:
     batch_size: int = 1  # of the batch being processed, inferred from its first tensor
     in_step: bool = False
     suffix: str = ""  # "/dataloader_idx_N" when an evaluation has several dataloaders
+    # Batch sizes and identities as device tensors, made once per value. A Python number in the
+    # graph would be deduplicated with any other scalar of equal value (a learning rate, an
+    # optimizer step count): a different graph, so a recompilation, whenever two coincide.
+    _constants: dict[tuple[str, float], torch.Tensor] = field(default_factory=dict)
 
     def log(self, name: str, value: Any, on_step: bool | None, on_epoch: bool | None,
             prog_bar: bool, sync_dist: bool, reduce_fx: str, batch_size: int | None) -> None:
@@ -74,13 +79,23 @@ class Results:
             entry.last = value
         if on_epoch:
             weight = (batch_size or self.batch_size) if reduce_fx == "mean" else 1
+            weighted = value * self._constant(float(weight), value.device) if reduce_fx == "mean" else value
             if not self.in_step:
-                entry.total, entry.weight = value * weight, float(weight)
-            elif entry.total is None:
-                entry.total, entry.weight = value * weight if reduce_fx == "mean" else value, float(weight)
-            else:
-                entry.total = _combine(reduce_fx, entry.total, value, weight)
-                entry.weight += weight
+                entry.total, entry.weight = weighted, float(weight)
+                return
+            if entry.total is None:  # the epoch's first value: start from the reduction's identity
+                entry.total = self._constant(_IDENTITY[reduce_fx], value.device)
+            entry.total = _combine(reduce_fx, entry.total, weighted)
+            entry.weight += weight
+
+    def _constant(self, number: float, device: torch.device) -> torch.Tensor:
+        """``number`` as device data, uploaded once. Starting each epoch from a data tensor (not
+        from the first value) keeps the first step of every epoch the same graph as the others.
+        Shape (1,), not (): torch_xla turns a 0-dim 0.0 or 1.0 into a constant of the graph."""
+        key = (str(device), number)
+        if key not in self._constants:
+            self._constants[key] = torch.tensor([number]).to(device)
+        return self._constants[key]
 
     # ---- reading (host syncs happen in the callers' to_cpu) ---------------------------------
     def step_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int
@@ -107,7 +122,7 @@ class Results:
                 total = reduce(total, "sum" if entry.reduce_fx in ("mean", "sum") else entry.reduce_fx)
                 weight *= world_size  # every replica sees the same number of batches
             value = total / weight if entry.reduce_fx == "mean" else total
-            out[name + "_epoch" if entry.on_step else name] = value
+            out[name + "_epoch" if entry.on_step else name] = value.reshape(()).reshape(())
         return out
 
     def prog_bar_names(self) -> set[str]:
@@ -125,10 +140,8 @@ class Results:
         self.entries.clear()
 
 
-def _combine(reduce_fx: str, total: torch.Tensor, value: torch.Tensor, weight: int) -> torch.Tensor:
-    if reduce_fx == "mean":
-        return total + value * weight
-    if reduce_fx == "sum":
+def _combine(reduce_fx: str, total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if reduce_fx in ("mean", "sum"):
         return total + value
     if reduce_fx == "max":
         return torch.maximum(total, value)
