@@ -70,9 +70,7 @@ class DigitsClassifier(XModule):
         self.log("test_acc", (self(x).argmax(dim=-1) == y).float().mean())
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"],
-                                      weight_decay=self.hparams["weight_decay"], capturable=True)
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.trainer.max_epochs or 10)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"])
 
 
 def digits_loaders(batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0) -> tuple[DataLoader, DataLoader]:
