@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -304,20 +305,23 @@ class Trainer:
             self._results.reset_epoch()
             train.set_epoch(self.current_epoch)
             self._call("on_train_epoch_start")
-            self._epoch_finished = False
             skip, self._skip_batches = self._skip_batches, 0
+            finished = True
             for batch_idx, batch in enumerate(train):
-                if batch_idx >= self.num_training_batches:
-                    break
                 if batch_idx < skip:  # resuming inside an epoch: these batches were trained on
                     continue
                 self._train_batch(batch, batch_idx)
                 self._batches_in_epoch = batch_idx + 1
                 if val and self._validation_due(batch_idx):
                     self._run_validation(val)
-                if self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps):
+                if batch_idx + 1 >= self.num_training_batches:
                     break
-            self._epoch_finished = self._batches_in_epoch >= self.num_training_batches
+                if self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps):
+                    finished = False
+                    break
+            if val and finished and math.isinf(self.num_training_batches) and self._validation_epoch():
+                self._run_validation(val)  # a loader without a length: validate when it runs out
+            self._epoch_finished = finished
             self._end_epoch("train", "on_train_epoch_end")
             self._step_schedulers("epoch")
             if self._epoch_finished:
@@ -382,8 +386,12 @@ class Trainer:
                                f"Logged: {sorted(self.callback_metrics)}.")
             config.scheduler.step(self.callback_metrics[config.monitor])
 
+    def _validation_epoch(self) -> bool:
+        every = self.check_val_every_n_epoch
+        return every is None or (self.current_epoch + 1) % every == 0
+
     def _validation_due(self, batch_idx: int) -> bool:
-        if self.check_val_every_n_epoch is not None and (self.current_epoch + 1) % self.check_val_every_n_epoch:
+        if not self._validation_epoch():
             return False
         n = self.num_training_batches
         interval = self.val_check_interval
@@ -417,6 +425,7 @@ class Trainer:
             for dl_idx, data in enumerate(datas):
                 data.set_epoch(self.current_epoch)
                 extra = (dl_idx,) if len(datas) > 1 else ()
+                step_extra = extra if _accepts_dataloader_idx(getattr(self.module, _STEP_METHODS[stage])) else ()
                 results.suffix = f"/dataloader_idx_{dl_idx}" if len(datas) > 1 else ""
                 limit = self._num_batches(data, stage)
                 outputs_of_loader: list[Any] = []
@@ -425,7 +434,7 @@ class Trainer:
                         break
                     self._call(f"on_{hook}_batch_start", batch, batch_idx, *extra)
                     results.batch_size, results.in_step = _batch_size(batch), True
-                    outputs = wrapped(stage, batch, batch_idx, *extra)
+                    outputs = wrapped(stage, batch, batch_idx, *step_extra)
                     results.in_step = False
                     if stage == "predict":
                         # host sync: predictions are returned on the host, batch by batch
@@ -450,7 +459,10 @@ class Trainer:
         """The module's epoch-end hook (it may still log), then read every epoch value to the host
         (one host sync), then the callbacks' hook, which sees the new ``callback_metrics``."""
         getattr(self.module, hook)()
-        metrics = self._publish(self._results.epoch_tensors(self.strategy.reduce, self.world_size))
+        tensors = self._results.epoch_tensors(self.strategy.reduce, self.world_size)
+        if stage == "train":  # the latest per-step values ride along in the same transfer
+            tensors.update(self._results.step_tensors(self.strategy.reduce, self.world_size))
+        metrics = self._publish(tensors, check_loss=stage == "train")
         for cb in self.callbacks:
             getattr(cb, hook)(self, self.module)
         return metrics
@@ -615,6 +627,15 @@ def _as_list(loaders: Any) -> list:
 def _overrides(module: XModule, callbacks: list[Callback], hook: str) -> bool:
     return (getattr(type(module), hook) is not getattr(XModule, hook)
             or any(getattr(type(cb), hook) is not getattr(Callback, hook) for cb in callbacks))
+
+
+def _accepts_dataloader_idx(step: Any) -> bool:
+    try:
+        params = inspect.signature(step).parameters
+    except (TypeError, ValueError):
+        return True
+    return "dataloader_idx" in params or len(params) >= 3 or any(
+        p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
 
 
 def _batch_size(batch: Any) -> int:

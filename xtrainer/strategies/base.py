@@ -128,7 +128,16 @@ class Strategy(abc.ABC):
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        try:
+            loss.backward()
+        except RuntimeError as err:
+            if "device_ready_queues_" not in str(err):
+                raise
+            raise RuntimeError(
+                "PyTorch's autograd engine was started (by a backward pass on the CPU) before the XLA "
+                "runtime in this process, so it cannot run backward on XLA tensors. Start the XLA runtime "
+                "first: call torch_xla.device() at the top of the script, before any backward()."
+            ) from err
 
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make gradients equal on every replica before the step (if backward did not)."""

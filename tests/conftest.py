@@ -1,0 +1,65 @@
+import os
+
+# Every test runs on torch_xla's CPU runtime: real compilation, real execution.
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from xtrainer import XModule, _xla  # noqa: E402
+
+# Start the XLA runtime before any CPU backward in a test: PyTorch's autograd engine sizes its
+# per-device queues on its first backward and would not know the XLA device otherwise.
+_xla.device()
+
+
+def make_data(n: int = 64, seed: int = 0, features: int = 8) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    w = torch.randn(features, 1, generator=g)
+    return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def make_loader(n: int = 64, batch_size: int = 8, shuffle: bool = False, seed: int = 0, **kwargs) -> DataLoader:
+    return DataLoader(make_data(n, seed), batch_size=batch_size, shuffle=shuffle, **kwargs)
+
+
+class Regressor(XModule):
+    """A small MLP regressor: every test's default module."""
+
+    def __init__(self, lr: float = 0.05, optimizer: str = "sgd") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.lr, self.optimizer = lr, optimizer
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y))
+
+    def configure_optimizers(self):
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+@pytest.fixture
+def trainer_kwargs(tmp_path):
+    """Quiet Trainer arguments writing into the test's own folder."""
+    return dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+                enable_checkpointing=False)

@@ -1,0 +1,140 @@
+"""Bad input fails early, with a message that says what to do."""
+
+import pytest
+import torch
+from conftest import Regressor, make_loader
+from torch.utils.data import DataLoader
+
+from xtrainer import Trainer, XModule
+from xtrainer.callbacks import Callback
+
+
+def test_unknown_strategy_lists_valid_names():
+    with pytest.raises(ValueError, match="Unknown strategy 'xla_dp'. Valid names: .*xla_native"):
+        Trainer(strategy="xla_dp")
+
+
+def test_bad_trainer_arguments():
+    with pytest.raises(ValueError, match="precision"):
+        Trainer(precision="16")
+    with pytest.raises(ValueError, match="devices"):
+        Trainer(devices=0)
+    with pytest.raises(ValueError, match="gradient_clip_algorithm"):
+        Trainer(gradient_clip_algorithm="l2")
+    with pytest.raises(ValueError, match="limit_train_batches=1.5"):
+        Trainer(limit_train_batches=1.5)
+    with pytest.raises(ValueError, match="accumulate_grad_batches"):
+        Trainer(accumulate_grad_batches=0)
+
+
+def test_several_replicas_on_the_cpu_runtime_are_refused(trainer_kwargs):
+    with pytest.raises(NotImplementedError, match="devices=2 .* XLA CPU runtime"):
+        Trainer(devices=2, **trainer_kwargs).fit(Regressor(), make_loader())
+
+
+class ReturnsNone(Regressor):
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+class ReturnsVector(Regressor):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self(x) - y) ** 2
+
+
+class ReturnsDetached(Regressor):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx).detach()
+
+
+@pytest.mark.parametrize("module, message", [
+    (ReturnsNone, "training_step returned None"),
+    (ReturnsVector, r"loss of shape \(8, 1\); it must be a scalar"),
+    (ReturnsDetached, "does not require grad"),
+])
+def test_bad_training_step_output(trainer_kwargs, module, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        Trainer(max_steps=1, **trainer_kwargs).fit(module(), make_loader())
+
+
+def test_module_without_configure_optimizers(trainer_kwargs):
+    class NoOptim(XModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).mean()
+
+    with pytest.raises(NotImplementedError, match="no configure_optimizers"):
+        Trainer(**trainer_kwargs).fit(NoOptim(), make_loader())
+
+
+def test_fit_without_training_data(trainer_kwargs):
+    with pytest.raises(ValueError, match="fit\\(\\) got no training data"):
+        Trainer(**trainer_kwargs).fit(Regressor())
+
+
+def test_fit_with_a_plain_module(trainer_kwargs):
+    with pytest.raises(TypeError, match="takes an xtrainer.XModule"):
+        Trainer(**trainer_kwargs).fit(torch.nn.Linear(2, 2), make_loader())
+
+
+def test_misspelt_hooks_are_errors(trainer_kwargs):
+    class Typo(Callback):
+        def on_train_epoch_ned(self, trainer, module):
+            pass
+
+    with pytest.raises(AttributeError, match="Did you mean 'on_train_epoch_end'"):
+        Trainer(callbacks=[Typo()], **trainer_kwargs)
+
+    class ModuleTypo(Regressor):
+        def on_validaton_epoch_end(self):
+            pass
+
+    with pytest.raises(AttributeError, match="Did you mean 'on_validation_epoch_end'"):
+        Trainer(**trainer_kwargs).fit(ModuleTypo(), make_loader())
+
+
+def test_nan_loss_stops_training_with_guidance(trainer_kwargs, tmp_path):
+    class Diverges(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.global_step >= 2 else loss
+
+    trainer = Trainer(max_epochs=3, log_every_n_steps=2, **trainer_kwargs)
+    with pytest.raises(FloatingPointError, match="training loss is nan at step 4 .* Lower the learning rate"):
+        trainer.fit(Diverges(), make_loader())
+
+
+def test_log_rejects_non_scalars(trainer_kwargs):
+    class LogsVector(Regressor):
+        def training_step(self, batch, batch_idx):
+            self.log("x", batch[0].mean(0))
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(ValueError, match="takes a scalar"):
+        Trainer(max_steps=1, **trainer_kwargs).fit(LogsVector(), make_loader())
+
+
+def test_bad_optimizer_config(trainer_kwargs):
+    class TwoOptims(Regressor):
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.1)]
+
+    with pytest.raises(ValueError, match="exactly one torch.optim.Optimizer"):
+        Trainer(max_steps=1, **trainer_kwargs).fit(TwoOptims(), make_loader())
+
+
+def test_iterable_without_length_and_fractional_limit(trainer_kwargs):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(make_loader().dataset)
+
+    loader = DataLoader(Stream(), batch_size=8)
+    with pytest.raises(ValueError, match="no length"):
+        Trainer(limit_train_batches=0.5, **trainer_kwargs).fit(Regressor(), loader)
+    trainer = Trainer(max_epochs=2, **trainer_kwargs)
+    trainer.fit(Regressor(), loader)
+    assert trainer.global_step == 16

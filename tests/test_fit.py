@@ -1,0 +1,244 @@
+"""Fitting: loop semantics, hooks, steps, accumulation, clipping, precision."""
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import Regressor, make_loader
+from torch import nn
+
+from xtrainer import Trainer, XModule
+from xtrainer.callbacks import Callback
+
+
+def reference_sgd(model: nn.Module, loader, epochs: int, lr: float, accumulate: int = 1) -> nn.Module:
+    """Plain PyTorch on the CPU: what the Trainer must compute."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        batches = list(loader)
+        for i, (x, y) in enumerate(batches):
+            loss = nn.functional.mse_loss(model(x), y) / accumulate
+            loss.backward()
+            if (i + 1) % accumulate == 0 or i + 1 == len(batches):
+                opt.step()
+                opt.zero_grad()
+    return model
+
+
+def assert_same_params(a: nn.Module, b: nn.Module, atol: float = 1e-5) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p.detach().cpu(), q.detach().cpu(), atol=atol), name
+
+
+def test_fit_matches_plain_pytorch_and_leaves_weights_on_cpu(trainer_kwargs):
+    model = Regressor()
+    expected = reference_sgd(model, make_loader(), epochs=2, lr=0.05)
+    trainer = Trainer(max_epochs=2, **trainer_kwargs)
+    trainer.fit(model, make_loader())
+    assert trainer.global_step == 16 and trainer.current_epoch == 2
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert_same_params(model, expected)
+    assert set(trainer.callback_metrics) == {"train_loss_step", "train_loss_epoch"}
+    assert all(isinstance(v, float) for v in trainer.callback_metrics.values())
+
+
+def test_gradient_accumulation_matches_large_batches(trainer_kwargs):
+    model = Regressor()
+    expected = reference_sgd(model, make_loader(n=56), epochs=1, lr=0.05, accumulate=3)
+    trainer = Trainer(max_epochs=1, accumulate_grad_batches=3, **trainer_kwargs)
+    trainer.fit(model, make_loader(n=56))  # 7 batches: steps after 3, 6 and the last one
+    assert trainer.global_step == 3
+    assert_same_params(model, expected)
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattribute__(self, name):
+        attr = object.__getattribute__(self, name)
+        if name.startswith("on_") and callable(attr):
+            calls = object.__getattribute__(self, "calls")
+
+            def record(*args, **kwargs):
+                calls.append(name)
+                return attr(*args, **kwargs)
+
+            return record
+        return attr
+
+
+class RecordingModule(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.module_calls: list[str] = []
+
+    def on_train_epoch_end(self):
+        self.module_calls.append("on_train_epoch_end")
+
+    def on_before_optimizer_step(self, optimizer):
+        self.module_calls.append("on_before_optimizer_step")
+
+
+def test_hook_order_and_counts(trainer_kwargs):
+    rec = Recorder()
+    model = RecordingModule()
+    trainer = Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=2, accumulate_grad_batches=1,
+                      callbacks=[rec], **trainer_kwargs)
+    trainer.fit(model, make_loader(), make_loader(n=32))
+    calls = rec.calls
+    count = {name: calls.count(name) for name in set(calls)}
+    assert count == {
+        "on_fit_start": 1, "on_train_start": 1, "on_train_epoch_start": 2, "on_train_epoch_end": 2,
+        "on_train_batch_start": 6, "on_train_batch_end": 6, "on_before_backward": 6, "on_after_backward": 6,
+        "on_before_optimizer_step": 6, "on_before_zero_grad": 6,
+        "on_validation_start": 2, "on_validation_epoch_start": 2, "on_validation_batch_start": 4,
+        "on_validation_batch_end": 4, "on_validation_epoch_end": 2, "on_validation_end": 2,
+        "on_train_end": 1, "on_fit_end": 1,
+    }
+    first_batch = calls[calls.index("on_train_batch_start"):calls.index("on_train_batch_end") + 1]
+    assert first_batch == ["on_train_batch_start", "on_before_backward", "on_after_backward",
+                           "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end"]
+    # validation at the end of an epoch runs before on_train_epoch_end
+    assert calls.index("on_validation_end") < calls.index("on_train_epoch_end")
+    assert calls[:3] == ["on_fit_start", "on_train_start", "on_train_epoch_start"]
+    assert calls[-2:] == ["on_train_end", "on_fit_end"]
+    assert model.module_calls.count("on_train_epoch_end") == 2
+    assert model.module_calls.count("on_before_optimizer_step") == 6
+
+
+def test_max_steps_stops_mid_epoch(trainer_kwargs):
+    trainer = Trainer(max_steps=5, max_epochs=10, **trainer_kwargs)
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.global_step == 5 and trainer.current_epoch == 0
+
+
+@pytest.mark.parametrize("limit, batches", [(3, 3), (0.5, 4), (1.0, 8), (100, 8)])
+def test_limit_train_batches(trainer_kwargs, limit, batches):
+    trainer = Trainer(max_epochs=2, limit_train_batches=limit, **trainer_kwargs)
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.global_step == 2 * batches
+
+
+def test_val_check_interval_and_every_n_epochs(trainer_kwargs):
+    rec = Recorder()
+    trainer = Trainer(max_epochs=4, val_check_interval=4, check_val_every_n_epoch=2, callbacks=[rec],
+                      **trainer_kwargs)
+    trainer.fit(Regressor(), make_loader(), make_loader(n=16))
+    assert rec.calls.count("on_validation_start") == 4  # twice in each of epochs 1 and 3
+
+
+def test_should_stop_from_a_callback(trainer_kwargs):
+    class StopAfter3(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                trainer.should_stop = True
+
+    trainer = Trainer(max_epochs=5, callbacks=[StopAfter3()], **trainer_kwargs)
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.global_step == 3
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping(trainer_kwargs, algorithm):
+    model = Regressor(lr=1.0)
+    x, y = next(iter(make_loader()))
+    ref = copy.deepcopy(model)
+    nn.functional.mse_loss(ref(x), y).backward()
+    grads = [p.grad.clone() for p in ref.parameters()]
+    if algorithm == "norm":
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+        expected_grads = [g * min(1.0, 0.01 / (norm.item() + 1e-6)) for g in grads]
+    else:
+        expected_grads = [g.clamp(-0.001, 0.001) for g in grads]
+    clip = 0.01 if algorithm == "norm" else 0.001
+    trainer = Trainer(max_steps=1, gradient_clip_val=clip, gradient_clip_algorithm=algorithm, **trainer_kwargs)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.fit(model, make_loader())
+    for b, p, g in zip(before, model.parameters(), expected_grads):
+        assert torch.allclose(b - p.detach(), g, atol=1e-5)
+
+
+def test_lr_scheduler_by_step_and_epoch(trainer_kwargs):
+    class Scheduled(Regressor):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            by_step = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": by_step, "interval": "step", "frequency": 2}}
+
+    trainer = Trainer(max_steps=8, **trainer_kwargs)
+    model = Scheduled()
+    trainer.fit(model, make_loader())
+    # stepped after steps 2, 4, 6 and 8: lr = 0.5 ** 4
+    assert math.isclose(trainer.optimizers[0].param_groups[0]["lr"], 0.5 ** 4)
+    assert trainer.lr_schedulers[0].last_epoch == 4
+
+
+def test_bf16_precision_trains_in_bfloat16(trainer_kwargs):
+    dtypes = []
+
+    class Probe(Regressor):
+        def training_step(self, batch, batch_idx):
+            dtypes.append((batch[0].dtype, self.net[0].weight.dtype))
+            return super().training_step(batch, batch_idx)
+
+    model = Probe(lr=0.1)
+    trainer = Trainer(max_epochs=3, precision="bf16", log_every_n_steps=1, **trainer_kwargs)
+    first = []
+
+    class First(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                first.append(trainer.callback_metrics["train_loss_step"])
+
+    trainer.callbacks.append(First())
+    trainer.fit(model, make_loader())
+    assert set(dtypes) == {(torch.bfloat16, torch.bfloat16)}
+    assert model.net[0].weight.dtype == torch.bfloat16
+    assert trainer.callback_metrics["train_loss_step"] < first[0]
+
+
+def test_logged_epoch_mean_is_weighted_by_batch_size(trainer_kwargs):
+    class LogX(Regressor):
+        def training_step(self, batch, batch_idx):
+            x, _ = batch
+            self.log("x0", x[:, 0].mean(), on_step=False, on_epoch=True)
+            self.log("x0_max", x[:, 0].max(), on_step=False, on_epoch=True, reduce_fx="max")
+            self.log("rows", torch.tensor(float(x.shape[0])), on_step=False, on_epoch=True, reduce_fx="sum")
+            return super().training_step(batch, batch_idx)
+
+    loader = make_loader(n=20, batch_size=8)  # batches of 8, 8, 4
+    trainer = Trainer(max_epochs=1, **trainer_kwargs)
+    trainer.fit(LogX(), loader)
+    x = loader.dataset.tensors[0]
+    assert math.isclose(trainer.callback_metrics["x0"], x[:, 0].mean().item(), rel_tol=1e-5)
+    assert math.isclose(trainer.callback_metrics["x0_max"], x[:, 0].max().item(), rel_tol=1e-6)
+    assert trainer.callback_metrics["rows"] == 20.0
+
+
+def test_module_properties_inside_fit(trainer_kwargs):
+    seen = []
+
+    class Props(Regressor):
+        def on_train_epoch_start(self):
+            seen.append((self.trainer.global_rank, self.device.type, self.global_step, self.current_epoch))
+
+    trainer = Trainer(max_epochs=2, **trainer_kwargs)
+    trainer.fit(Props(), make_loader())
+    assert seen == [(0, "xla", 0, 0), (0, "xla", 8, 1)]
+    assert trainer.world_size == 1 and trainer.is_global_zero
+
+
+def test_dataloaders_from_the_module(trainer_kwargs):
+    class WithData(Regressor):
+        def train_dataloader(self):
+            return make_loader()
+
+        def val_dataloader(self):
+            return make_loader(n=16)
+
+    trainer = Trainer(max_epochs=1, **trainer_kwargs)
+    trainer.fit(WithData())
+    assert "val_loss" in trainer.callback_metrics
