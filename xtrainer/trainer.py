@@ -306,12 +306,12 @@ class Trainer:
             train.set_epoch(self.current_epoch)
             self._call("on_train_epoch_start")
             skip, self._skip_batches = self._skip_batches, 0
+            self._epoch_finished = False
             finished = True
             for batch_idx, batch in enumerate(train):
                 if batch_idx < skip:  # resuming inside an epoch: these batches were trained on
                     continue
                 self._train_batch(batch, batch_idx)
-                self._batches_in_epoch = batch_idx + 1
                 if val and self._validation_due(batch_idx):
                     self._run_validation(val)
                 if batch_idx + 1 >= self.num_training_batches:
@@ -354,6 +354,7 @@ class Trainer:
         if steps:
             self._optimizer_step()
         self.strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
+        self._batches_in_epoch = batch_idx + 1
         if steps and self.global_step % self.log_every_n_steps == 0:
             self._publish(results.step_tensors(self.strategy.reduce, self.world_size), check_loss=True)
         self._call("on_train_batch_end", outputs, batch, batch_idx)

@@ -33,7 +33,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from xtrainer import _xla
 from xtrainer import checkpoint as ckpt_io
@@ -301,8 +301,8 @@ def distribute_dataloader(loader: DataLoader, num_replicas: int, rank: int) -> D
     """
     if isinstance(loader.sampler, DistributedSampler):
         return loader
-    if type(loader) is not DataLoader or loader.batch_sampler is None or (
-            type(loader.batch_sampler).__name__ != "BatchSampler"):
+    if (type(loader) is not DataLoader or type(loader.batch_sampler) is not BatchSampler
+            or type(loader.sampler) not in (SequentialSampler, RandomSampler)):
         raise TypeError(
             f"Cannot shard {type(loader).__name__} (sampler {type(loader.sampler).__name__}) across "
             f"{num_replicas} replicas automatically. Give it a torch.utils.data.DistributedSampler "
