@@ -120,6 +120,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return xm.all_reduce(REDUCE_OPS[op], tensor)
 
 
+def all_gather(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Every replica's ``tensor`` concatenated along ``dim``, recorded in the graph."""
+    return xm.all_gather(tensor, dim=dim)
+
+
 def rendezvous(tag: str) -> None:
     """A host-side barrier of every replica. Blocks the host until all replicas arrive."""
     xm.rendezvous(tag)

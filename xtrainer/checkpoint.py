@@ -99,6 +99,47 @@ def load_checkpoint(path: str, world_size: int | None = None) -> dict[str, Any]:
     return checkpoint
 
 
+def load_sharded_checkpoint(path: str, rank: int, world_size: int) -> dict[str, Any]:
+    """The trainer state of a sharded checkpoint folder merged with ``rank``'s shard."""
+    if not is_sharded(path):
+        checkpoint = load_file(path)
+        check_header(checkpoint, path)
+        raise CheckpointError(
+            f"{path!r} is a full checkpoint (written by {checkpoint.get('strategy')!r}); xla_fsdp resumes from "
+            "its own sharded checkpoint folders only. To start from these weights, load "
+            "checkpoint['state_dict'] into your module with load_state_dict() before fit().")
+    trainer_state = load_file(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
+    check_header(trainer_state, path)
+    saved = trainer_state.get("world_size")
+    if saved != world_size:
+        raise CheckpointError(
+            f"{path!r} was written by {saved} replicas, but this run has {world_size}. A sharded checkpoint "
+            f"resumes at the world size that wrote it only. Run with {saved} replicas, or consolidate it into "
+            f"one state dict (xtrainer consolidate {path} -o full.pt) and load that into your module before fit().")
+    shard = load_file(os.path.join(path, shard_file_name(rank, world_size)), f"shard of rank {rank}")
+    return {**trainer_state, "state_dict": shard["state_dict"], "optimizer_states": shard["optimizer_states"]}
+
+
+def consolidate(path: str) -> dict[str, Any]:
+    """One plain state dict (as the unwrapped module names it) from a sharded checkpoint folder."""
+    from xtrainer import _xla
+
+    if not is_sharded(path):
+        raise CheckpointError(f"{path!r} is not a sharded checkpoint folder (no {TRAINER_FILE} and rank files).")
+    trainer_state = load_file(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
+    check_header(trainer_state, path)
+    world_size = trainer_state["world_size"]
+    names = [shard_file_name(rank, world_size) for rank in range(world_size)]
+    missing = [name for name in names if not os.path.exists(os.path.join(path, name))]
+    if missing:
+        raise CheckpointError(f"{path!r} lacks {', '.join(missing)}: all {world_size} shards are needed.")
+    shards = [load_file(os.path.join(path, name), f"shard {name}") for name in names]
+    full = _xla.fsdp_module().consolidate_sharded_state_dicts(
+        [shard["state_dict"] for shard in shards], shards[0]["shard_metadata"])
+    prefix = "module."  # the Trainer's step dispatcher, which FSDP wrapped
+    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in full.items()}
+
+
 def check_header(checkpoint: Any, path: str) -> None:
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise CheckpointError(

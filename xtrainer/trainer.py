@@ -271,7 +271,7 @@ class Trainer:
             result: dict[str, Any] = {"outputs": outputs}
             if not in_process:
                 result.update(
-                    state_dict=_xla.to_cpu(self.strategy.module_state_dict(self._wrapped)),  # host sync
+                    state_dict=_xla.to_cpu(self.strategy.full_module_state_dict(self._wrapped)),  # host sync
                     global_step=self.global_step, current_epoch=self.current_epoch,
                     epoch_finished=self._epoch_finished, callback_metrics=dict(self.callback_metrics),
                     callbacks={cb.state_key: cb.state_dict() for cb in self.callbacks})

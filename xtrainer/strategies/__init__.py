@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from xtrainer.strategies.base import Strategy
+from xtrainer.strategies.ddp import XlaDDP
+from xtrainer.strategies.fsdp import XlaFSDP
 from xtrainer.strategies.native import XlaNative
 
 #: Every name ``Trainer(strategy=...)`` accepts, mapped to its class.
 STRATEGIES: dict[str, type[Strategy]] = {
     XlaNative.name: XlaNative,
+    XlaDDP.name: XlaDDP,
+    XlaFSDP.name: XlaFSDP,
 }
 
 
@@ -21,4 +25,4 @@ def resolve_strategy(strategy: "str | Strategy") -> Strategy:
                      "or pass a Strategy instance.")
 
 
-__all__ = ["STRATEGIES", "Strategy", "XlaNative", "resolve_strategy"]
+__all__ = ["STRATEGIES", "Strategy", "XlaDDP", "XlaFSDP", "XlaNative", "resolve_strategy"]

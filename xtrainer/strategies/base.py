@@ -194,6 +194,11 @@ class Strategy(abc.ABC):
         """The user module's full state dict (keys as in the unwrapped module)."""
         return self.unwrap(wrapped).module.state_dict()
 
+    def full_module_state_dict(self, wrapped: nn.Module) -> dict[str, torch.Tensor]:
+        """The user module's whole state dict on this replica, even when training shards it.
+        Every replica must call this (sharded strategies gather with a collective)."""
+        return self.module_state_dict(wrapped)
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()
 

@@ -1,0 +1,59 @@
+"""``XlaDDP``: torch's DistributedDataParallel over the ``xla`` process group."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from xtrainer import _xla
+from xtrainer.strategies.base import Strategy
+
+
+class XlaDDP(Strategy):
+    """Wraps the module in ``DistributedDataParallel`` (``gradient_as_bucket_view=True``, which
+    XLA needs); DDP all-reduces gradients during backward and the optimizer steps with a plain
+    ``optimizer.step()``. Micro-batches that do not step the optimizer run under ``no_sync()``.
+
+    Args:
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
+            ``static_graph``, ``bucket_cap_mb``, ...).
+    """
+
+    name = "xla_ddp"
+
+    def __init__(self, **ddp_kwargs: Any) -> None:
+        super().__init__()
+        if ddp_kwargs.get("gradient_as_bucket_view", True) is not True:
+            raise ValueError("XlaDDP needs gradient_as_bucket_view=True: on XLA, gradients copied out of DDP's "
+                             "buckets are not kept in step with them. Remove the gradient_as_bucket_view argument.")
+        for key in ("device_ids", "output_device"):
+            if key in ddp_kwargs:
+                raise ValueError(f"XlaDDP places the module on the XLA device itself; remove {key}=.")
+        self.ddp_kwargs = {**ddp_kwargs, "gradient_as_bucket_view": True}
+        self._owns_process_group = False
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if not dist.is_initialized():
+            _xla.register_xla_process_group_backend()
+            dist.init_process_group("xla", init_method="xla://")
+            self._owns_process_group = True
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return DistributedDataParallel(super().setup_module(module), **self.ddp_kwargs)
+
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        return wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
+
+    def no_backward_sync(self, wrapped: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return wrapped.no_sync() if enabled else contextlib.nullcontext()
+
+    def teardown(self, wrapped: nn.Module) -> None:
+        super().teardown(wrapped)
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False

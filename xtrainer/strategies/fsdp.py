@@ -1,0 +1,247 @@
+"""``XlaFSDP``: torch_xla's ``XlaFullyShardedDataParallel`` (ZeRO-3 or ZeRO-2), sharded checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from xtrainer import _xla
+from xtrainer import checkpoint as ckpt_io
+from xtrainer.strategies.base import Strategy
+
+#: Name parts torch_xla's FSDP inserts into parameter names, and the dispatcher's own prefix.
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_fpw_module.")
+_DISPATCHER_PREFIX = "module."
+
+
+class XlaFSDP(Strategy):
+    """Shards parameters, gradients and optimizer state across replicas.
+
+    Args:
+        reshard_after_forward: ``True`` (ZeRO-3: parameters are gathered for each forward and
+            backward and freed after) or ``False`` (ZeRO-2: kept gathered between forward and
+            backward).
+        auto_wrap_policy: wrap submodules in their own FSDP unit: an int (every submodule with at
+            least that many parameters), a set of module classes (e.g. transformer blocks), or a
+            torch_xla wrap policy callable. None: only the whole module is wrapped.
+        activation_checkpointing: recompute each auto-wrapped unit's activations in backward
+            instead of storing them (``checkpoint_module``).
+        reduce_every_micro_batch: with gradient accumulation, reduce-scatter gradients after every
+            micro-batch, keeping only gradient shards (less memory, more communication). Default
+            False: accumulate full gradients under ``no_sync()`` and reduce once per step.
+        **fsdp_kwargs: passed to ``XlaFullyShardedDataParallel`` (``compute_dtype``,
+            ``buffer_dtype``, ``flatten_parameters``, ``shard_param_on_dim_0``, ...).
+
+    For a model too large to build whole on the host, build it in ``XModule.configure_model()``
+    and wrap each block there with ``self.trainer.strategy.wrap(block)`` (nested FSDP).
+
+    Checkpoints are folders: every rank writes ``rank-RRRRR-of-WWWWW.pt`` (its parameter and
+    optimizer shards with the shard metadata), rank 0 also ``trainer.pt``. ``xtrainer consolidate``
+    turns such a folder into one plain state dict.
+    """
+
+    name = "xla_fsdp"
+
+    def __init__(self, reshard_after_forward: bool = True, auto_wrap_policy: Any = None,
+                 activation_checkpointing: bool = False, reduce_every_micro_batch: bool = False,
+                 **fsdp_kwargs: Any) -> None:
+        super().__init__()
+        for key in ("auto_wrapper_callable", "module"):
+            if key in fsdp_kwargs:
+                raise ValueError(f"XlaFSDP sets {key} itself; use auto_wrap_policy / activation_checkpointing.")
+        self.reshard_after_forward = reshard_after_forward
+        self.auto_wrap_policy = auto_wrap_policy
+        self.activation_checkpointing = activation_checkpointing
+        self.reduce_every_micro_batch = reduce_every_micro_batch
+        self.fsdp_kwargs = fsdp_kwargs
+        self._saved_structure: list[tuple[nn.Module, dict, dict, bool]] = []
+        self._root: nn.Module | None = None
+
+    # ---- wrapping --------------------------------------------------------------------------
+    def _fsdp_class(self) -> type:
+        return _xla.fsdp_module().XlaFullyShardedDataParallel
+
+    def _wrap_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.fsdp_kwargs, reshard_after_forward=self.reshard_after_forward)
+        policy = _policy(self.auto_wrap_policy)
+        if policy is not None:
+            kwargs["auto_wrap_policy"] = policy
+            if self.activation_checkpointing:
+                checkpoint_module = _xla.fsdp_module().checkpoint_module
+                fsdp = self._fsdp_class()
+                kwargs["auto_wrapper_callable"] = lambda m, *a, **kw: fsdp(checkpoint_module(m), *a, **kw)
+        return kwargs
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """Wrap one submodule in its own FSDP unit (call from ``configure_model``)."""
+        module = self.precision.convert_module(module).to(self.device)
+        if self.activation_checkpointing:
+            module = _xla.fsdp_module().checkpoint_module(module)
+        kwargs = {k: v for k, v in self._wrap_kwargs().items() if k not in ("auto_wrap_policy", "auto_wrapper_callable")}
+        return self._fsdp_class()(module, **kwargs)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        user_module = module.module
+        # Remember the user's module tree, so that teardown can give it back unwrapped.
+        self._saved_structure = [(m, dict(m._parameters), dict(m._modules), "forward" in m.__dict__)
+                                 for m in user_module.modules()]
+        user_module.configure_model()
+        module = self.precision.convert_module(module).to(self.device)
+        if self.activation_checkpointing and self.auto_wrap_policy is None:
+            raise ValueError("activation_checkpointing=True checkpoints each auto-wrapped unit: give an "
+                             "auto_wrap_policy as well (a parameter count or a set of layer classes).")
+        self._root = self._fsdp_class()(module, **self._wrap_kwargs())
+        return self._root
+
+    def setup_optimizers(self, module: nn.Module, configure: Callable[[], Any]) -> Any:
+        """``configure_optimizers`` sees the sharded parameters through ``self.parameters()``."""
+        user_module = self.unwrap(module).module
+        user_module.parameters = module.parameters  # instance attribute shadows the method
+        try:
+            config = configure()
+        finally:
+            del user_module.parameters
+        sharded = {id(p) for p in module.parameters()}
+        optimizers = _optimizers_in(config)
+        for optimizer in optimizers:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if not params or any(id(p) not in sharded for p in params):
+                raise ValueError(
+                    "Under xla_fsdp the optimizer must be built from self.parameters() inside "
+                    "configure_optimizers(): those are the sharded parameters. Parameters taken from "
+                    "submodules (or named_parameters()) refer to the unsharded originals.")
+        return config
+
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        inner = wrapped
+        while hasattr(inner, "_fsdp_wrapped_module") or hasattr(inner, "_fpw_module"):
+            inner = getattr(inner, "_fsdp_wrapped_module", None) or inner._fpw_module
+        return inner
+
+    # ---- the step ---------------------------------------------------------------------------
+    def no_backward_sync(self, wrapped: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if enabled and not self.reduce_every_micro_batch:
+            return wrapped.no_sync()
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, value: float,
+                       algorithm: str) -> None:
+        if algorithm == "norm":
+            wrapped.clip_grad_norm_(value)  # the norm over every rank's shards
+        else:
+            super().clip_gradients(wrapped, optimizer, value, algorithm)  # elementwise: shards suffice
+
+    # ---- state ------------------------------------------------------------------------------
+    def module_state_dict(self, wrapped: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's shard of the parameters (keys as FSDP names them)."""
+        return wrapped.state_dict()
+
+    def full_module_state_dict(self, wrapped: nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter whole, gathered from all ranks (a collective), named as in the user's
+        module. Tensors stay on the device."""
+        full: dict[str, torch.Tensor] = {}
+        fsdp = self._fsdp_class()
+        for prefix, unit in wrapped.named_modules():
+            if not isinstance(unit, fsdp):
+                continue
+            for shard in unit.sharded_params:
+                gathered = shard.detach()
+                if self.world_size > 1:
+                    gathered = _xla.all_gather(gathered)
+                numel = int(torch.Size(shard._orig_size).numel())
+                name = (prefix + "." if prefix else "") + shard._orig_name
+                full[_clean_name(name)] = gathered[:numel].view(shard._orig_size)
+        for name, buffer in wrapped.named_buffers():
+            full[_clean_name(name)] = buffer.detach()
+        return _unflatten(full, wrapped)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Every rank writes its shard file; rank 0 also the trainer state, then all meet."""
+        checkpoint = dict(checkpoint)
+        shard = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states"),
+                 "shard_metadata": self._root.get_shard_metadata(), "rank": self.global_rank, "world_size": self.world_size}
+        shard = _xla.to_cpu(shard)  # host sync: the shards are written from the host
+        os.makedirs(path, exist_ok=True)
+        ckpt_io.save_file(shard, os.path.join(path, ckpt_io.shard_file_name(self.global_rank, self.world_size)))
+        if self.is_global_zero:
+            ckpt_io.save_file(_xla.to_cpu(checkpoint), os.path.join(path, ckpt_io.TRAINER_FILE))
+        self.barrier("xtrainer_save_sharded_checkpoint")
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return ckpt_io.load_sharded_checkpoint(path, self.global_rank, self.world_size)
+
+    def load_module_state_dict(self, wrapped: nn.Module, checkpoint: dict[str, Any]) -> None:
+        wrapped.load_state_dict(checkpoint["state_dict"])
+
+    def teardown(self, wrapped: nn.Module) -> None:
+        """Give the user's module back unwrapped, with its full trained weights, on the CPU."""
+        full = _xla.to_cpu(self.full_module_state_dict(wrapped))  # host sync: weights to the host
+        for module, params, children, had_forward in self._saved_structure:
+            for name in params:
+                module.__dict__.pop(name, None)
+            if not had_forward:
+                module.__dict__.pop("forward", None)  # FSDP's patched nn.Linear forward
+            module._parameters.clear()
+            module._parameters.update(params)
+            module._modules.clear()
+            module._modules.update(children)
+        user_module = self.unwrap(wrapped).module
+        for name, param in user_module.named_parameters():
+            param.data = full[name]
+        for name, buffer in user_module.named_buffers():
+            buffer.data = full[name]
+        user_module.to("cpu")
+        self._saved_structure, self._root = [], None
+
+
+def _policy(policy: Any) -> Callable | None:
+    if policy is None or callable(policy) and not isinstance(policy, type):
+        return policy
+    wrap = _xla.fsdp_module().wrap
+    if isinstance(policy, int) and not isinstance(policy, bool):
+        return functools.partial(wrap.size_based_auto_wrap_policy, min_num_params=policy)
+    if isinstance(policy, (set, frozenset, list, tuple)) and all(isinstance(c, type) for c in policy):
+        return functools.partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls=set(policy))
+    raise TypeError(f"auto_wrap_policy={policy!r}: give a parameter count (int), a set of nn.Module classes, "
+                    "or a torch_xla wrap policy callable.")
+
+
+def _clean_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name[len(_DISPATCHER_PREFIX):] if name.startswith(_DISPATCHER_PREFIX) else name
+
+
+def _unflatten(full: dict[str, torch.Tensor], wrapped: nn.Module) -> dict[str, torch.Tensor]:
+    """Split ``flat_param_N`` entries (``flatten_parameters=True``) into the original parameters."""
+    if not any(".flat_param_" in name or name.startswith("flat_param_") for name in full):
+        return full
+    metadata = wrapped.get_shard_metadata()["flatten_info"]
+    out = {}
+    for name, tensor in full.items():
+        key = next((k for k in metadata if _clean_name(k) == name), None)
+        if key is None:
+            out[name] = tensor
+            continue
+        info = metadata[key]
+        prefix = name.rsplit("flat_param_", 1)[0]
+        offset = 0
+        for param_name, shape, numel in zip(info["param_names"], info["param_shapes"], info["param_numels"]):
+            out[prefix + param_name] = tensor[offset:offset + numel].view(shape)
+            offset += numel
+    return out
+
+
+def _optimizers_in(config: Any) -> Iterable[torch.optim.Optimizer]:
+    if isinstance(config, torch.optim.Optimizer):
+        return [config]
+    if isinstance(config, dict):
+        return _optimizers_in(config.get("optimizer"))
+    if isinstance(config, (list, tuple)):
+        return [o for item in config for o in _optimizers_in(item)]
+    return []
