@@ -124,8 +124,9 @@ def consolidate(path: str) -> dict[str, Any]:
     """One plain state dict (as the unwrapped module names it) from a sharded checkpoint folder."""
     from xtrainer import _xla
 
-    if not is_sharded(path):
-        raise CheckpointError(f"{path!r} is not a sharded checkpoint folder (no {TRAINER_FILE} and rank files).")
+    if not is_sharded(path) or not os.path.exists(os.path.join(path, TRAINER_FILE)):
+        raise CheckpointError(f"{path!r} is not a sharded checkpoint folder (one holding {TRAINER_FILE} and "
+                              "rank-RRRRR-of-WWWWW.pt files, as xla_fsdp writes them).")
     trainer_state = load_file(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
     check_header(trainer_state, path)
     world_size = trainer_state["world_size"]

@@ -102,19 +102,22 @@ class XlaFSDP(Strategy):
         """``configure_optimizers`` sees the sharded parameters through ``self.parameters()``."""
         user_module = self.unwrap(module).module
         user_module.parameters = module.parameters  # instance attribute shadows the method
+        message = ("Under xla_fsdp the optimizer must be built from self.parameters() inside "
+                   "configure_optimizers(): those are the sharded parameters. Parameters taken from "
+                   "submodules (or named_parameters()) refer to the unsharded originals, which FSDP removed.")
         try:
             config = configure()
+        except ValueError as err:
+            if "empty parameter list" in str(err):
+                raise ValueError(message) from err
+            raise
         finally:
             del user_module.parameters
         sharded = {id(p) for p in module.parameters()}
-        optimizers = _optimizers_in(config)
-        for optimizer in optimizers:
+        for optimizer in _optimizers_in(config):
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if not params or any(id(p) not in sharded for p in params):
-                raise ValueError(
-                    "Under xla_fsdp the optimizer must be built from self.parameters() inside "
-                    "configure_optimizers(): those are the sharded parameters. Parameters taken from "
-                    "submodules (or named_parameters()) refer to the unsharded originals.")
+                raise ValueError(message)
         return config
 
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
