@@ -261,6 +261,9 @@ class Trainer:
             data = {name: [self.strategy.process_dataloader(dl) for dl in dls] for name, dls in loaders.items()}
             if stage == "fit":
                 self._setup_optimizers()
+                if self.is_global_zero:
+                    for logger in self.loggers:
+                        logger.log_hyperparams(dict(module.hparams))
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage)
             if stage == "fit":
