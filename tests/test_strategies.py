@@ -233,3 +233,7 @@ def test_digits_reaches_95_percent_with_every_strategy(tmp_path, strategy):
     metrics = digits.main([f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
                            f"trainer.strategy={strategy}"])
     assert metrics["val_acc"] >= 0.95
+    run = tmp_path / "version_0"  # logs, the checkpoint and the config, under one run folder
+    assert "strategy: " + strategy in (run / "config.yaml").read_text()
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(run))
+    assert len(os.listdir(run / "checkpoints")) == 1
