@@ -212,7 +212,15 @@ def test_configure_model_builds_and_wraps_blocks(tmp_path):
     counter = CountUnits()
     trainer, model = fit(tmp_path, XlaFSDP(), model=Lazy(), callbacks=[counter])
     assert counter.units == 4
-    assert trainer.callback_metrics["val_loss"] < 10
+    # given back unwrapped, with the trained weights: the same as the eagerly built model's
+    _, eager = fit(tmp_path / "eager", XlaFSDP(auto_wrap_policy=70), model=Blocks())
+    assert set(model.state_dict()) == set(eager.state_dict())
+    assert type(model.blocks[0]) is nn.Sequential and isinstance(model.blocks[0][0].weight, nn.Parameter)
+    for a, b in zip(eager.state_dict().values(), model.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.allclose(model(x), eager(x), atol=1e-6)
 
 
 def test_fsdp_optimizer_must_use_the_sharded_parameters(tmp_path):

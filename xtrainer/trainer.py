@@ -213,7 +213,11 @@ class Trainer:
         self._launch("fit", model, {"train": train, "validate": val}, ckpt_path)
 
     def validate(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[dict[str, float]]:
-        """Run the validation loop once; one dict of metrics per dataloader."""
+        """Run the validation loop once; one dict of metrics per dataloader.
+
+        With several replicas, values logged with ``sync_dist=True`` are combined across replicas;
+        others are rank 0's.
+        """
         return self._evaluate("validate", model, dataloaders, ckpt_path)
 
     def test(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[dict[str, float]]:
@@ -221,7 +225,11 @@ class Trainer:
         return self._evaluate("test", model, dataloaders, ckpt_path)
 
     def predict(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[Any]:
-        """``predict_step`` outputs on the CPU: one list per dataloader (just the list if one)."""
+        """``predict_step`` outputs on the CPU: one list per dataloader (just the list if one).
+
+        With several replicas each predicts its share of the data; the outputs returned are rank
+        0's share. Write every replica's predictions from ``on_predict_batch_end`` to collect all.
+        """
         return self._evaluate("predict", model, dataloaders, ckpt_path)
 
     def _evaluate(self, stage: str, model: XModule, dataloaders: Any, ckpt_path: str | None) -> Any:

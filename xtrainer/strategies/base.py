@@ -6,8 +6,8 @@ checkpoints are written. The Trainer owns the loop and calls these members in th
 
     launch(fn)                           # in the calling process; runs fn in every replica
       setup_environment()                # in each replica: device, process group
-      setup_module(module)               # wrap (then the Trainer builds the optimizers)
-      setup_optimizers(module)           # configure_optimizers() against the wrapped parameters
+      setup_module(module)               # configure_model(), to the device, wrap
+      setup_optimizers(wrapped, ...)     # configure_optimizers() against the wrapped parameters
       process_dataloader(loader)         # sampler for this replica, then batches to the device
       for each micro-batch:
         with no_backward_sync(enabled=not stepping):
@@ -15,7 +15,7 @@ checkpoints are written. The Trainer owns the loop and calls these members in th
         if stepping: optimizer_step(optimizer, before_step=clip)   # reduce, clip, step
         sync()                           # the graph cut: one execution per micro-batch
       save_checkpoint / load_checkpoint  # called on every replica, never on one only
-      teardown()                         # returns what the caller's process needs
+      teardown(wrapped)                  # the user's module unwrapped, on the CPU
 
 Every member runs on every replica; those that are collectives (``reduce``, ``barrier``,
 ``broadcast``, ``save_checkpoint``) must be entered by all replicas or they hang.
@@ -108,8 +108,10 @@ class Strategy(abc.ABC):
         """Move ``module`` to the device (in the strategy's precision) and wrap it.
 
         ``module`` is a dispatcher whose ``forward`` calls the user's ``*_step`` methods, so a
-        wrapper's forward hooks run around every step. Returns the module to call.
+        wrapper's forward hooks run around every step; the user's ``configure_model()`` runs
+        first. Returns the module to call.
         """
+        module.module.configure_model()
         return self.precision.convert_module(module).to(self.device)
 
     def setup_optimizers(self, module: "nn.Module", configure: Callable[[], Any]) -> Any:
@@ -233,7 +235,15 @@ class Strategy(abc.ABC):
 
 
 def _check_multi_replica_supported(devices: int | None) -> None:
-    if _xla.requested_device_type() == "CPU":
+    kind = _xla.requested_device_type()
+    local = _xla.local_device_count_without_runtime()
+    # torch_xla.launch runs one replica per local device and takes no count: another number of
+    # devices cannot be honoured. (Checked against torch_xla's documentation; no TPU here.)
+    if kind != "CPU" and devices is not None and local is not None and devices != local:
+        raise ValueError(
+            f"devices={devices}, but torch_xla.launch runs one replica on each of the {local} local "
+            f"{kind} devices. Use devices='auto' (or {local}), or make fewer devices visible to the runtime.")
+    if kind == "CPU":
         raise NotImplementedError(
             f"devices={devices} asks for several replicas on the XLA CPU runtime, which xtrainer does "
             "not run yet (torch_xla's CPU collectives deadlock without extra care). Use devices=1 on "

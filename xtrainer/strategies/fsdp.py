@@ -17,6 +17,9 @@ from xtrainer.strategies.base import Strategy
 #: Name parts torch_xla's FSDP inserts into parameter names, and the dispatcher's own prefix.
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_fpw_module.")
 _DISPATCHER_PREFIX = "module."
+#: Instance attributes FSDP and activation checkpointing patch onto the user's modules.
+_PATCHED_ATTRIBUTES = frozenset({"forward", "_xla_checkpointed_forward_original",
+                                 "_xla_checkpointed_forward_no_kwargs"})
 
 
 class XlaFSDP(Strategy):
@@ -59,7 +62,7 @@ class XlaFSDP(Strategy):
         self.activation_checkpointing = activation_checkpointing
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self.fsdp_kwargs = fsdp_kwargs
-        self._saved_structure: list[tuple[nn.Module, dict, dict, bool]] = []
+        self._saved_structure: list[tuple[nn.Module, dict, dict, set]] = []
         self._root: nn.Module | None = None
 
     # ---- wrapping --------------------------------------------------------------------------
@@ -79,6 +82,7 @@ class XlaFSDP(Strategy):
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Wrap one submodule in its own FSDP unit (call from ``configure_model``)."""
+        self._snapshot(module)
         module = self.precision.convert_module(module).to(self.device)
         if self.activation_checkpointing:
             module = _xla.fsdp_module().checkpoint_module(module)
@@ -86,17 +90,22 @@ class XlaFSDP(Strategy):
         return self._fsdp_class()(module, **kwargs)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        user_module = module.module
-        # Remember the user's module tree, so that teardown can give it back unwrapped.
-        self._saved_structure = [(m, dict(m._parameters), dict(m._modules), "forward" in m.__dict__)
-                                 for m in user_module.modules()]
-        user_module.configure_model()
-        module = self.precision.convert_module(module).to(self.device)
         if self.activation_checkpointing and self.auto_wrap_policy is None:
             raise ValueError("activation_checkpointing=True checkpoints each auto-wrapped unit: give an "
                              "auto_wrap_policy as well (a parameter count or a set of layer classes).")
+        module = super().setup_module(module)  # configure_model(), which may call wrap(), then to device
+        self._snapshot(module.module)
         self._root = self._fsdp_class()(module, **self._wrap_kwargs())
         return self._root
+
+    def _snapshot(self, root: nn.Module) -> None:
+        """Remember each module's own parameters, children and patched attributes before FSDP
+        rewrites them, so that teardown can give the user's module back unwrapped."""
+        seen = {id(entry[0]) for entry in self._saved_structure}
+        for m in root.modules():
+            if id(m) not in seen:
+                self._saved_structure.append((m, dict(m._parameters), dict(m._modules),
+                                              _PATCHED_ATTRIBUTES & set(m.__dict__)))
 
     def setup_optimizers(self, module: nn.Module, configure: Callable[[], Any]) -> Any:
         """``configure_optimizers`` sees the sharded parameters through ``self.parameters()``."""
@@ -184,21 +193,29 @@ class XlaFSDP(Strategy):
     def teardown(self, wrapped: nn.Module) -> None:
         """Give the user's module back unwrapped, with its full trained weights, on the CPU."""
         full = _xla.to_cpu(self.full_module_state_dict(wrapped))  # host sync: weights to the host
-        for module, params, children, had_forward in self._saved_structure:
+        for module, params, children, patched_before in self._saved_structure:
             for name in params:
                 module.__dict__.pop(name, None)
-            if not had_forward:
-                module.__dict__.pop("forward", None)  # FSDP's patched nn.Linear forward
+            for name in _PATCHED_ATTRIBUTES - patched_before:  # FSDP's nn.Linear, checkpointing
+                module.__dict__.pop(name, None)
             module._parameters.clear()
             module._parameters.update(params)
             module._modules.clear()
             module._modules.update(children)
         user_module = self.unwrap(wrapped).module
-        for name, param in user_module.named_parameters():
-            param.data = full[name]
-        for name, buffer in user_module.named_buffers():
-            buffer.data = full[name]
-        user_module.to("cpu")
+        fsdp = self._fsdp_class()
+        for parent in list(user_module.modules()):  # units the user wrapped in configure_model()
+            for name, child in list(parent._modules.items()):
+                if isinstance(child, fsdp):
+                    parent._modules[name] = self.unwrap(child)
+        for prefix, module in user_module.named_modules():
+            prefix = prefix + "." if prefix else ""
+            for name, param in module._parameters.items():
+                if param is not None:
+                    module._parameters[name] = nn.Parameter(full[prefix + name], requires_grad=param.requires_grad)
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = full[prefix + name]
         self._saved_structure, self._root = [], None
 
 
