@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import os
+import socket
+from typing import Any, Iterator
 
 import torch.distributed as dist
 from torch import nn
@@ -40,7 +42,8 @@ class XlaDDP(Strategy):
         super().setup_environment()
         if not dist.is_initialized():
             _xla.register_xla_process_group_backend()
-            dist.init_process_group("xla", init_method="xla://")
+            with _own_port_when_alone(self.devices == 1):
+                dist.init_process_group("xla", init_method="xla://")
             self._owns_process_group = True
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -57,3 +60,21 @@ class XlaDDP(Strategy):
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
+
+
+@contextlib.contextmanager
+def _own_port_when_alone(alone: bool) -> Iterator[None]:
+    """A single in-process replica rendezvous with itself on a free port, so that two runs on one
+    machine do not both claim torch_xla's default ``MASTER_PORT``. With several replicas the
+    documented default (or the user's ``MASTER_PORT``) stands: every replica must agree on it."""
+    if not alone or "MASTER_PORT" in os.environ:
+        yield
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        yield
+    finally:
+        os.environ.pop("MASTER_PORT", None)
