@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from typing import TYPE_CHECKING, Any
@@ -78,49 +79,51 @@ class ModelCheckpoint(Callback):
 
     def _save(self, trainer: "Trainer") -> None:
         metrics = dict(trainer.callback_metrics)
-        score = None
-        if self.monitor is not None:
-            if self.monitor not in metrics:
-                raise KeyError(f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric. "
-                               f"Logged: {sorted(metrics)}. Log it with self.log({self.monitor!r}, ...).")
+        if self.monitor is None:
+            score = float(trainer.global_step)  # unmonitored: the newest is the best
+        elif self.monitor in metrics:
             score = metrics[self.monitor]
+        else:
+            raise KeyError(f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric. "
+                           f"Logged: {sorted(metrics)}. Log it with self.log({self.monitor!r}, ...).")
         path = os.path.join(self.dirpath, self._format(trainer, metrics) + ".ckpt")
         self._last_saved_step = trainer.global_step
-        keep = self.save_top_k == -1 or (self.save_top_k > 0 and self._ranks_in_top_k(score))
-        if keep:
+        if self.save_top_k == -1 or (self.save_top_k > 0 and self._in_top_k(score)):
             trainer.save_checkpoint(path)
-            self.best_k_models[path] = score if score is not None else float(trainer.global_step)
-            self._drop_worst(trainer, keep_path=path)
+            self.best_k_models[path] = score
+            self._drop_beyond_top_k(trainer)
         if self.save_last:
-            last = os.path.join(self.dirpath, "last.ckpt")
-            trainer.save_checkpoint(last)
-            self.last_model_path = last
+            self.last_model_path = os.path.join(self.dirpath, "last.ckpt")
+            trainer.save_checkpoint(self.last_model_path)
         if self.best_k_models:
-            best = (min if self.mode == "min" or self.monitor is None else max)(
-                self.best_k_models, key=self.best_k_models.get)
-            if self.monitor is None:
-                best = max(self.best_k_models, key=self.best_k_models.get)  # newest
-            self.best_model_path, self.best_model_score = best, (self.best_k_models[best] if self.monitor else None)
+            self.best_model_path = self._ranked()[0]
+            self.best_model_score = self.best_k_models[self.best_model_path] if self.monitor else None
 
-    def _ranks_in_top_k(self, score: float | None) -> bool:
-        if score is None or len(self.best_k_models) < self.save_top_k:
+    def _ranked(self) -> list[str]:
+        """Kept checkpoints, best first (NaN scores last)."""
+        higher_is_better = self.monitor is None or self.mode == "max"
+
+        def key(path: str) -> tuple[bool, float]:
+            score = self.best_k_models[path]
+            return (math.isnan(score), -score if higher_is_better else score)
+
+        return sorted(self.best_k_models, key=key)
+
+    def _in_top_k(self, score: float) -> bool:
+        if math.isnan(score):
+            return False
+        if len(self.best_k_models) < self.save_top_k:
             return True
-        worst = max(self.best_k_models.values()) if self.mode == "min" else min(self.best_k_models.values())
-        return score < worst if self.mode == "min" else score > worst
+        worst = self.best_k_models[self._ranked()[-1]]
+        return math.isnan(worst) or (score > worst if self.monitor is None or self.mode == "max" else score < worst)
 
-    def _drop_worst(self, trainer: "Trainer", keep_path: str) -> None:
+    def _drop_beyond_top_k(self, trainer: "Trainer") -> None:
         if self.save_top_k == -1:
             return
-        while len(self.best_k_models) > self.save_top_k:
-            if self.monitor is None:  # keep the newest
-                worst = min(self.best_k_models, key=self.best_k_models.get)
-            elif self.mode == "min":
-                worst = max(self.best_k_models, key=self.best_k_models.get)
-            else:
-                worst = min(self.best_k_models, key=self.best_k_models.get)
-            del self.best_k_models[worst]
-            if worst != keep_path and trainer.is_global_zero:
-                _remove(worst)
+        for path in self._ranked()[self.save_top_k:]:
+            del self.best_k_models[path]
+            if trainer.is_global_zero:
+                _remove(path)
         trainer.strategy.barrier("xtrainer_checkpoint_cleanup")
 
     def _format(self, trainer: "Trainer", metrics: dict[str, float]) -> str:
