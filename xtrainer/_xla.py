@@ -22,10 +22,14 @@ import torch_xla.debug.metrics as _metrics
 import torch_xla.distributed.parallel_loader as _parallel_loader
 import torch_xla.runtime as xr
 from lightning_utilities.core.imports import RequirementCache
+from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 
 TORCH_XLA_VERSION = torch_xla.__version__
 #: The release every private API used below was checked against.
 TESTED_TORCH_XLA = RequirementCache("torch_xla>=2.9,<2.10")
+if not TESTED_TORCH_XLA:
+    rank_zero_warn(f"xtrainer was checked against torch_xla 2.9, not {TORCH_XLA_VERSION}: the private "
+                   "torch_xla APIs it uses (marked in xtrainer/_xla.py) may behave differently.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,7 +69,11 @@ def local_device_count_without_runtime() -> int | None:
 # Inside a replica.
 # --------------------------------------------------------------------------------------------
 def device() -> torch.device:
-    return torch_xla.device()
+    """This replica's XLA device (starts the runtime). Also tells lightning-utilities' rank-zero
+    helpers (``rank_zero_warn``...) which rank this is."""
+    dev = torch_xla.device()
+    rank_zero_only.rank = xr.global_ordinal()
+    return dev
 
 
 def device_type() -> str:
