@@ -242,3 +242,31 @@ def test_dataloaders_from_the_module(trainer_kwargs):
     trainer = Trainer(max_epochs=1, **trainer_kwargs)
     trainer.fit(WithData())
     assert "val_loss" in trainer.callback_metrics
+
+
+def test_epoch_scheduler_and_plateau_monitor(trainer_kwargs):
+    class EpochScheduled(Regressor):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)]
+
+    trainer = Trainer(max_epochs=3, **trainer_kwargs)
+    trainer.fit(EpochScheduled(lr=1.0), make_loader())
+    assert math.isclose(trainer.optimizers[0].param_groups[0]["lr"], 1e-3)
+
+    class Plateau(Regressor):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.01)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, threshold=10.0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+
+    trainer = Trainer(max_epochs=3, **trainer_kwargs)
+    trainer.fit(Plateau(), make_loader(), make_loader(n=16))
+    assert trainer.optimizers[0].param_groups[0]["lr"] < 0.01  # no 10x improvement: reduced
+    with pytest.raises(ValueError, match="ReduceLROnPlateau needs"):
+        class NoMonitor(Regressor):
+            def configure_optimizers(self):
+                opt = torch.optim.SGD(self.parameters(), lr=0.01)
+                return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt)}
+
+        Trainer(max_epochs=1, **trainer_kwargs).fit(NoMonitor(), make_loader())

@@ -334,8 +334,8 @@ class Trainer:
                 self._run_validation(val)  # a loader without a length: validate when it runs out
             self._epoch_finished = finished
             self._end_epoch("train", "on_train_epoch_end")
-            self._step_schedulers("epoch")
             if self._epoch_finished:
+                self._step_schedulers("epoch")
                 self.current_epoch += 1
                 self._batches_in_epoch = 0
         self._call("on_train_end")
