@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
 from xtrainer import _xla
@@ -534,6 +535,11 @@ class Trainer:
             for config, state in zip(self._schedulers, checkpoint.get("lr_schedulers", [])):
                 config.scheduler.load_state_dict(state)
             loops = checkpoint["loops"]
+            if checkpoint.get("world_size", self.world_size) != self.world_size and not loops["epoch_finished"]:
+                rank_zero_warn(
+                    f"Resuming inside an epoch with {self.world_size} replicas from a checkpoint of "
+                    f"{checkpoint['world_size']}: the data is sharded differently, so the rest of this epoch "
+                    "is not exactly the batches the original run would have seen.")
             self.global_step = loops["global_step"]
             self._epoch_finished = loops["epoch_finished"]
             self.current_epoch = loops["epoch"] + (1 if loops["epoch_finished"] else 0)
