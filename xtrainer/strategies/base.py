@@ -59,7 +59,8 @@ class Strategy(abc.ABC):
 
     # ---- launching ---------------------------------------------------------------------
     def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` in every replica and return rank 0's result in the calling process.
+        """Run ``fn(*args)`` in every replica and return the result of this host's first replica
+        (rank 0 on a single host) in the calling process.
 
         ``fn`` begins by calling ``setup_environment()``. With one device it runs here, in the
         calling process. With more it runs in each replica started by ``torch_xla.launch``, and
@@ -268,7 +269,9 @@ class _ReplicaJob:
             with self._copy_lock:
                 fn, args = copy.deepcopy((fn, args))
         result = fn(*args)
-        if _xla.global_rank() == 0:
+        # The first replica of each host reports to that host's calling process (on a multi-host
+        # pod every host runs its own; untested here). Weights are the same on every replica.
+        if _xla.local_rank() == 0:
             ckpt_io.save_file({"result": result}, self.result_path)
 
 
