@@ -14,6 +14,7 @@ from torch import nn
 
 from xtrainer import _xla
 from xtrainer import checkpoint as ckpt_io
+from xtrainer.callbacks import ModelCheckpoint, ProgressBar
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.loggers import Logger, TensorBoardLogger
 from xtrainer.module import MODULE_HOOKS, XModule
@@ -96,8 +97,6 @@ class Trainer:
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,
     ) -> None:
-        from xtrainer.callbacks import ModelCheckpoint, ProgressBar  # callbacks import the Trainer's types
-
         self.strategy = resolve_strategy(strategy)
         self.precision = Precision(precision)
         self.strategy.connect(_resolve_devices(devices), self.precision)
