@@ -35,6 +35,8 @@ import torch
 FORMAT = "xtrainer"
 FORMAT_VERSION = 1
 TRAINER_FILE = "trainer.pt"
+#: Where the user's module sits inside the Trainer's step dispatcher, which sharded strategies wrap.
+DISPATCHER_PREFIX = "module."
 
 
 class CheckpointError(RuntimeError):
@@ -120,10 +122,17 @@ def load_sharded_checkpoint(path: str, rank: int, world_size: int) -> dict[str, 
     return {**trainer_state, "state_dict": shard["state_dict"], "optimizer_states": shard["optimizer_states"]}
 
 
-def consolidate(path: str) -> dict[str, Any]:
-    """One plain state dict (as the unwrapped module names it) from a sharded checkpoint folder."""
+def consolidate_state_dicts(state_dicts: list[dict[str, Any]], shard_metadata: dict[str, Any]) -> dict[str, Any]:
+    """One plain state dict, keyed as the user's module names it, from every rank's FSDP shard
+    state dict (in rank order) and the shard metadata of any rank."""
     from xtrainer import _xla
 
+    full = _xla.fsdp_module().consolidate_sharded_state_dicts(state_dicts, shard_metadata)
+    return {name.removeprefix(DISPATCHER_PREFIX): tensor for name, tensor in full.items()}
+
+
+def consolidate(path: str) -> dict[str, Any]:
+    """One plain state dict (as the unwrapped module names it) from a sharded checkpoint folder."""
     if not is_sharded(path) or not os.path.exists(os.path.join(path, TRAINER_FILE)):
         raise CheckpointError(f"{path!r} is not a sharded checkpoint folder (one holding {TRAINER_FILE} and "
                               "rank-RRRRR-of-WWWWW.pt files, as xla_fsdp writes them).")
@@ -135,10 +144,7 @@ def consolidate(path: str) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"{path!r} lacks {', '.join(missing)}: all {world_size} shards are needed.")
     shards = [load_file(os.path.join(path, name), f"shard {name}") for name in names]
-    full = _xla.fsdp_module().consolidate_sharded_state_dicts(
-        [shard["state_dict"] for shard in shards], shards[0]["shard_metadata"])
-    prefix = "module."  # the Trainer's step dispatcher, which FSDP wrapped
-    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in full.items()}
+    return consolidate_state_dicts([shard["state_dict"] for shard in shards], shards[0]["shard_metadata"])
 
 
 def check_header(checkpoint: Any, path: str) -> None:

@@ -122,7 +122,7 @@ class Results:
                 total = reduce(total, "sum" if entry.reduce_fx in ("mean", "sum") else entry.reduce_fx)
                 weight *= world_size  # every replica sees the same number of batches
             value = total / weight if entry.reduce_fx == "mean" else total
-            out[name + "_epoch" if entry.on_step else name] = value.reshape(()).reshape(())
+            out[name + "_epoch" if entry.on_step else name] = value.reshape(())
         return out
 
     def prog_bar_names(self) -> set[str]:

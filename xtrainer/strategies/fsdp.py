@@ -14,9 +14,6 @@ from xtrainer import _xla
 from xtrainer import checkpoint as ckpt_io
 from xtrainer.strategies.base import Strategy
 
-#: Name parts torch_xla's FSDP inserts into parameter names, and the dispatcher's own prefix.
-_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_fpw_module.")
-_DISPATCHER_PREFIX = "module."
 #: Instance attributes FSDP and activation checkpointing patch onto the user's modules.
 _PATCHED_ATTRIBUTES = frozenset({"forward", "_xla_checkpointed_forward_original",
                                  "_xla_checkpointed_forward_no_kwargs"})
@@ -154,23 +151,14 @@ class XlaFSDP(Strategy):
         return wrapped.state_dict()
 
     def full_module_state_dict(self, wrapped: nn.Module) -> dict[str, torch.Tensor]:
-        """Every parameter whole, gathered from all ranks (a collective), named as in the user's
-        module. Tensors stay on the device."""
-        full: dict[str, torch.Tensor] = {}
-        fsdp = self._fsdp_class()
-        for prefix, unit in wrapped.named_modules():
-            if not isinstance(unit, fsdp):
-                continue
-            for shard in unit.sharded_params:
-                gathered = shard.detach()
-                if self.world_size > 1:
-                    gathered = _xla.all_gather(gathered)
-                numel = int(torch.Size(shard._orig_size).numel())
-                name = (prefix + "." if prefix else "") + shard._orig_name
-                full[_clean_name(name)] = gathered[:numel].view(shard._orig_size)
-        for name, buffer in wrapped.named_buffers():
-            full[_clean_name(name)] = buffer.detach()
-        return _unflatten(full, wrapped)
+        """Every parameter whole, named as in the user's module: this rank's shards, gathered from
+        all ranks (a collective recorded in the graph), stitched by torch_xla's consolidation as
+        if one rank had held them all. Tensors stay on the device."""
+        shards, metadata = wrapped.state_dict(), wrapped.get_shard_metadata()
+        if self.world_size > 1:
+            shards = {name: _xla.all_gather(tensor) if _is_shard(name) else tensor for name, tensor in shards.items()}
+            metadata = {**metadata, "world_size": 1}
+        return ckpt_io.consolidate_state_dicts([shards], metadata)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
         """Every rank writes its shard file; rank 0 also the trainer state, then all meet."""
@@ -231,30 +219,9 @@ def _policy(policy: Any) -> Callable | None:
                     "or a torch_xla wrap policy callable.")
 
 
-def _clean_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name[len(_DISPATCHER_PREFIX):] if name.startswith(_DISPATCHER_PREFIX) else name
-
-
-def _unflatten(full: dict[str, torch.Tensor], wrapped: nn.Module) -> dict[str, torch.Tensor]:
-    """Split ``flat_param_N`` entries (``flatten_parameters=True``) into the original parameters."""
-    if not any(".flat_param_" in name or name.startswith("flat_param_") for name in full):
-        return full
-    metadata = wrapped.get_shard_metadata()["flatten_info"]
-    out = {}
-    for name, tensor in full.items():
-        key = next((k for k in metadata if _clean_name(k) == name), None)
-        if key is None:
-            out[name] = tensor
-            continue
-        info = metadata[key]
-        prefix = name.rsplit("flat_param_", 1)[0]
-        offset = 0
-        for param_name, shape, numel in zip(info["param_names"], info["param_shapes"], info["param_numels"]):
-            out[prefix + param_name] = tensor[offset:offset + numel].view(shape)
-            offset += numel
-    return out
+def _is_shard(name: str) -> bool:
+    """Whether a key of an FSDP state dict names a parameter shard (not a buffer)."""
+    return any(part.startswith("_fsdp_shard") for part in name.split("."))
 
 
 def _optimizers_in(config: Any) -> Iterable[torch.optim.Optimizer]:
