@@ -11,8 +11,10 @@ torch_xla internals that may move in another release.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import types
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -72,7 +74,11 @@ def device() -> torch.device:
     """This replica's XLA device (starts the runtime). Also tells lightning-utilities' rank-zero
     helpers (``rank_zero_warn``...) which rank this is."""
     dev = torch_xla.device()
-    rank_zero_only.rank = xr.global_ordinal()
+    holder = getattr(rank_zero_only, "rank", None)
+    if hasattr(holder, "set"):  # one holder per thread when replicas are threads (cpu_replicas)
+        holder.set(xr.global_ordinal())
+    else:
+        rank_zero_only.rank = xr.global_ordinal()
     return dev
 
 
@@ -227,4 +233,23 @@ def fsdp_module():
     import torch_xla.distributed.fsdp as fsdp
 
     return fsdp
+
+
+# --------------------------------------------------------------------------------------------
+# Private torch_xla internals, for ``xtrainer/strategies/cpu_replicas.py`` only: the recipe that
+# lets several replicas run as threads of one process on the CPU runtime. Nothing else may use
+# these; they are checked against torch_xla 2.9 only (``TESTED_TORCH_XLA``).
+# --------------------------------------------------------------------------------------------
+@functools.cache
+def private_internals() -> Any:
+    """The torch_xla modules the CPU thread-replica recipe patches and calls, and ``run_threads``:
+    what ``torch_xla.launch`` does inside its child process on the CPU runtime (start the runtime,
+    set the replication devices, run ``fn(index, *args)`` in one thread per device)."""
+    import torch_xla._internal.pjrt as pjrt
+
+    def run_threads(fn: Callable[..., Any], args: tuple = ()) -> None:
+        pjrt._run_thread_per_device(0, 1, pjrt._SpawnFn(fn, *args), pjrt.initialize_multiprocess)
+
+    return types.SimpleNamespace(torch_xla=torch_xla, xla_model=xm, XLAC=torch_xla._XLAC,
+                                 run_threads=run_threads)
 

@@ -26,6 +26,7 @@ _STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test"
                  "predict": "predict_step"}
 _HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
 _LOSS_KEY = "loss"
+_STOP_KEY = "xtrainer/should_stop"  # rides along with logged values when replicas agree to stop
 
 
 @dataclass
@@ -151,6 +152,7 @@ class Trainer:
         self.global_step = 0
         self.current_epoch = 0
         self.should_stop = False
+        self._stop_agreed = False
         self.callback_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
@@ -258,7 +260,7 @@ class Trainer:
     # ---- one replica -------------------------------------------------------------------------
     def _run(self, stage: str, module: XModule, loaders: dict[str, list], ckpt_path: str | None) -> dict[str, Any]:
         self.strategy.setup_environment()
-        self.state, self.should_stop = stage, False
+        self.state, self.should_stop, self._stop_agreed = stage, False, False
         module.trainer = self
         self._module = module
         in_process = self.strategy.devices == 1
@@ -327,13 +329,15 @@ class Trainer:
                     self._run_validation(val)
                 if batch_idx + 1 >= self.num_training_batches:
                     break
-                if self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps):
+                if self._stopping() or (self.max_steps != -1 and self.global_step >= self.max_steps):
                     finished = False
                     break
             if val and finished and math.isinf(self.num_training_batches) and self._validation_epoch():
                 self._run_validation(val)  # a loader without a length: validate when it runs out
             self._epoch_finished = finished
             self._end_epoch("train", "on_train_epoch_end")
+            if self.world_size > 1:
+                self._publish({})  # a stop asked for in the epoch-end hooks reaches every replica now
             if self._epoch_finished:
                 self._step_schedulers("epoch")
                 self.current_epoch += 1
@@ -341,8 +345,14 @@ class Trainer:
         self._call("on_train_end")
         self._call("on_fit_end")
 
+    def _stopping(self) -> bool:
+        """Whether ``should_stop`` ends the fit. With several replicas, one replica's request is
+        shared at the next logging step or epoch end (riding on the values read there), and all
+        stop together; stopping on one alone would leave the others waiting in a collective."""
+        return self._stop_agreed if self.world_size > 1 else self.should_stop
+
     def _fit_done(self) -> bool:
-        return (self.should_stop or (self.max_steps != -1 and self.global_step >= self.max_steps)
+        return (self._stopping() or (self.max_steps != -1 and self.global_step >= self.max_steps)
                 or (self.max_epochs is not None and self.current_epoch >= self.max_epochs))
 
     def _train_batch(self, batch: Any, batch_idx: int) -> None:
@@ -481,9 +491,15 @@ class Trainer:
 
     def _publish(self, tensors: dict[str, torch.Tensor], check_loss: bool = False) -> dict[str, float]:
         """Read logged values to the host (one batched transfer) and hand them out."""
+        shares_stop = self.world_size > 1 and self.state == "fit"
+        if shares_stop:
+            flag = torch.tensor([1.0 if self.should_stop else 0.0]).to(self.strategy.device)
+            tensors = {**tensors, _STOP_KEY: self.strategy.reduce(flag, "max")}
         if not tensors:
             return {}
         values = to_floats(tensors)  # host sync: the only place logged values reach the host
+        if shares_stop and values.pop(_STOP_KEY) > 0:
+            self.should_stop = self._stop_agreed = True
         if check_loss and non_finite({k: v for k, v in values.items() if k == _LOSS_KEY}):
             raise FloatingPointError(
                 f"The training loss is {values[_LOSS_KEY]} at step {self.global_step} (epoch "

@@ -27,8 +27,11 @@ import abc
 import contextlib
 import copy
 import os
+import pickle
+import sys
 import tempfile
 import threading
+import traceback
 from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
@@ -38,6 +41,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 from xtrainer import _xla
 from xtrainer import checkpoint as ckpt_io
 from xtrainer.precision import Precision
+from xtrainer.strategies import cpu_replicas
 
 
 class Strategy(abc.ABC):
@@ -50,6 +54,7 @@ class Strategy(abc.ABC):
         self.devices: int | None = 1
         self.precision = Precision("32")
         self._device: torch.device | None = None
+        self._launch_rng_state: torch.Tensor | None = None
 
     # ---- configuration (calling process, before launch) --------------------------------
     def connect(self, devices: int | None, precision: Precision) -> None:
@@ -63,19 +68,35 @@ class Strategy(abc.ABC):
         (rank 0 on a single host) in the calling process.
 
         ``fn`` begins by calling ``setup_environment()``. With one device it runs here, in the
-        calling process. With more it runs in each replica started by ``torch_xla.launch``, and
-        rank 0's return value comes back through a file (so it must pickle). The calling process
-        never touches the XLA runtime itself, which ``torch_xla.launch`` requires.
+        calling process. With more it runs in each replica: started by ``torch_xla.launch`` (one
+        process per device on TPU), or, on the CPU runtime, as threads of one new process
+        (``cpu_replicas``). Rank 0's return value comes back through a file (so it must pickle).
+        The calling process never touches the XLA runtime itself, which ``torch_xla.launch``
+        requires. If a replica fails, the others are stopped and its error is raised here.
         """
         if self.devices == 1:
             return fn(*args)
-        _check_multi_replica_supported(self.devices)
+        threads = cpu_replicas.applies(self.devices)
+        if not threads:
+            _check_launch_devices(self.devices)
+        self._launch_rng_state = torch.get_rng_state()
         with tempfile.TemporaryDirectory(prefix="xtrainer-launch-") as tmp:
-            result_path = os.path.join(tmp, "rank0-result.pt")
-            _xla.launch(_replica_main, args=(_ReplicaJob(fn, args, result_path),))
-            if not os.path.exists(result_path):
-                raise RuntimeError("The replicas finished without rank 0 returning a result.")
-            return ckpt_io.load_file(result_path, what="replica result")["result"]
+            job = _ReplicaJob(fn, args, tmp)
+            try:
+                if threads:
+                    exitcode = cpu_replicas.launch(job, self.devices)
+                else:
+                    _xla.launch(_replica_main, args=(job,))
+                    exitcode = 0
+            except BaseException as err:
+                job.raise_failure(cause=err)
+                raise
+            job.raise_failure()
+            if exitcode != 0:
+                how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
+                raise RuntimeError(f"The replicas' process ended with {how} before reporting a result or an "
+                                   "error; its output above may say why (e.g. out of memory).")
+            return job.result()
 
     def setup_environment(self) -> None:
         """Per replica, before anything else: pick the device, set up process groups."""
@@ -112,8 +133,26 @@ class Strategy(abc.ABC):
         wrapper's forward hooks run around every step; the user's ``configure_model()`` runs
         first. Returns the module to call.
         """
-        module.module.configure_model()
+        with self._replica_random_state():
+            module.module.configure_model()
         return self.precision.convert_module(module).to(self.device)
+
+    @contextlib.contextmanager
+    def _replica_random_state(self) -> Iterator[None]:
+        """In a launched replica: torch's CPU random state as the calling process had it at launch,
+        so that every replica builds the same layers (replicas start from copies of one module;
+        only ``configure_model()`` creates weights in the replicas). Replicas that are threads
+        share one generator and take turns.
+
+        Rank 0's weights are not broadcast instead: writing into parameters on the device before
+        ``XlaFullyShardedDataParallel`` wraps them makes it train wrongly (torch_xla 2.9).
+        """
+        if self._launch_rng_state is None:
+            yield
+            return
+        with cpu_replicas.construction_lock(), torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._launch_rng_state)
+            yield
 
     def setup_optimizers(self, module: "nn.Module", configure: Callable[[], Any]) -> Any:
         """Call the user's ``configure_optimizers`` once the module is wrapped."""
@@ -235,49 +274,99 @@ class Strategy(abc.ABC):
         self.unwrap(wrapped).module.to("cpu")
 
 
-def _check_multi_replica_supported(devices: int | None) -> None:
+def _check_launch_devices(devices: int | None) -> None:
     kind = _xla.requested_device_type()
     local = _xla.local_device_count_without_runtime()
     # torch_xla.launch runs one replica per local device and takes no count: another number of
     # devices cannot be honoured. (Checked against torch_xla's documentation; no TPU here.)
-    if kind != "CPU" and devices is not None and local is not None and devices != local:
+    if devices is not None and local is not None and devices != local:
         raise ValueError(
             f"devices={devices}, but torch_xla.launch runs one replica on each of the {local} local "
             f"{kind} devices. Use devices='auto' (or {local}), or make fewer devices visible to the runtime.")
-    if kind == "CPU":
-        raise NotImplementedError(
-            f"devices={devices} asks for several replicas on the XLA CPU runtime, which xtrainer does "
-            "not run yet (torch_xla's CPU collectives deadlock without extra care). Use devices=1 on "
-            "the CPU runtime; several replicas run on TPU and other PJRT devices."
-        )
+
+
+class ReplicaFailure(Exception):
+    """The traceback of a replica's error, as the ``__cause__`` of the error raised in the caller."""
 
 
 class _ReplicaJob:
-    """What ``Strategy.launch`` sends to every replica (pickled when replicas are processes)."""
+    """What ``Strategy.launch`` sends to every replica (pickled into the replicas' processes).
+
+    The first replica of each host writes its result to ``result.pt``; the first replica to fail
+    writes its error to ``error.pkl`` (created exclusively, so later failures, often caused by
+    the first, do not replace it).
+    """
 
     _copy_lock = threading.Lock()
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, result_path: str) -> None:
-        self.fn, self.args, self.result_path = fn, args, result_path
-        self.parent_pid = os.getpid()
+    def __init__(self, fn: Callable[..., Any], args: tuple, folder: str) -> None:
+        self.fn, self.args = fn, args
+        self.result_path = os.path.join(folder, "result.pt")
+        self.error_path = os.path.join(folder, "error.pkl")
 
     def __call__(self) -> None:
         fn, args = self.fn, self.args
-        if os.getpid() == self.parent_pid:
-            # Replicas are threads of the calling process (the CPU runtime): each needs its own
-            # trainer, module and strategy, as separate processes would have.
-            with self._copy_lock:
-                fn, args = copy.deepcopy((fn, args))
-        result = fn(*args)
-        # The first replica of each host reports to that host's calling process (on a multi-host
-        # pod every host runs its own; untested here). Weights are the same on every replica.
-        if _xla.local_rank() == 0:
-            ckpt_io.save_file({"result": result}, self.result_path)
+        try:
+            if cpu_replicas.installed():
+                # Replicas are threads of one process: each needs its own trainer, module and
+                # strategy, as separate processes would have.
+                with self._copy_lock:
+                    fn, args = copy.deepcopy((fn, args))
+            result = fn(*args)
+            # The first replica of each host reports to that host's calling process (on a
+            # multi-host pod every host runs its own; untested here). Weights are the same on
+            # every replica.
+            if _xla.local_rank() == 0:
+                ckpt_io.save_file({"result": result}, self.result_path)
+        except BaseException as err:
+            self._record_failure(err)
+            raise
+
+    def _record_failure(self, err: BaseException) -> None:
+        record = {"rank": _xla.global_rank(), "world_size": _xla.world_size(), "type": type(err).__name__,
+                  "message": str(err), "traceback": "".join(traceback.format_exception(err))}
+        try:
+            payload = pickle.dumps({**record, "exception": err})
+            pickle.loads(payload)
+        except Exception:  # noqa: BLE001 - an exception that does not travel: send its text
+            payload = pickle.dumps({**record, "exception": None})
+        try:
+            fd = os.open(self.error_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            return  # another replica failed first
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+
+    def raise_failure(self, cause: BaseException | None = None) -> None:
+        """Raise the first failed replica's error here, if one failed."""
+        if not os.path.exists(self.error_path):
+            return
+        with open(self.error_path, "rb") as f:
+            record = pickle.load(f)
+        where = f"replica {record['rank']} of {record['world_size']}"
+        err = record["exception"] or RuntimeError(f"{record['type']}: {record['message']}")
+        err.add_note(f"(raised in {where}; the other replicas were stopped)")
+        remote = ReplicaFailure(f"{where} failed:\n\n{record['traceback']}")
+        remote.__cause__ = cause
+        raise err from remote
+
+    def result(self) -> Any:
+        if not os.path.exists(self.result_path):
+            raise RuntimeError("The replicas finished without rank 0 returning a result.")
+        return ckpt_io.load_file(self.result_path, what="replica result")["result"]
 
 
 def _replica_main(index: int, job: _ReplicaJob) -> None:
+    """A replica process started by ``torch_xla.launch``. On failure the process ends at once:
+    its peers may be waiting for it inside a collective, and only ending the process pool stops
+    them (torch_xla's launcher then terminates the remaining replica processes)."""
     del index  # the rank comes from the runtime
-    job()
+    try:
+        job()
+    except BaseException:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 # --------------------------------------------------------------------------------------------
