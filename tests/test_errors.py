@@ -5,7 +5,7 @@ import torch
 from conftest import Regressor, make_loader
 from torch.utils.data import DataLoader
 
-from xtrainer import Trainer, XModule
+from xtrainer import Trainer, XModule, _xla
 from xtrainer.callbacks import Callback
 
 
@@ -27,8 +27,19 @@ def test_bad_trainer_arguments():
         Trainer(accumulate_grad_batches=0)
 
 
-def test_several_replicas_on_the_cpu_runtime_are_refused(trainer_kwargs):
-    with pytest.raises(NotImplementedError, match="devices=2 .* XLA CPU runtime"):
+def test_cpu_replicas_refuse_an_unverified_torch_xla(trainer_kwargs, monkeypatch):
+    # Another torch_xla release cannot be installed here: pretend the version check failed.
+    monkeypatch.setattr(_xla, "TESTED_TORCH_XLA", False)
+    monkeypatch.setattr(_xla, "TORCH_XLA_VERSION", "2.10.0")
+    with pytest.raises(RuntimeError, match="checked with torch_xla 2.9 only; this is torch_xla 2.10.0"):
+        Trainer(devices=2, **trainer_kwargs).fit(Regressor(), make_loader())
+
+
+def test_launch_refuses_a_device_count_torch_xla_cannot_honour(trainer_kwargs, monkeypatch):
+    # No TPU here: pretend to be a host with four TPU chips (nothing is launched).
+    monkeypatch.setattr(_xla, "requested_device_type", lambda: "TPU")
+    monkeypatch.setattr(_xla, "local_device_count_without_runtime", lambda: 4)
+    with pytest.raises(ValueError, match="devices=2, but torch_xla.launch runs one replica on each of the 4"):
         Trainer(devices=2, **trainer_kwargs).fit(Regressor(), make_loader())
 
 

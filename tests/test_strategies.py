@@ -1,8 +1,4 @@
-"""XlaDDP and XlaFSDP against XlaNative, sharded checkpoints and consolidation.
-
-Tests taking ``devices`` run at one replica today; the two-replica variants switch on with
-multi-replica support on the CPU runtime (remove their skip mark).
-"""
+"""XlaDDP and XlaFSDP against XlaNative, sharded checkpoints and consolidation."""
 
 import os
 import subprocess
@@ -21,8 +17,7 @@ from xtrainer.strategies import XlaDDP, XlaFSDP
 ZERO3 = lambda: XlaFSDP(reshard_after_forward=True)  # noqa: E731
 ZERO2 = lambda: XlaFSDP(reshard_after_forward=False)  # noqa: E731
 STRATEGIES = {"xla_native": lambda: "xla_native", "xla_ddp": XlaDDP, "fsdp_zero3": ZERO3, "fsdp_zero2": ZERO2}
-DEVICES = [1, pytest.param(2, marks=[pytest.mark.multi_device,
-                                     pytest.mark.skip(reason="multi-replica runs on the CPU runtime: not yet")])]
+DEVICES = [1, pytest.param(2, marks=pytest.mark.multi_device)]
 
 
 class StepLosses(Callback):
@@ -32,6 +27,12 @@ class StepLosses(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step > len(self.losses):  # read back after every optimizer step
             self.losses.append(trainer.callback_metrics.get("train_loss_step", trainer.callback_metrics.get("train_loss")))
+
+    def state_dict(self):  # comes back from the replicas with the callback's state
+        return {"losses": self.losses}
+
+    def load_state_dict(self, state):
+        self.losses = state["losses"]
 
 
 def fit(tmp_path, strategy, epochs=2, callbacks=(), ckpt_path=None, model=None, devices=1, **kwargs):

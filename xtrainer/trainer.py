@@ -188,6 +188,14 @@ class Trainer:
         return self._module
 
     @property
+    def model(self) -> nn.Module:
+        """The module as the strategy wrapped it (DistributedDataParallel, FSDP...), inside a run.
+        ``trainer.strategy.full_module_state_dict(trainer.model)`` gives its whole weights."""
+        if self._wrapped is None:
+            raise RuntimeError("The Trainer has no model outside fit/validate/test/predict.")
+        return self._wrapped
+
+    @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [self._optimizer] if self._optimizer is not None else []
 
@@ -251,7 +259,7 @@ class Trainer:
         if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
             model.load_state_dict(result["state_dict"])
             self.global_step, self.current_epoch = result["global_step"], result["current_epoch"]
-            self._epoch_finished = result["epoch_finished"]
+            self._epoch_finished, self.should_stop = result["epoch_finished"], result["should_stop"]
             self.callback_metrics = result["callback_metrics"]
             for cb in self.callbacks:
                 cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
@@ -263,7 +271,7 @@ class Trainer:
         self.state, self.should_stop, self._stop_agreed = stage, False, False
         module.trainer = self
         self._module = module
-        in_process = self.strategy.devices == 1
+        in_process, failed = self.strategy.devices == 1, False
         try:
             for cb in self.callbacks:
                 cb.setup(self, module, stage)
@@ -286,14 +294,17 @@ class Trainer:
                 result.update(
                     state_dict=_xla.to_cpu(self.strategy.full_module_state_dict(self._wrapped)),  # host sync
                     global_step=self.global_step, current_epoch=self.current_epoch,
-                    epoch_finished=self._epoch_finished, callback_metrics=dict(self.callback_metrics),
+                    epoch_finished=self._epoch_finished, should_stop=self.should_stop, callback_metrics=dict(self.callback_metrics),
                     callbacks={cb.state_key: cb.state_dict() for cb in self.callbacks})
             return result
+        except BaseException:
+            failed = True
+            raise
         finally:
             for logger in self.loggers:
                 logger.finalize()  # flush what was logged, also when training failed
             if self._wrapped is not None:
-                self.strategy.teardown(self._wrapped)
+                self.strategy.teardown(self._wrapped, failed)
             for cb in self.callbacks:
                 cb.teardown(self, module, stage)
             self.state = "idle"

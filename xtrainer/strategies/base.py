@@ -266,11 +266,15 @@ class Strategy(abc.ABC):
         optimizer.load_state_dict(state)
 
     # ---- the end ---------------------------------------------------------------------------
-    def teardown(self, wrapped: nn.Module) -> None:
+    def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
         """Leave the user's module unwrapped, on the CPU, and release what setup took.
 
-        Moving the weights to the CPU is a device-to-host transfer (a host sync).
+        Moving the weights to the CPU is a device-to-host transfer (a host sync). After a failure
+        with several replicas the device is left alone: pending work may hold a collective that
+        the other replicas never join, and this replica's copy of the module is discarded anyway.
         """
+        if failed and self.world_size > 1:
+            return
         self.unwrap(wrapped).module.to("cpu")
 
 

@@ -55,8 +55,8 @@ class XlaDDP(Strategy):
     def no_backward_sync(self, wrapped: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return wrapped.no_sync() if enabled else contextlib.nullcontext()
 
-    def teardown(self, wrapped: nn.Module) -> None:
-        super().teardown(wrapped)
+    def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
+        super().teardown(wrapped, failed)
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False

@@ -178,8 +178,10 @@ class XlaFSDP(Strategy):
     def load_module_state_dict(self, wrapped: nn.Module, checkpoint: dict[str, Any]) -> None:
         wrapped.load_state_dict(checkpoint["state_dict"])
 
-    def teardown(self, wrapped: nn.Module) -> None:
+    def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
         """Give the user's module back unwrapped, with its full trained weights, on the CPU."""
+        if failed and self.world_size > 1:
+            return  # gathering the weights is a collective the other replicas may never join
         full = _xla.to_cpu(self.full_module_state_dict(wrapped))  # host sync: weights to the host
         for module, params, children, patched_before in self._saved_structure:
             for name in params:

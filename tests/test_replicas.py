@@ -1,0 +1,193 @@
+"""Several replicas on the CPU runtime (threads of one process started by ``Trainer.fit``).
+
+Every replica writes down what it saw and holds (a callback), and the results are compared with
+each other and with one replica trained on the same global batches: replica batch B x N replicas
+against one batch of N x B, without shuffling.
+"""
+
+import glob
+import os
+
+import pytest
+import torch
+from conftest import Regressor, make_data, make_loader
+from tbparse import SummaryReader
+from torch import nn
+
+from xtrainer import Trainer, _xla
+from xtrainer.callbacks import Callback, ModelCheckpoint
+from xtrainer.checkpoint import CheckpointError, consolidate
+from xtrainer.strategies import XlaFSDP
+from xtrainer.strategies.base import ReplicaFailure
+
+pytestmark = pytest.mark.multi_device
+
+GLOBAL_BATCH = 8
+EPOCHS = 2
+
+
+class SyncedRegressor(Regressor):
+    """Logs values reduced over replicas (``sync_dist=True``) with each reduction."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        self.log("rows", x.new_tensor(float(len(x))), on_step=False, on_epoch=True, reduce_fx="sum",
+                 sync_dist=True)
+        self.log("biggest", x.abs().max(), on_step=False, on_epoch=True, reduce_fx="max", sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+
+class Recorder(Callback):
+    """Each replica writes ``rank-R.pt``: the samples it trained on in the first epoch, its whole
+    weights at the end, its step count and metrics."""
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+        self.seen = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.current_epoch == 0:
+            self.seen += batch[0][:, 0].cpu().tolist()  # host read in a test: which samples came
+
+    def on_fit_end(self, trainer, module):
+        weights = _xla.to_cpu(trainer.strategy.full_module_state_dict(trainer.model))  # all ranks gather
+        torch.save({"rank": trainer.global_rank, "world_size": trainer.world_size, "seen": self.seen,
+                    "weights": weights, "global_step": trainer.global_step,
+                    "metrics": dict(trainer.callback_metrics)},
+                   os.path.join(self.folder, f"rank-{trainer.global_rank}.pt"))
+
+
+def train(tmp_path, strategy, devices, module=None, callbacks=(), **kwargs):
+    batch = GLOBAL_BATCH // devices
+    model = module or SyncedRegressor()
+    kwargs = {"max_epochs": EPOCHS, "log_every_n_steps": 1, **kwargs}
+    trainer = Trainer(strategy=strategy, devices=devices, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      callbacks=[Recorder(tmp_path), *callbacks], **kwargs)
+    trainer.fit(model, make_loader(batch_size=batch), make_loader(n=16, seed=1, batch_size=batch))
+    replicas = [torch.load(path, weights_only=False) for path in sorted(glob.glob(str(tmp_path / "rank-*.pt")))]
+    return trainer, model, replicas
+
+
+_runs = {}
+
+
+def run(tmp_path_factory, strategy, devices):
+    """One fit per (strategy, devices), shared by the tests that read it."""
+    key = (strategy, devices)
+    if key not in _runs:
+        _runs[key] = train(tmp_path_factory.mktemp(f"{strategy}-{devices}"), strategy, devices)
+    return _runs[key]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One replica, one batch of the global size."""
+    return train(tmp_path_factory.mktemp("reference"), "xla_native", 1)
+
+
+CASES = [(s, n) for n in (2, 4) for s in ("xla_native", "xla_ddp", "xla_fsdp")]
+IDS = [f"{s}-{n}" for s, n in CASES]
+
+
+@pytest.mark.parametrize("strategy, devices", CASES, ids=IDS)
+def test_replicas_agree_with_each_other_and_with_one_replica(tmp_path_factory, reference, strategy, devices):
+    trainer, model, replicas = run(tmp_path_factory, strategy, devices)
+    _, ref_model, (ref,) = reference
+    assert [r["rank"] for r in replicas] == list(range(devices))
+    assert {r["world_size"] for r in replicas} == {devices}
+    for r in replicas[1:]:  # FSDP: these are the consolidated (gathered) weights
+        for name, tensor in replicas[0]["weights"].items():
+            assert torch.equal(tensor, r["weights"][name]), (name, r["rank"])
+    for name, tensor in ref_model.state_dict().items():
+        assert torch.allclose(replicas[0]["weights"][name], tensor, atol=1e-5), name
+        assert torch.equal(model.state_dict()[name], replicas[0]["weights"][name]), name  # rank 0's came back
+    assert trainer.global_step == ref["global_step"] == EPOCHS * 64 // GLOBAL_BATCH
+
+
+@pytest.mark.parametrize("strategy, devices", CASES, ids=IDS)
+def test_each_replica_sees_its_own_share_of_the_data(tmp_path_factory, strategy, devices):
+    _, _, replicas = run(tmp_path_factory, strategy, devices)
+    shares = [set(r["seen"]) for r in replicas]
+    assert all(len(share) == 64 // devices for share in shares)
+    assert len(set.union(*shares)) == 64  # distinct, and together all of them
+    assert set.union(*shares) == set(make_data().tensors[0][:, 0].tolist())
+
+
+@pytest.mark.parametrize("strategy, devices", CASES, ids=IDS)
+def test_synced_metrics_are_the_global_values(tmp_path_factory, reference, strategy, devices):
+    trainer, _, replicas = run(tmp_path_factory, strategy, devices)
+    _, _, (ref,) = reference
+    expected = ref["metrics"]
+    assert trainer.callback_metrics["rows"] == expected["rows"] == 64.0
+    assert trainer.callback_metrics["biggest"] == expected["biggest"] == make_data().tensors[0].abs().max().item()
+    for name in ("val_loss", "train_loss_epoch", "train_loss_step"):
+        assert trainer.callback_metrics[name] == pytest.approx(expected[name], rel=1e-5), name
+        for r in replicas:  # every replica holds the same reduced values
+            assert r["metrics"][name] == trainer.callback_metrics[name], (name, r["rank"])
+
+
+def test_rank_zero_logs_and_results_come_back(tmp_path_factory):
+    trainer, _, _ = run(tmp_path_factory, "xla_native", 2)
+    assert trainer.current_epoch == EPOCHS
+    events = SummaryReader(trainer.log_dir).scalars
+    assert events[events.tag == "val_loss"].step.tolist() == [8, 16]  # written once, by rank 0
+    assert len(glob.glob(os.path.join(trainer.log_dir, "events.out.tfevents.*"))) == 1
+    (saver,) = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    assert os.path.exists(saver.best_model_path)  # the default ModelCheckpoint's state came back
+
+
+class StopOnRankOne(Callback):
+    """Asks to stop on replica 1 only, after ``step`` optimizer steps."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("log_every, stopped_at", [(1, 4), (100, 8)])
+def test_a_stop_asked_on_one_replica_stops_all_together(tmp_path, log_every, stopped_at):
+    # The request is shared at the next logging step, or at the epoch's end (8 steps) at the latest.
+    trainer, _, replicas = train(tmp_path, "xla_native", 2, callbacks=[StopOnRankOne(3)],
+                                 log_every_n_steps=log_every, logger=False)
+    assert [r["global_step"] for r in replicas] == [stopped_at, stopped_at]
+    assert trainer.global_step == stopped_at and trainer.should_stop
+
+
+class FailsOnRankOne(Regressor):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_rank == 1 and self.trainer.global_step == 2:
+            raise ValueError("a bad batch on replica 1")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_failing_replica_stops_the_others_and_its_error_is_raised(tmp_path):
+    with pytest.raises(ValueError, match="a bad batch on replica 1") as info:
+        train(tmp_path, "xla_ddp", 2, module=FailsOnRankOne(), logger=False)
+    assert any("replica 1 of 2" in note for note in info.value.__notes__)
+    cause = info.value.__cause__
+    assert isinstance(cause, ReplicaFailure) and "in training_step" in str(cause)
+    assert not glob.glob(str(tmp_path / "rank-*.pt"))  # nobody finished the fit
+
+
+def test_fsdp_replicas_write_one_shard_each_that_consolidate_and_resume_only_at_their_size(tmp_path):
+    trainer, model, _ = train(tmp_path / "two", "xla_fsdp", 2, max_epochs=1, logger=False)
+    path = os.path.join(trainer.log_dir, "checkpoints", "epoch=0-step=8.ckpt")
+    assert sorted(os.listdir(path)) == ["rank-00000-of-00002.pt", "rank-00001-of-00002.pt", "trainer.pt"]
+    full = consolidate(path)
+    assert set(full) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(full[name], tensor), name
+    for devices in (1, 4):
+        with pytest.raises(CheckpointError, match=f"written by 2 replicas, but this run has {devices}"):
+            Trainer(strategy=XlaFSDP(), devices=devices, max_epochs=2, default_root_dir=str(tmp_path / "again"),
+                    enable_progress_bar=False, logger=False).fit(
+                Regressor(), make_loader(batch_size=GLOBAL_BATCH // devices), ckpt_path=path)
