@@ -2,6 +2,9 @@
 
     python examples/digits.py                                  # defaults below
     python examples/digits.py --config examples/digits.yaml trainer.max_epochs=5 model.lr=1e-3
+    python examples/digits.py trainer.devices=4 trainer.strategy=xla_ddp     # 4 replicas, even on a CPU
+
+``data.batch_size`` is per replica: with ``trainer.devices=N`` each step trains on N of them.
 
 Everything the run writes (TensorBoard logs, checkpoints, the resolved config.yaml) lands in one
 run folder, ``<trainer.default_root_dir>/version_N``; the script prints where.
@@ -62,8 +65,9 @@ class DigitsClassifier(XModule):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         logits = self(x)
-        self.log("val_loss", nn.functional.cross_entropy(logits, y))
-        self.log("val_acc", (logits.argmax(dim=-1) == y).float().mean(), prog_bar=True)
+        # sync_dist: with several replicas, over the whole validation set, not rank 0's share
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", (logits.argmax(dim=-1) == y).float().mean(), prog_bar=True, sync_dist=True)
 
     def test_step(self, batch, batch_idx):
         x, y = batch

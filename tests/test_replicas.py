@@ -7,6 +7,8 @@ against one batch of N x B, without shuffling.
 
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -191,3 +193,19 @@ def test_fsdp_replicas_write_one_shard_each_that_consolidate_and_resume_only_at_
             Trainer(strategy=XlaFSDP(), devices=devices, max_epochs=2, default_root_dir=str(tmp_path / "again"),
                     enable_progress_bar=False, logger=False).fit(
                 Regressor(), make_loader(batch_size=GLOBAL_BATCH // devices), ckpt_path=path)
+
+
+@pytest.mark.slow
+def test_digits_with_two_replicas_from_the_command_line(tmp_path):
+    # No environment prepared: PJRT_DEVICE unset lets torch_xla pick the CPU, as on a laptop.
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "digits.py")
+    done = subprocess.run([sys.executable, script, "trainer.devices=2", "trainer.strategy=xla_ddp",
+                           f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    accuracy = float(done.stdout.split("validation accuracy:")[1])
+    assert accuracy >= 0.95
+    assert done.stdout.count("validation accuracy:") == 1  # printed by the calling process only
+    events = [name for name in os.listdir(tmp_path / "version_0") if name.startswith("events.out.tfevents")]
+    assert len(events) == 1
