@@ -20,41 +20,50 @@ import sys
 import tempfile
 import time
 
+os.environ.setdefault("PJRT_DEVICE", "CPU")  # before torch_xla is imported below
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from xtrainer import Trainer, XModule, _xla  # noqa: E402
+from xtrainer.callbacks import Callback  # noqa: E402
+
+
+class Regressor(XModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class SaveWeights(Callback):
+    """Every replica writes its whole weights (FSDP: gathered) at the end of the fit."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_fit_end(self, trainer, module):
+        weights = _xla.to_cpu(trainer.strategy.full_module_state_dict(trainer.model))
+        torch.save(weights, os.path.join(self.folder, f"rank-{trainer.global_rank}.pt"))
+
 
 def one_run(strategy: str, devices: int, folder: str) -> None:
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from xtrainer import Trainer, XModule, _xla
-    from xtrainer.callbacks import Callback
-
-    class Regressor(XModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = nn.functional.mse_loss(self.net(x), y)
-            self.log("loss", loss, sync_dist=True)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    class SaveWeights(Callback):
-        def on_fit_end(self, trainer, module):
-            weights = _xla.to_cpu(trainer.strategy.full_module_state_dict(trainer.model))
-            torch.save(weights, os.path.join(folder, f"rank-{trainer.global_rank}.pt"))
-
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=g)
     data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=32 // devices)
     model = Regressor()
     Trainer(strategy=strategy, devices=devices, max_epochs=2, logger=False, enable_progress_bar=False,
-            enable_checkpointing=False, default_root_dir=folder, callbacks=[SaveWeights()]).fit(model, data)
+            enable_checkpointing=False, default_root_dir=folder, callbacks=[SaveWeights(folder)]).fit(model, data)
     for rank in range(devices):
         saved = torch.load(os.path.join(folder, f"rank-{rank}.pt"))
         for name, tensor in model.state_dict().items():

@@ -41,6 +41,7 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -122,7 +123,14 @@ def launch(job: Callable[[], None], devices: int) -> int:
     context = multiprocessing.get_context("spawn")
     with _environ(environment(devices)):
         process = context.Process(target=_process_main, args=(job, devices), name="xtrainer-replicas")
-        process.start()
+        try:
+            process.start()  # pickles the job: trainer, module, callbacks, dataloaders
+        except (pickle.PicklingError, AttributeError, TypeError) as err:
+            raise TypeError(
+                f"devices={devices} sends the trainer, the module, the callbacks and the dataloaders to the "
+                f"replicas by pickling them, and that failed: {err}. Define classes and functions at the top "
+                "level of a module (not inside a function or a notebook cell's function), and start the "
+                "script's work under `if __name__ == '__main__':`.") from err
     try:
         process.join()
     except BaseException:  # KeyboardInterrupt: do not leave the replicas running
