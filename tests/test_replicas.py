@@ -209,3 +209,11 @@ def test_digits_with_two_replicas_from_the_command_line(tmp_path):
     assert done.stdout.count("validation accuracy:") == 1  # printed by the calling process only
     events = [name for name in os.listdir(tmp_path / "version_0") if name.startswith("events.out.tfevents")]
     assert len(events) == 1
+
+
+def test_what_cannot_be_sent_to_the_replicas_is_named(tmp_path):
+    class Local(Regressor):  # defined inside a function: pickle cannot find it by name
+        pass
+
+    with pytest.raises(TypeError, match="Define classes and functions at the top level"):
+        Trainer(devices=2, default_root_dir=str(tmp_path), logger=False).fit(Local(), make_loader())

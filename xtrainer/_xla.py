@@ -6,7 +6,9 @@ does not initialise the XLA runtime: ``torch_xla.launch`` refuses to start repli
 process has touched the runtime, so nothing here talks to a device until a function is called.
 
 Checked against torch_xla 2.9 (``TORCH_XLA_VERSION`` below). Functions marked *private API* use
-torch_xla internals that may move in another release.
+torch_xla internals that may move in another release; ``private_internals()`` at the end hands
+torch_xla's modules to ``xtrainer/strategies/cpu_replicas.py``, whose recipe for several replicas
+on the CPU runtime patches them.
 """
 
 from __future__ import annotations

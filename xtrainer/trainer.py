@@ -55,7 +55,8 @@ class Trainer:
 
     Args:
         strategy: ``"xla_native"``, ``"xla_ddp"``, ``"xla_fsdp"`` or a ``Strategy`` instance.
-        devices: replicas to run: an int, or ``"auto"`` (every local device; 1 on the CPU runtime).
+        devices: replicas to run: an int, or ``"auto"`` (every local device; 1 on the CPU runtime,
+            where ``devices=N`` runs N replicas on N virtual devices).
         max_epochs: stop after this many epochs (default 1000 when ``max_steps`` is not set).
         max_steps: stop after this many optimizer steps (-1: no limit).
         limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches: batches
