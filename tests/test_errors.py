@@ -108,15 +108,31 @@ def test_misspelt_hooks_are_errors(trainer_kwargs):
         Trainer(**trainer_kwargs).fit(ModuleTypo(), make_loader())
 
 
-def test_nan_loss_stops_training_with_guidance(trainer_kwargs, tmp_path):
-    class Diverges(Regressor):
-        def training_step(self, batch, batch_idx):
-            loss = super().training_step(batch, batch_idx)
-            return loss * float("nan") if self.global_step >= 2 else loss
+def nan_at_sample(index):
+    """The default data with one NaN input: the loss of the batch holding it is NaN."""
+    loader = make_loader()
+    loader.dataset.tensors[0][index, 0] = float("nan")
+    return loader
 
-    trainer = Trainer(max_epochs=3, log_every_n_steps=2, **trainer_kwargs)
-    with pytest.raises(FloatingPointError, match="training loss is nan at step 4 .* Lower the learning rate"):
-        trainer.fit(Diverges(), make_loader())
+
+def test_a_nan_loss_is_reported_with_the_step_where_it_first_happened(trainer_kwargs):
+    # Sample 21 is in batch 2 of epoch 0; values are read every 50 steps (here: at the epoch's end).
+    trainer = Trainer(max_epochs=3, log_every_n_steps=50, **trainer_kwargs)
+    with pytest.raises(FloatingPointError, match="NaN or infinite at global step 2 .*step 8 now.* Lower the"):
+        trainer.fit(Regressor(), nan_at_sample(21))
+    assert trainer.global_step == 8  # found at the first read, without a host sync per step
+
+
+def test_detect_nonfinite_warn_goes_on_and_off_does_not_look(trainer_kwargs):
+    trainer = Trainer(max_epochs=2, log_every_n_steps=3, detect_nonfinite="warn", **trainer_kwargs)
+    with pytest.warns(UserWarning, match="NaN or infinite at global step 2 .*goes on") as record:
+        trainer.fit(Regressor(), nan_at_sample(21))
+    assert trainer.global_step == 16 and len([w for w in record if "NaN" in str(w.message)]) == 1
+    trainer = Trainer(max_epochs=1, detect_nonfinite="off", **trainer_kwargs)
+    trainer.fit(Regressor(), nan_at_sample(21))
+    assert trainer.global_step == 8
+    with pytest.raises(ValueError, match="detect_nonfinite='skip': use 'raise', 'warn' or 'off'"):
+        Trainer(detect_nonfinite="skip")
 
 
 def test_log_rejects_non_scalars(trainer_kwargs):

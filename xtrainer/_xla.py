@@ -141,6 +141,20 @@ def all_gather(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return xm.all_gather(tensor, dim=dim)
 
 
+def rng_state() -> int:
+    """This replica's XLA random generator state (a seed, advanced by every random op)."""
+    return int(xm.get_rng_state(torch_xla.device()))
+
+
+def set_rng_state(seed: int) -> None:
+    xm.set_rng_state(int(seed), torch_xla.device())
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every replica's ``obj``, in rank order, on every replica. A host rendezvous."""
+    return xm.mesh_reduce("xtrainer_all_gather_object", obj, list)
+
+
 def rendezvous(tag: str) -> None:
     """A host-side barrier of every replica. Blocks the host until all replicas arrive."""
     xm.rendezvous(tag)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import tempfile
 import zipfile
 from typing import Any
@@ -43,26 +44,100 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or does not fit this run."""
 
 
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint file is truncated or corrupt, or a sharded checkpoint lacks shards."""
+
+
 def shard_file_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.pt"
 
 
 def save_file(obj: Any, path: str) -> None:
-    """``torch.save`` ``obj`` to ``path`` atomically (temporary file, fsync, rename)."""
+    """``torch.save`` ``obj`` to ``path`` atomically (temporary file, fsync, rename): a crash or a
+    full disk during the save leaves the previous file, if any, untouched."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    tmp = None
     try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as err:
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+        # A full disk shows as OSError, or as torch's RuntimeError "... file write failed".
+        if isinstance(err, OSError) or (isinstance(err, RuntimeError) and "write" in str(err)):
+            raise CheckpointError(
+                f"Could not write {path!r} ({type(err).__name__}: {err}). Training stopped; the checkpoints "
+                "written before are intact. Free disk space or choose a writable dirpath, then resume with "
+                "fit(..., ckpt_path='last').") from err
         raise
+
+
+LAST = "last.ckpt"
+
+
+def default_dirpath(log_dir: str) -> str:
+    """Where a run's checkpoints go unless told otherwise."""
+    return os.path.join(log_dir, "checkpoints")
+
+
+def link_last(dirpath: str, target: str) -> None:
+    """Point ``dirpath/last.ckpt`` at ``target`` (a complete checkpoint), atomically: a new link
+    under a temporary name renamed over the old one."""
+    last = os.path.join(dirpath, LAST)
+    tmp = os.path.join(dirpath, f".tmp-last-{os.getpid()}")
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(os.path.basename(target), tmp)  # relative: the folder can move
+    os.replace(tmp, last)
+
+
+def remove_checkpoint(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def staging_path(path: str) -> str:
+    """Where a sharded checkpoint folder is written before it is renamed to ``path``."""
+    return os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path))
+
+
+def publish(staging: str, path: str) -> None:
+    """Rename a completely written checkpoint folder into place (replacing an older one)."""
+    if os.path.isdir(path):
+        old = staging + ".old"
+        os.replace(path, old)
+        os.replace(staging, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, path)
+
+
+def last_candidates(dirpaths: list[str]) -> list[str]:
+    """Checkpoints in ``dirpaths`` to resume ``ckpt_path="last"`` from, in order of preference:
+    ``last.ckpt`` (newest first), then every other checkpoint, newest first. Unfinished saves
+    (temporary names) are not among them."""
+    candidates = []
+    for dirpath in dict.fromkeys(dirpaths):
+        if os.path.isdir(dirpath):
+            for name in os.listdir(dirpath):
+                path = os.path.join(dirpath, name)
+                if name.endswith(".ckpt") and not name.startswith(".") and os.path.exists(path):
+                    candidates.append(path)
+    candidates.sort(key=lambda p: (os.path.basename(p) == LAST, _mtime(p)), reverse=True)
+    return list(dict.fromkeys(os.path.realpath(p) for p in candidates))
+
+
+def _mtime(path: str) -> float:
+    target = os.path.join(path, TRAINER_FILE) if is_sharded(path) else path
+    return os.path.getmtime(target) if os.path.exists(target) else 0.0
 
 
 def load_file(path: str, what: str = "checkpoint") -> Any:
@@ -75,7 +150,7 @@ def load_file(path: str, what: str = "checkpoint") -> Any:
         # Only load checkpoints you trust.
         return torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
-        raise CheckpointError(
+        raise UnreadableCheckpointError(
             f"The {what} {path!r} could not be read ({type(err).__name__}: {err}). The file is "
             "corrupt or truncated; resume from an earlier checkpoint instead."
         ) from err
@@ -118,6 +193,7 @@ def load_sharded_checkpoint(path: str, rank: int, world_size: int) -> dict[str, 
             f"{path!r} was written by {saved} replicas, but this run has {world_size}. A sharded checkpoint "
             f"resumes at the world size that wrote it only. Run with {saved} replicas, or consolidate it into "
             f"one state dict (xtrainer consolidate {path} -o full.pt) and load that into your module before fit().")
+    _check_shards(path, world_size)
     shard = load_file(os.path.join(path, shard_file_name(rank, world_size)), f"shard of rank {rank}")
     return {**trainer_state, "state_dict": shard["state_dict"], "optimizer_states": shard["optimizer_states"]}
 
@@ -139,12 +215,34 @@ def consolidate(path: str) -> dict[str, Any]:
     trainer_state = load_file(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
     check_header(trainer_state, path)
     world_size = trainer_state["world_size"]
+    names = _check_shards(path, world_size)
+    shards = [load_file(os.path.join(path, name), f"shard {name}") for name in names]
+    return consolidate_state_dicts([shard["state_dict"] for shard in shards], shards[0]["shard_metadata"])
+
+
+def load_weights(module: torch.nn.Module, state_dict: dict[str, Any]) -> None:
+    """``module.load_state_dict(state_dict)``, refusing a state dict of another model with an
+    error that lists the missing and unexpected keys and the shape mismatches."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    mismatched = [f"{k} {tuple(v.shape)} (module: {tuple(own[k].shape)})" for k, v in state_dict.items()
+                  if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape]
+    problems = [f"{label} ({len(keys)}): {', '.join(keys[:8])}{', ...' if len(keys) > 8 else ''}"
+                for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
+                                    ("shape mismatches", mismatched)) if keys]
+    if problems:
+        raise CheckpointError("it does not fit this module, so nothing was trained: " + "; ".join(problems)
+                              + ". Is it a checkpoint of another model (or of another configure_model())?")
+    module.load_state_dict(state_dict)
+
+
+def _check_shards(path: str, world_size: int) -> list[str]:
     names = [shard_file_name(rank, world_size) for rank in range(world_size)]
     missing = [name for name in names if not os.path.exists(os.path.join(path, name))]
     if missing:
-        raise CheckpointError(f"{path!r} lacks {', '.join(missing)}: all {world_size} shards are needed.")
-    shards = [load_file(os.path.join(path, name), f"shard {name}") for name in names]
-    return consolidate_state_dicts([shard["state_dict"] for shard in shards], shards[0]["shard_metadata"])
+        raise UnreadableCheckpointError(f"{path!r} lacks {', '.join(missing)}: all {world_size} shards are needed.")
+    return names
 
 
 def check_header(checkpoint: Any, path: str) -> None:

@@ -46,6 +46,7 @@ class TrainerConfig:
     default_root_dir: Optional[str] = None
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
+    detect_nonfinite: str = "raise"
 
 
 def trainer_kwargs(config: TrainerConfig) -> dict[str, Any]:

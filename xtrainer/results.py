@@ -152,7 +152,3 @@ def to_floats(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     """Device scalars to Python floats in one batched transfer. Syncs the host."""
     host = _xla.to_cpu(tensors)  # host sync: one transfer for every value
     return {name: float(value) for name, value in host.items()}
-
-
-def non_finite(values: dict[str, float]) -> list[str]:
-    return [name for name, value in values.items() if not math.isfinite(value)]

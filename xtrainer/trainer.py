@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import inspect
 import math
 import os
+import random
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -13,13 +15,18 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
 from xtrainer import _xla
+
+try:
+    import numpy as _numpy
+except ImportError:  # NumPy is optional; its generator is saved when it is installed
+    _numpy = None
 from xtrainer import checkpoint as ckpt_io
 from xtrainer.callbacks import ModelCheckpoint, ProgressBar
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.loggers import Logger, TensorBoardLogger
 from xtrainer.module import MODULE_HOOKS, XModule
 from xtrainer.precision import Precision
-from xtrainer.results import Results, non_finite, to_floats
+from xtrainer.results import Results, to_floats
 from xtrainer.strategies import Strategy, resolve_strategy
 
 _STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
@@ -27,6 +34,7 @@ _STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test"
 _HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
 _LOSS_KEY = "loss"
 _STOP_KEY = "xtrainer/should_stop"  # rides along with logged values when replicas agree to stop
+_NONFINITE_KEY = "xtrainer/first_nonfinite_step"  # likewise, for detect_nonfinite
 
 
 @dataclass
@@ -74,6 +82,11 @@ class Trainer:
         default_root_dir: where run folders (``version_N``) are made; default ``./xtrainer_logs``.
         enable_progress_bar: print progress and ``prog_bar`` values on rank 0.
         enable_checkpointing: add a ``ModelCheckpoint`` (last epoch) if none is given.
+        detect_nonfinite: what to do when the training loss is NaN or infinite: ``"raise"``
+            (stop with the global step where it first happened), ``"warn"`` (say so once, go on),
+            or ``"off"``. The check runs on the device inside each step and is read with the
+            logged values (every ``log_every_n_steps`` and at epoch ends): no extra host sync,
+            so training may run up to that many steps past the first bad loss before stopping.
     """
 
     def __init__(
@@ -98,6 +111,7 @@ class Trainer:
         default_root_dir: str | os.PathLike | None = None,
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,
+        detect_nonfinite: str = "raise",
     ) -> None:
         self.strategy = resolve_strategy(strategy)
         self.precision = Precision(precision)
@@ -115,6 +129,9 @@ class Trainer:
                             ("limit_predict_batches", limit_predict_batches),
                             ("val_check_interval", val_check_interval)):
             _check_limit(name, value)
+        if detect_nonfinite not in ("raise", "warn", "off"):
+            raise ValueError(f"detect_nonfinite={detect_nonfinite!r}: use 'raise', 'warn' or 'off'.")
+        self.detect_nonfinite = detect_nonfinite
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'.")
         if gradient_clip_val is not None and gradient_clip_val <= 0:
@@ -154,6 +171,8 @@ class Trainer:
         self.current_epoch = 0
         self.should_stop = False
         self._stop_agreed = False
+        self._seed = 0
+        self._nonfinite: _NonFiniteWatch | None = None
         self.callback_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
@@ -218,10 +237,26 @@ class Trainer:
         val = _as_list(val_dataloaders) or _as_list(_module_loader(model, "val_dataloader"))
         if val and type(model).validation_step is XModule.validation_step:
             raise ValueError(f"Validation data was given but {type(model).__name__} has no validation_step.")
-        ckpt_path = os.fspath(ckpt_path) if ckpt_path is not None else None
-        if ckpt_path is not None and not os.path.exists(ckpt_path):
-            raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist.")
-        self._launch("fit", model, {"train": train, "validate": val}, ckpt_path)
+        self._launch("fit", model, {"train": train, "validate": val}, self._checkpoint_candidates(ckpt_path))
+
+    def _checkpoint_candidates(self, ckpt_path: str | os.PathLike | None) -> list[str] | None:
+        """``ckpt_path`` as the checkpoints to try, in order: one path, or for ``"last"`` the
+        newest complete checkpoints of this run folder (``last.ckpt`` first)."""
+        if ckpt_path is None:
+            return None
+        if ckpt_path == "last":
+            dirpaths = [cb.dirpath for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+            dirpaths += sorted(glob.glob(os.path.join(self.default_root_dir, "version_*", "checkpoints")))
+            candidates = ckpt_io.last_candidates(dirpaths)
+            if not candidates:
+                raise ckpt_io.CheckpointError(
+                    f"ckpt_path='last' found no checkpoint in {', '.join(dirpaths) or self.default_root_dir}. "
+                    "Check default_root_dir (and ModelCheckpoint's dirpath), or give the checkpoint's path.")
+            return candidates
+        ckpt_path = os.fspath(ckpt_path)
+        if not os.path.exists(ckpt_path):
+            raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (or pass ckpt_path='last').")
+        return [ckpt_path]
 
     def validate(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[dict[str, float]]:
         """Run the validation loop once; one dict of metrics per dataloader.
@@ -252,10 +287,13 @@ class Trainer:
         step = _STEP_METHODS[stage]
         if stage != "predict" and getattr(type(model), step) is getattr(XModule, step):
             raise ValueError(f"{type(model).__name__} has no {step}(self, batch, batch_idx) to {stage} with.")
-        return self._launch(stage, model, {stage: loaders}, ckpt_path)
+        return self._launch(stage, model, {stage: loaders}, self._checkpoint_candidates(ckpt_path))
 
-    def _launch(self, stage: str, model: XModule, loaders: dict[str, list], ckpt_path: str | None) -> Any:
+    def _launch(self, stage: str, model: XModule, loaders: dict[str, list], ckpt_path: list[str] | None) -> Any:
         os.makedirs(self.log_dir, exist_ok=True)  # here, so that every replica shares one run folder
+        # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the
+        # epoch) and each replica's XLA random generator (with its rank).
+        self._seed = torch.initial_seed() % 2**31
         result = self.strategy.launch(self._run, stage, model, loaders, ckpt_path)
         if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
             model.load_state_dict(result["state_dict"])
@@ -267,8 +305,10 @@ class Trainer:
         return result["outputs"]
 
     # ---- one replica -------------------------------------------------------------------------
-    def _run(self, stage: str, module: XModule, loaders: dict[str, list], ckpt_path: str | None) -> dict[str, Any]:
+    def _run(self, stage: str, module: XModule, loaders: dict[str, list], ckpt_path: list[str] | None
+             ) -> dict[str, Any]:
         self.strategy.setup_environment()
+        _xla.set_rng_state(self._seed + self.global_rank)
         self.state, self.should_stop, self._stop_agreed = stage, False, False
         module.trainer = self
         self._module = module
@@ -324,11 +364,13 @@ class Trainer:
         if self.num_training_batches == 0:
             raise ValueError("limit_train_batches leaves no training batches to run.")
         self._results = Results("train", default_on_step=True)
+        self._nonfinite = (_NonFiniteWatch(self.strategy.device, self.global_step)
+                           if self.detect_nonfinite != "off" else None)
         self._call("on_fit_start")
         self._call("on_train_start")
         while not self._fit_done():
             self._results.reset_epoch()
-            train.set_epoch(self.current_epoch)
+            train.set_epoch(self.current_epoch, self._seed)
             self._call("on_train_epoch_start")
             skip, self._skip_batches = self._skip_batches, 0
             self._epoch_finished = False
@@ -376,6 +418,8 @@ class Trainer:
         with self.strategy.no_backward_sync(self._wrapped, enabled=not steps):
             outputs = self._wrapped("train", batch, batch_idx)
             loss = _training_loss(outputs)
+            if self._nonfinite is not None:
+                self._nonfinite.observe(loss)
             results.log(_LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
                         reduce_fx="mean", batch_size=None)
             if self.accumulate_grad_batches > 1:
@@ -399,6 +443,8 @@ class Trainer:
         self._call("on_before_zero_grad", optimizer)
         optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        if self._nonfinite is not None:
+            self._nonfinite.stepped()
         self._step_schedulers("step")
 
     def _before_optimizer_step(self) -> None:
@@ -457,7 +503,7 @@ class Trainer:
         self._call(f"on_{hook}_epoch_start")
         with torch.no_grad():
             for dl_idx, data in enumerate(datas):
-                data.set_epoch(self.current_epoch)
+                data.set_epoch(self.current_epoch, self._seed)
                 extra = (dl_idx,) if len(datas) > 1 else ()
                 step_extra = extra if _accepts_dataloader_idx(getattr(self.module, _STEP_METHODS[stage])) else ()
                 results.suffix = f"/dataloader_idx_{dl_idx}" if len(datas) > 1 else ""
@@ -504,6 +550,9 @@ class Trainer:
     def _publish(self, tensors: dict[str, torch.Tensor], check_loss: bool = False) -> dict[str, float]:
         """Read logged values to the host (one batched transfer) and hand them out."""
         shares_stop = self.world_size > 1 and self.state == "fit"
+        watched = check_loss and self._nonfinite is not None
+        if watched:
+            tensors = {**tensors, _NONFINITE_KEY: self.strategy.reduce(self._nonfinite.first, "min")}
         if shares_stop:
             flag = torch.tensor([1.0 if self.should_stop else 0.0]).to(self.strategy.device)
             tensors = {**tensors, _STOP_KEY: self.strategy.reduce(flag, "max")}
@@ -512,11 +561,8 @@ class Trainer:
         values = to_floats(tensors)  # host sync: the only place logged values reach the host
         if shares_stop and values.pop(_STOP_KEY) > 0:
             self.should_stop = self._stop_agreed = True
-        if check_loss and non_finite({k: v for k, v in values.items() if k == _LOSS_KEY}):
-            raise FloatingPointError(
-                f"The training loss is {values[_LOSS_KEY]} at step {self.global_step} (epoch "
-                f"{self.current_epoch}); training stopped. Checkpoints saved before this point are intact "
-                f"under {self.log_dir}. Lower the learning rate, set gradient_clip_val, or check the data.")
+        if watched:
+            self._report_nonfinite(values.pop(_NONFINITE_KEY))
         prog = self._results.prog_bar_names()
         self.progress_bar_metrics.update({k: v for k, v in values.items() if k in prog})
         public = {k: v for k, v in values.items() if k != _LOSS_KEY}
@@ -526,6 +572,20 @@ class Trainer:
             for logger in self.loggers:
                 logger.log_metrics(public, self.global_step)
         return public
+
+    def _report_nonfinite(self, first: float) -> None:
+        if first >= _NonFiniteWatch.NEVER or self._nonfinite.reported:
+            return
+        message = (f"The training loss became NaN or infinite at global step {int(first)} (epoch "
+                   f"{self.current_epoch} is running, step {self.global_step} now)")
+        if self.detect_nonfinite == "warn":
+            self._nonfinite.reported = True
+            rank_zero_warn(message + "; training goes on (detect_nonfinite='warn').")
+            return
+        raise FloatingPointError(
+            message + f"; training stopped. Checkpoints saved before this point are intact under {self.log_dir}. "
+            "Lower the learning rate, set gradient_clip_val, or check the data; detect_nonfinite='warn' "
+            "goes on instead.")
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike) -> None:
@@ -540,7 +600,9 @@ class Trainer:
             "optimizer_states": [self.strategy.optimizer_state_dict(opt) for opt in self.optimizers],
             "lr_schedulers": [s.scheduler.state_dict() for s in self._schedulers],
             "loops": {"global_step": self.global_step, "epoch": self.current_epoch,
-                      "batches_in_epoch": self._batches_in_epoch, "epoch_finished": self._epoch_finished},
+                      "batches_in_epoch": self._batches_in_epoch, "epoch_finished": self._epoch_finished,
+                      "seed": self._seed},
+            "rng_states": _rng_states(self.strategy),
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "hyper_parameters": dict(module.hparams),
         }
@@ -549,9 +611,29 @@ class Trainer:
             cb.on_save_checkpoint(self, module, checkpoint)
         self.strategy.save_checkpoint(checkpoint, os.fspath(path))
 
-    def _restore(self, path: str, stage: str) -> None:
-        checkpoint = self.strategy.load_checkpoint(path)
-        self.strategy.load_module_state_dict(self._wrapped, checkpoint)
+    def _load_first_readable(self, candidates: list[str]) -> tuple[str, dict[str, Any]]:
+        """The first of ``candidates`` that reads completely; unreadable ones are reported."""
+        skipped = []
+        for path in candidates:
+            try:
+                checkpoint = self.strategy.load_checkpoint(path)
+            except ckpt_io.UnreadableCheckpointError as err:
+                if len(candidates) == 1:
+                    raise
+                skipped.append(str(err))
+                continue
+            if skipped:
+                rank_zero_warn(f"ckpt_path='last': resuming from {path!r}, the newest checkpoint that reads; "
+                               "skipped:\n  " + "\n  ".join(skipped))
+            return path, checkpoint
+        raise ckpt_io.CheckpointError("ckpt_path='last': no checkpoint reads completely:\n  " + "\n  ".join(skipped))
+
+    def _restore(self, candidates: list[str], stage: str) -> None:
+        path, checkpoint = self._load_first_readable(candidates)
+        try:
+            self.strategy.load_module_state_dict(self._wrapped, checkpoint)
+        except ckpt_io.CheckpointError as err:
+            raise ckpt_io.CheckpointError(f"Cannot resume from {path!r}: {err}") from None
         if stage == "fit":
             states = checkpoint.get("optimizer_states", [])
             if len(states) != len(self.optimizers):
@@ -568,6 +650,8 @@ class Trainer:
                     f"{checkpoint['world_size']}: the data is sharded differently, so the rest of this epoch "
                     "is not exactly the batches the original run would have seen.")
             self.global_step = loops["global_step"]
+            self._seed = loops.get("seed", self._seed)
+            _set_rng_states(checkpoint.get("rng_states"), self.global_rank, self.world_size)
             self._epoch_finished = loops["epoch_finished"]
             self.current_epoch = loops["epoch"] + (1 if loops["epoch_finished"] else 0)
             self._skip_batches = 0 if loops["epoch_finished"] else loops["batches_in_epoch"]
@@ -609,6 +693,55 @@ class Trainer:
 
 
 # ---- module-level helpers --------------------------------------------------------------------
+class _NonFiniteWatch:
+    """The global step of the first non-finite training loss, tracked on the device.
+
+    Updated inside every step's graph (no host sync); read with the logged values. Its numbers
+    are device tensors of shape (1,), uploaded once, so the step's graph never changes.
+    """
+
+    NEVER = 2**62
+
+    def __init__(self, device: torch.device, global_step: int) -> None:
+        self.first = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
+        self.never = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
+        self.step = torch.tensor([global_step], dtype=torch.int64).to(device)
+        self.one = torch.tensor([1], dtype=torch.int64).to(device)
+        self.reported = False
+
+    def observe(self, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach().reshape(1))
+        self.first = torch.minimum(self.first, torch.where(bad, self.step, self.never))
+
+    def stepped(self) -> None:
+        self.step = self.step + self.one
+
+
+def _rng_states(strategy: Any) -> dict[str, Any]:
+    """Every random generator's state, to continue a resumed run with the same random numbers:
+    Python's, NumPy's and torch's CPU generators (shared by a process) and each replica's XLA
+    generator (a host rendezvous with several replicas, as all of a save is)."""
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if _numpy is not None:
+        states["numpy"] = _numpy.random.get_state()
+    xla = _xla.rng_state()
+    states["xla"] = strategy.all_gather_object(xla) if strategy.world_size > 1 else [xla]
+    return states
+
+
+def _set_rng_states(states: dict[str, Any] | None, rank: int, world_size: int) -> None:
+    if not states:
+        return
+    # Saving turns tuples into lists (xm's device-to-host copy); the generators want tuples.
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(states["torch"])
+    if _numpy is not None and "numpy" in states:
+        _numpy.random.set_state(tuple(states["numpy"]))
+    xla = states["xla"]
+    _xla.set_rng_state(xla[rank] if len(xla) == world_size else xla[0] + rank)
+
+
 def _version() -> str:
     from xtrainer import __version__
 

@@ -2,6 +2,7 @@
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.callbacks.checkpoint import ModelCheckpoint
+from xtrainer.callbacks.early_stopping import EarlyStopping
 from xtrainer.callbacks.progress import ProgressBar
 
-__all__ = ["Callback", "ModelCheckpoint", "ProgressBar"]
+__all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "ProgressBar"]

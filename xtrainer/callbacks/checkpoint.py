@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
-import shutil
+import time
 from typing import TYPE_CHECKING, Any
 
 from xtrainer.callbacks.base import Callback
+from xtrainer.callbacks.monitor import Monitor
+from xtrainer.checkpoint import default_dirpath, link_last, remove_checkpoint
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -15,7 +18,8 @@ if TYPE_CHECKING:
 
 
 class ModelCheckpoint(Callback):
-    """Save a checkpoint every ``every_n_epochs`` epochs (or ``every_n_train_steps`` steps).
+    """Save a checkpoint every ``every_n_epochs`` epochs, ``every_n_train_steps`` steps, or
+    ``train_time_interval`` of training time.
 
     Args:
         dirpath: where to save; default ``<run folder>/checkpoints``.
@@ -23,29 +27,41 @@ class ModelCheckpoint(Callback):
             e.g. ``"{epoch}-{val_acc:.3f}"``; default ``"epoch={epoch}-step={step}"``.
         monitor: a logged metric to rank checkpoints by (None: the newest is the best).
         mode: ``"min"`` or ``"max"``: which direction of ``monitor`` is better.
-        save_top_k: how many checkpoints to keep (-1: all, 0: none but ``last``).
-        save_last: also keep ``last.ckpt``, a copy of the newest.
+        save_top_k: how many checkpoints to keep (-1: all, 0: none but the newest for ``last``).
+        save_last: keep ``last.ckpt``, a link to the newest checkpoint (which is kept even when it
+            is not among the top k). ``fit(ckpt_path="last")`` resumes from it.
+        every_n_epochs, every_n_train_steps: how often to save (steps take precedence).
+        train_time_interval: save when this much training time has passed since the last save
+            (a ``datetime.timedelta`` or seconds), checked after every step.
 
-    Every replica calls the save (writing a checkpoint is collective); rank 0 removes the files
-    that fall out of the top k.
+    Crash safety: each checkpoint is written under a temporary name and renamed into place when
+    complete; then ``last.ckpt`` is switched to it (an atomic rename of a new link); only then are
+    checkpoints that fell out of the top k removed. At any moment ``last.ckpt`` names a complete
+    checkpoint. Every replica calls the save (writing a checkpoint is collective); rank 0 removes
+    files.
     """
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
-                 monitor: str | None = None, mode: str = "min", save_top_k: int = 1, save_last: bool = False,
-                 every_n_epochs: int | None = 1, every_n_train_steps: int | None = None) -> None:
-        if mode not in ("min", "max"):
-            raise ValueError(f"ModelCheckpoint(mode={mode!r}): use 'min' or 'max'.")
+                 monitor: str | None = None, mode: str = "min", save_top_k: int = 1, save_last: bool = True,
+                 every_n_epochs: int | None = 1, every_n_train_steps: int | None = None,
+                 train_time_interval: datetime.timedelta | float | None = None) -> None:
         if save_top_k < -1:
             raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k}) must be -1 or more.")
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
         self.filename = filename or "epoch={epoch}-step={step}"
-        self.monitor, self.mode, self.save_top_k, self.save_last = monitor, mode, save_top_k, save_last
+        self.monitor = monitor
+        self._ranking = Monitor(monitor, mode) if monitor is not None else Monitor("step", "max")
+        self.mode, self.save_top_k, self.save_last = mode, save_top_k, save_last
         self.every_n_epochs, self.every_n_train_steps = every_n_epochs, every_n_train_steps
+        if isinstance(train_time_interval, datetime.timedelta):
+            train_time_interval = train_time_interval.total_seconds()
+        self.train_time_interval = train_time_interval
         self.best_k_models: dict[str, float] = {}
         self.best_model_path = ""
         self.best_model_score: float | None = None
         self.last_model_path = ""
         self._last_saved_step = -1
+        self._last_save_time = time.monotonic()
 
     @property
     def state_key(self) -> str:
@@ -64,66 +80,81 @@ class ModelCheckpoint(Callback):
 
     def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         if self.dirpath is None:
-            self.dirpath = os.path.join(trainer.log_dir, "checkpoints")
+            self.dirpath = default_dirpath(trainer.log_dir)
+        self._last_save_time = time.monotonic()
 
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        n = self.every_n_train_steps
-        if n and trainer.global_step % n == 0 and trainer.global_step != self._last_saved_step:
+        if trainer.global_step == self._last_saved_step:
+            return
+        n, interval = self.every_n_train_steps, self.train_time_interval
+        if n and trainer.global_step % n == 0:
             self._save(trainer)
+        elif interval is not None and self._time_is_up(trainer, interval):
+            self._save(trainer)
+
+    def _time_is_up(self, trainer: "Trainer", interval: float) -> bool:
+        # Replicas must agree (a save is collective): rank 0's clock decides for all of them.
+        due = time.monotonic() - self._last_save_time >= interval
+        return bool(trainer.strategy.broadcast(due)) if trainer.world_size > 1 else due
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
         n = self.every_n_epochs
-        if n and not self.every_n_train_steps and (trainer.current_epoch + 1) % n == 0:
+        if (n and not self.every_n_train_steps and self.train_time_interval is None
+                and (trainer.current_epoch + 1) % n == 0 and trainer.global_step != self._last_saved_step):
             self._save(trainer)
 
     def _save(self, trainer: "Trainer") -> None:
         metrics = dict(trainer.callback_metrics)
         if self.monitor is None:
             score = float(trainer.global_step)  # unmonitored: the newest is the best
-        elif self.monitor in metrics:
-            score = metrics[self.monitor]
         else:
-            raise KeyError(f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric. "
-                           f"Logged: {sorted(metrics)}. Log it with self.log({self.monitor!r}, ...).")
+            score = self._ranking.read(metrics, "ModelCheckpoint")
         path = os.path.join(self.dirpath, self._format(trainer, metrics) + ".ckpt")
-        self._last_saved_step = trainer.global_step
-        if self.save_top_k == -1 or (self.save_top_k > 0 and self._in_top_k(score)):
-            trainer.save_checkpoint(path)
+        self._last_saved_step, self._last_save_time = trainer.global_step, time.monotonic()
+        keep = self.save_top_k == -1 or (self.save_top_k > 0 and self._in_top_k(score))
+        if not keep and not self.save_last:
+            return
+        # The bookkeeping is updated before the write, so that the checkpoint carries it.
+        previous_last = self.last_model_path
+        if keep:
             self.best_k_models[path] = score
-            self._drop_beyond_top_k(trainer)
         if self.save_last:
-            self.last_model_path = os.path.join(self.dirpath, "last.ckpt")
-            trainer.save_checkpoint(self.last_model_path)
+            self.last_model_path = path
+        stale = self._beyond_top_k()
+        if previous_last and previous_last != path and previous_last not in self.best_k_models:
+            stale.append(previous_last)  # the old newest, kept only for last.ckpt until now
         if self.best_k_models:
             self.best_model_path = self._ranked()[0]
             self.best_model_score = self.best_k_models[self.best_model_path] if self.monitor else None
+        trainer.save_checkpoint(path)
+        if self.save_last and trainer.is_global_zero:
+            link_last(self.dirpath, path)
+        self._remove(trainer, stale)
 
     def _ranked(self) -> list[str]:
         """Kept checkpoints, best first (NaN scores last)."""
-        higher_is_better = self.monitor is None or self.mode == "max"
-
-        def key(path: str) -> tuple[bool, float]:
-            score = self.best_k_models[path]
-            return (math.isnan(score), -score if higher_is_better else score)
-
-        return sorted(self.best_k_models, key=key)
+        return sorted(self.best_k_models, key=lambda path: self._ranking.sort_key(self.best_k_models[path]))
 
     def _in_top_k(self, score: float) -> bool:
         if math.isnan(score):
             return False
         if len(self.best_k_models) < self.save_top_k:
             return True
-        worst = self.best_k_models[self._ranked()[-1]]
-        return math.isnan(worst) or (score > worst if self.monitor is None or self.mode == "max" else score < worst)
+        return self._ranking.better(score, self.best_k_models[self._ranked()[-1]])
 
-    def _drop_beyond_top_k(self, trainer: "Trainer") -> None:
+    def _beyond_top_k(self) -> list[str]:
         if self.save_top_k == -1:
-            return
-        for path in self._ranked()[self.save_top_k:]:
+            return []
+        stale = self._ranked()[self.save_top_k:]
+        for path in stale:
             del self.best_k_models[path]
-            if trainer.is_global_zero:
-                _remove(path)
+        return [path for path in stale if path != self.last_model_path]
+
+    def _remove(self, trainer: "Trainer", paths: list[str]) -> None:
+        if trainer.is_global_zero:
+            for path in paths:
+                remove_checkpoint(path)
         trainer.strategy.barrier("xtrainer_checkpoint_cleanup")
 
     def _format(self, trainer: "Trainer", metrics: dict[str, float]) -> str:
@@ -134,10 +165,3 @@ class ModelCheckpoint(Callback):
         except KeyError as err:
             raise KeyError(f"ModelCheckpoint(filename={self.filename!r}) names {err}, which was not logged. "
                            f"Available: {sorted(values)}.") from None
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.remove(path)

@@ -210,9 +210,11 @@ class Strategy(abc.ABC):
     # ---- data ----------------------------------------------------------------------------
     def process_dataloader(self, loader: Iterable) -> "DeviceData":
         """Give this replica its share of ``loader`` and deliver batches on the device."""
-        if self.world_size > 1 and isinstance(loader, DataLoader):
-            loader = distribute_dataloader(loader, self.world_size, self.global_rank)
-        return DeviceData(loader, self.device)
+        owns_sampler = False
+        if isinstance(loader, DataLoader) and (self.world_size > 1 or _plain_random(loader)):
+            distributed = distribute_dataloader(loader, self.world_size, self.global_rank)
+            owns_sampler, loader = distributed is not loader, distributed
+        return DeviceData(loader, self.device, owns_sampler)
 
     # ---- collectives -----------------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -224,6 +226,12 @@ class Strategy(abc.ABC):
     def barrier(self, name: str = "barrier") -> None:
         if self.world_size > 1:
             _xla.rendezvous(name)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every replica's ``obj``, in rank order (a host rendezvous)."""
+        if self.world_size == 1:
+            return [obj]
+        return _xla.all_gather_object(obj)
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every replica (a host rendezvous)."""
@@ -260,7 +268,7 @@ class Strategy(abc.ABC):
         return ckpt_io.load_checkpoint(path, world_size=self.world_size)
 
     def load_module_state_dict(self, wrapped: nn.Module, checkpoint: dict[str, Any]) -> None:
-        self.unwrap(wrapped).module.load_state_dict(checkpoint["state_dict"])
+        ckpt_io.load_weights(self.unwrap(wrapped).module, checkpoint["state_dict"])
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
@@ -377,14 +385,20 @@ def _replica_main(index: int, job: _ReplicaJob) -> None:
 # Data
 # --------------------------------------------------------------------------------------------
 class DeviceData:
-    """A data loader whose batches arrive on an XLA device, re-seeded at every epoch."""
+    """A data loader whose batches arrive on an XLA device, re-seeded at every epoch.
 
-    def __init__(self, loader: Iterable, device: torch.device) -> None:
-        self.loader = loader
+    A sampler the strategy put in (``owns_sampler``) shuffles with the run's seed and the epoch
+    only, so a resumed run sees the same order as the original one.
+    """
+
+    def __init__(self, loader: Iterable, device: torch.device, owns_sampler: bool = False) -> None:
+        self.loader, self.owns_sampler = loader, owns_sampler
         self._device_loader = _xla.DeviceBatches(loader, device)
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, seed: int | None = None) -> None:
         sampler = getattr(self.loader, "sampler", None)
+        if self.owns_sampler and seed is not None:
+            sampler.seed = seed
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         batch_sampler = getattr(self.loader, "batch_sampler", None)
@@ -401,6 +415,15 @@ class DeviceData:
 _DATALOADER_ARGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
                     "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor",
                     "persistent_workers")
+
+
+def _plain_random(loader: DataLoader) -> bool:
+    """A plain loader over a ``RandomSampler`` that a seeded ``DistributedSampler`` can stand in
+    for exactly (same samples, an order that depends on the seed and the epoch only)."""
+    sampler = loader.sampler
+    return (type(loader) is DataLoader and type(loader.batch_sampler) is BatchSampler
+            and type(sampler) is RandomSampler and not sampler.replacement
+            and sampler._num_samples is None)  # private attribute: the num_samples argument
 
 
 def distribute_dataloader(loader: DataLoader, num_replicas: int, rank: int) -> DataLoader:
