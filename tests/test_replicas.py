@@ -17,7 +17,7 @@ from tbparse import SummaryReader
 from torch import nn
 
 from xtrainer import Trainer, _xla
-from xtrainer.callbacks import Callback, ModelCheckpoint
+from xtrainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from xtrainer.checkpoint import CheckpointError, consolidate
 from xtrainer.strategies import XlaFSDP
 from xtrainer.strategies.base import ReplicaFailure
@@ -162,6 +162,23 @@ def test_a_stop_asked_on_one_replica_stops_all_together(tmp_path, log_every, sto
                                  log_every_n_steps=log_every, logger=False)
     assert [r["global_step"] for r in replicas] == [stopped_at, stopped_at]
     assert trainer.global_step == stopped_at and trainer.should_stop
+
+
+class RankScores(Regressor):
+    """``score`` improves every epoch on replica 0 and never on replica 1 (not synced)."""
+
+    def on_validation_epoch_end(self):
+        epoch = float(self.current_epoch)
+        self.log("score", epoch if self.trainer.global_rank == 1 else -epoch)
+
+
+def test_early_stopping_on_one_replica_stops_all(tmp_path):
+    stopper = EarlyStopping("score", patience=2)
+    trainer, _, replicas = train(tmp_path, "xla_ddp", 2, module=RankScores(), callbacks=[stopper], max_epochs=10,
+                                 logger=False)
+    assert trainer.current_epoch == 3 and trainer.should_stop  # replica 1 lost patience after epoch 2
+    assert [r["global_step"] for r in replicas] == [24, 24]  # 3 epochs of 8 steps, on both
+    assert stopper.stopped_epoch is None  # rank 0's own EarlyStopping never asked to stop
 
 
 class FailsOnRankOne(Regressor):
