@@ -246,3 +246,15 @@ def test_digits_reaches_95_percent_with_every_strategy(tmp_path, strategy):
     assert "strategy: " + strategy in (run / "config.yaml").read_text()
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(run))
     assert len(os.listdir(run / "checkpoints")) == 1
+
+
+def test_consolidated_fsdp_weights_load_into_native_and_ddp(tmp_path):
+    trainer, _, path = fsdp_checkpoint(tmp_path / "fsdp", epochs=1)
+    full = consolidate(path)
+    for strategy in ("xla_native", "xla_ddp"):
+        model = Regressor()
+        model.load_state_dict(full, strict=True)
+        check = Trainer(strategy=strategy, default_root_dir=str(tmp_path / strategy), enable_progress_bar=False,
+                        logger=False)
+        (metrics,) = check.validate(model, make_loader(n=16, seed=1))
+        assert metrics["val_loss"] == pytest.approx(trainer.callback_metrics["val_loss"], rel=1e-6), strategy

@@ -11,7 +11,8 @@ key                    what it holds
 ``state_dict``         the user module's state dict, as ``module.state_dict()`` gives it
 ``optimizer_states``   one ``optimizer.state_dict()`` per optimizer
 ``lr_schedulers``      one ``scheduler.state_dict()`` per scheduler
-``loops``              ``{"global_step", "epoch", "batches_in_epoch"}``: where training stopped
+``loops``              ``global_step``, ``epoch``, ``batches_in_epoch``, ``epoch_finished``, ``seed``
+``rng_states``         Python, NumPy, torch CPU generators; each replica's XLA generator
 ``callbacks``          ``{callback.state_key: callback.state_dict()}``
 ``hyper_parameters``   the module's ``hparams`` (a plain dict)
 =====================  ==========================================================================
@@ -19,7 +20,8 @@ key                    what it holds
 A sharded checkpoint (``xla_fsdp``) is a folder instead: ``trainer.pt`` holds every key above but
 the module and optimizer state, and each rank's ``rank-RRRRR-of-WWWWW.pt`` holds its shard of
 those with the shard metadata. Files are written atomically (a temporary file renamed into
-place), so an interrupted save never leaves a truncated checkpoint behind.
+place; a sharded folder is staged and renamed when complete), so an interrupted save never leaves
+a truncated checkpoint behind. ``last.ckpt`` is a link to the newest checkpoint.
 """
 
 from __future__ import annotations
