@@ -14,12 +14,12 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
-from xtrainer import _xla
-
 try:
     import numpy as _numpy
 except ImportError:  # NumPy is optional; its generator is saved when it is installed
     _numpy = None
+
+from xtrainer import _xla
 from xtrainer import checkpoint as ckpt_io
 from xtrainer.callbacks import ModelCheckpoint, ProgressBar
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
@@ -335,7 +335,8 @@ class Trainer:
                 result.update(
                     state_dict=_xla.to_cpu(self.strategy.full_module_state_dict(self._wrapped)),  # host sync
                     global_step=self.global_step, current_epoch=self.current_epoch,
-                    epoch_finished=self._epoch_finished, should_stop=self.should_stop, callback_metrics=dict(self.callback_metrics),
+                    epoch_finished=self._epoch_finished, should_stop=self.should_stop,
+                    callback_metrics=dict(self.callback_metrics),
                     callbacks={cb.state_key: cb.state_dict() for cb in self.callbacks})
             return result
         except BaseException:
