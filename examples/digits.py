@@ -1,49 +1,31 @@
 """Train an MLP on scikit-learn's bundled digits (8x8 images, 10 classes; no download).
 
-    python examples/digits.py                                  # defaults below
-    python examples/digits.py --config examples/digits.yaml trainer.max_epochs=5 model.lr=1e-3
-    python examples/digits.py trainer.devices=4 trainer.strategy=xla_ddp     # 4 replicas, even on a CPU
+From the repository's root folder:
+
+    xtrainer fit --config examples/digits.yaml                         # the configuration beside this file
+    xtrainer fit --config examples/digits.yaml trainer.max_epochs=5 model.lr=1e-3
+    xtrainer fit --config examples/digits.yaml trainer.devices=4 strategy=xla_ddp   # 4 replicas, even on a CPU
+    python examples/digits.py trainer.max_epochs=5                    # the same, as a script
 
 ``data.batch_size`` is per replica: with ``trainer.devices=N`` each step trains on N of them.
-
 Everything the run writes (TensorBoard logs, checkpoints, the resolved config.yaml) lands in one
-run folder, ``<trainer.default_root_dir>/version_N``; the script prints where.
+run folder, ``<trainer.default_root_dir>/version_N``; ``xtrainer fit --config <run folder>/config.yaml``
+runs it again.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from dataclasses import dataclass, field
 
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from xtrainer import Trainer, XModule
-from xtrainer.config import TrainerConfig, load_config, save_config, trainer_kwargs
+from xtrainer import XModule
 
-
-@dataclass
-class ModelConfig:
-    hidden: int = 256
-    lr: float = 2e-3
-    weight_decay: float = 1e-4
-
-
-@dataclass
-class DataConfig:
-    batch_size: int = 64
-    val_fraction: float = 0.2
-
-
-@dataclass
-class DigitsConfig:
-    seed: int = 0
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
-        max_epochs=8, log_every_n_steps=10, default_root_dir="runs/digits"))
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits.yaml")
 
 
 class DigitsClassifier(XModule):
@@ -77,30 +59,38 @@ class DigitsClassifier(XModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=self.hparams["weight_decay"])
 
 
-def digits_loaders(batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0) -> tuple[DataLoader, DataLoader]:
+class DigitsData:
     """Train and validation loaders over the 1,797 digits, pixel values scaled to [0, 1]."""
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32) / 16.0
-    y = torch.tensor(y, dtype=torch.long)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n_val = int(len(x) * val_fraction)
-    val_idx, train_idx = order[:n_val], order[n_val:]
-    train = DataLoader(TensorDataset(x[train_idx], y[train_idx]), batch_size=batch_size, shuffle=True,
-                       drop_last=True)
-    val = DataLoader(TensorDataset(x[val_idx], y[val_idx]), batch_size=batch_size)
-    return train, val
+
+    def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0) -> None:
+        x, y = load_digits(return_X_y=True)
+        x = torch.tensor(x, dtype=torch.float32) / 16.0
+        y = torch.tensor(y, dtype=torch.long)
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+        n_val = int(len(x) * val_fraction)
+        self.batch_size = batch_size
+        self.val = TensorDataset(x[order[:n_val]], y[order[:n_val]])
+        self.train = TensorDataset(x[order[n_val:]], y[order[n_val:]])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=self.batch_size)
+
+    test_dataloader = val_dataloader
 
 
 def main(argv: list[str]) -> dict[str, float]:
-    cfg = load_config(DigitsConfig, argv)
-    torch.manual_seed(cfg.seed)
-    train, val = digits_loaders(cfg.data.batch_size, cfg.data.val_fraction, cfg.seed)
-    model = DigitsClassifier(cfg.model.hidden, cfg.model.lr, cfg.model.weight_decay)
-    trainer = Trainer(**trainer_kwargs(cfg.trainer))
-    save_config(cfg, trainer.log_dir)
-    trainer.fit(model, train, val)
+    """``xtrainer fit --config examples/digits.yaml *argv``; returns the final metrics."""
+    from xtrainer.cli import run_stage
+    from xtrainer.config import load
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:  # the configuration names examples.digits.*
+        sys.path.insert(0, root)
+    trainer, _ = run_stage("fit", load(["--config", CONFIG, *argv]))
     metrics = trainer.callback_metrics
-    print(f"run folder: {trainer.log_dir}")
     print(f"validation accuracy: {metrics['val_acc']:.4f}")
     return metrics
 

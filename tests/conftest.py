@@ -58,6 +58,21 @@ class Regressor(XModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class RegressionData:
+    """``make_loader``'s data as an object with ``*_dataloader()`` methods (for configurations)."""
+
+    def __init__(self, n: int = 64, batch_size: int = 8, shuffle: bool = False) -> None:
+        self.n, self.batch_size, self.shuffle = n, batch_size, shuffle
+
+    def train_dataloader(self) -> DataLoader:
+        return make_loader(self.n, self.batch_size, self.shuffle)
+
+    def val_dataloader(self) -> DataLoader:
+        return make_loader(16, self.batch_size, seed=1)
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+
 @pytest.fixture
 def trainer_kwargs(tmp_path):
     """Quiet Trainer arguments writing into the test's own folder."""

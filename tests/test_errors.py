@@ -10,7 +10,7 @@ from xtrainer.callbacks import Callback
 
 
 def test_unknown_strategy_lists_valid_names():
-    with pytest.raises(ValueError, match="Unknown strategy 'xla_dp'. Valid names: .*xla_native"):
+    with pytest.raises(ValueError, match="Unknown strategy 'xla_dp'. Did you mean 'xla_ddp'\? Valid names: .*xla_native"):
         Trainer(strategy="xla_dp")
 
 

@@ -3,6 +3,6 @@
 __version__ = "0.1.0"
 
 from xtrainer.module import XModule  # noqa: E402
-from xtrainer.trainer import Trainer  # noqa: E402
+from xtrainer.trainer import Trainer, seed_everything  # noqa: E402
 
-__all__ = ["Trainer", "XModule", "__version__"]
+__all__ = ["Trainer", "XModule", "__version__", "seed_everything"]

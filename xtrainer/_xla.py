@@ -100,11 +100,19 @@ def local_rank() -> int:
     return xr.local_ordinal()
 
 
+def launched_externally() -> bool:
+    """Whether torchrun (or a launcher setting the same environment) started this process as one
+    of several; ``torch_xla.launch`` then runs the replica in this process instead of spawning."""
+    import torch.distributed as dist
+
+    return dist.is_torchelastic_launched()
+
+
 def launch(fn: Callable[..., Any], args: tuple = ()) -> None:
     """Run ``fn(index, *args)`` once per local replica (``torch_xla.launch``).
 
     On TPU this starts one process per chip with the ``spawn`` method, so ``fn`` and ``args``
-    must pickle; on the CPU runtime the replicas are threads of the calling process.
+    must pickle. Under torchrun it calls ``fn`` in this process (one replica per process).
     """
     torch_xla.launch(fn, args=args)
 

@@ -1,34 +1,56 @@
-"""Configuration: a dataclass schema, filled from YAML and ``key=value`` command-line overrides.
+"""Configuration: a typed schema filled from YAML files and ``key=value`` overrides (OmegaConf).
 
-The entry point of a program turns the command line into a typed dataclass once::
+A run is described by ``RunConfig``::
 
-    cfg = load_config(MyConfig, sys.argv[1:])      # --config run.yaml trainer.max_epochs=5
-    trainer = Trainer(**trainer_kwargs(cfg.trainer))
-    save_config(cfg, trainer.log_dir)              # the resolved config beside the run's logs
+    seed: 0
+    model:    {_target_: mypkg.models.Classifier, hidden: 256}     # the XModule and its arguments
+    data:     {_target_: mypkg.data.Digits, batch_size: 64}        # optional: *_dataloader() methods
+    strategy: xla_fsdp                 # or {name: xla_fsdp, reshard_after_forward: false}
+    callbacks: [{_target_: xtrainer.callbacks.EarlyStopping, monitor: val_loss}]
+    trainer:  {max_epochs: 8, devices: 4}                          # every other Trainer argument
+    ckpt_path: null                    # or "last", or a checkpoint's path
 
-Nothing below the entry point sees an OmegaConf object. A key that is not in the schema, or a
-value of the wrong type, fails here with the list of valid keys.
+Sources merge in order: the schema's defaults, each ``--config`` file, then ``key=value`` items.
+Interpolations (``${model.hidden}``) and environment variables (``${oc.env:DATA_DIR}``) resolve
+as in OmegaConf. ``load`` returns plain dataclasses and ``build`` turns them into a ``Trainer``,
+a module and data, so nothing below the entry point sees an OmegaConf object. Every mistake
+raises ``ConfigError`` with a message naming the key (and, for an unknown key, the closest valid
+one) before anything trains.
+
+``_target_`` is instantiated by a few lines over ``importlib`` (``instantiate``), not Hydra:
+import a dotted name, check the keyword arguments against the signature, call it. That is all
+a run needs, and it keeps the errors ours.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import os
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, TypeVar, Union
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, TypeVar, Union
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+from xtrainer.suggest import did_you_mean
 
 T = TypeVar("T")
 CONFIG_FILE = "config.yaml"
+TARGET = "_target_"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run: the message says which key and what to do."""
 
 
 @dataclass
 class TrainerConfig:
-    """The ``Trainer``'s constructor arguments that a config file can set."""
+    """The ``Trainer``'s constructor arguments that a config file can set (``strategy`` and
+    ``callbacks`` are top-level keys of ``RunConfig``)."""
 
-    strategy: str = "xla_native"
     devices: Any = "auto"
     max_epochs: Optional[int] = None
     max_steps: int = -1
@@ -43,10 +65,24 @@ class TrainerConfig:
     gradient_clip_val: Optional[float] = None
     gradient_clip_algorithm: str = "norm"
     precision: str = "32"
+    logger: bool = True
     default_root_dir: Optional[str] = None
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
     detect_nonfinite: str = "raise"
+
+
+@dataclass
+class RunConfig:
+    """Everything ``xtrainer fit|validate|test|predict`` needs."""
+
+    model: Dict[str, Any] = MISSING
+    data: Optional[Dict[str, Any]] = None
+    strategy: Any = "xla_native"
+    callbacks: List[Any] = field(default_factory=list)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: Optional[int] = None
+    ckpt_path: Optional[str] = None
 
 
 def trainer_kwargs(config: TrainerConfig) -> dict[str, Any]:
@@ -54,58 +90,272 @@ def trainer_kwargs(config: TrainerConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def load_config(schema: type[T], argv: Sequence[str] = ()) -> T:
-    """An instance of ``schema`` from ``--config FILE.yaml`` (optional) and ``a.b=value`` items.
-
-    Later sources override earlier ones: the schema's defaults, then the YAML file, then the
-    command-line items, in order.
-    """
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+def split_argv(argv: Sequence[str], schema: Any = RunConfig) -> tuple[list[str], list[str]]:
+    """``--config FILE`` paths and ``key=value`` overrides, in the order given."""
     argv = list(argv)
-    yaml_paths, overrides = [], []
+    files, overrides = [], []
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--config":
             if i + 1 >= len(argv):
-                raise ValueError("--config needs a YAML file after it.")
-            yaml_paths.append(argv[i + 1])
+                raise ConfigError("--config needs a YAML file after it.")
+            files.append(argv[i + 1])
             i += 2
             continue
         if arg.startswith("--config="):
-            yaml_paths.append(arg.split("=", 1)[1])
+            files.append(arg.split("=", 1)[1])
         elif "=" in arg and not arg.startswith("-"):
             overrides.append(arg)
         else:
-            raise ValueError(f"Unexpected argument {arg!r}: give --config FILE.yaml and key=value overrides "
-                             f"(valid keys: {', '.join(_keys(schema))}).")
+            raise ConfigError(f"Unexpected argument {arg!r}: give --config FILE.yaml and key=value overrides "
+                              f"(keys: {', '.join(_keys(schema))}).")
         i += 1
+    return files, overrides
+
+
+def load_config(schema: type[T], argv: Sequence[str] = ()) -> T:
+    """An instance of the dataclass ``schema`` from ``--config FILE.yaml`` items and ``a.b=value``
+    overrides: the schema's defaults, then each file in order, then the overrides in order."""
+    files, overrides = split_argv(argv, schema)
+    return _to_object(schema, _merged(schema, files, overrides))
+
+
+def load(argv: Sequence[str] = ()) -> RunConfig:
+    """The ``RunConfig`` of ``xtrainer fit --config run.yaml key=value ...`` (same arguments)."""
+    return load_config(RunConfig, argv)
+
+
+def _merged(schema: Any, files: list[str], overrides: list[str]) -> DictConfig:
     config = OmegaConf.structured(schema)
     try:
-        for path in yaml_paths:
+        for path in files:
             if not os.path.exists(path):
-                raise FileNotFoundError(f"Config file {path!r} does not exist.")
+                raise ConfigError(f"Config file {path!r} does not exist.")
             config = OmegaConf.merge(config, OmegaConf.load(path))
-        config = OmegaConf.merge(config, OmegaConf.from_dotlist(overrides))
-        return OmegaConf.to_object(config)  # type: ignore[return-value]
+        return OmegaConf.merge(config, OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as err:
-        raise ValueError(f"Invalid configuration: {err.msg if hasattr(err, 'msg') else err}. "
-                         f"Valid keys: {', '.join(_keys(schema))}.") from None
+        raise _explain(err, schema) from None
 
 
-def save_config(config: Any, directory: str | os.PathLike) -> str:
-    """Write the resolved ``config`` as ``config.yaml`` in ``directory``; returns its path."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(os.fspath(directory), CONFIG_FILE)
-    OmegaConf.save(OmegaConf.structured(config), path, resolve=True)
-    return path
+def _to_object(schema: Any, config: DictConfig) -> Any:
+    try:
+        OmegaConf.resolve(config)
+        return OmegaConf.to_object(config)
+    except OmegaConfBaseException as err:
+        raise _explain(err, schema) from None
+
+
+def _explain(err: OmegaConfBaseException, schema: Any) -> ConfigError:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+    if isinstance(err, MissingMandatoryValue):
+        return ConfigError(f"{key} is required and has no value: set it in a --config file or as {key}=...")
+    if isinstance(err, ConfigKeyError):
+        valid = _keys(schema)
+        return ConfigError(f"Unknown key {key!r}.{did_you_mean(str(key), valid)} Valid keys: {', '.join(valid)}.")
+    if isinstance(err, ValidationError):
+        value = getattr(err, "value", None)
+        expected = _type_name(_field_type(schema, str(key)))
+        return ConfigError(f"{key}={value!r} is not a valid {expected}.")
+    message = getattr(err, "msg", None) or str(err)
+    return ConfigError(f"Invalid configuration at {key}: {message.splitlines()[0]}")
+
+
+def _field_type(schema: Any, dotted: str) -> Any:
+    node: Any = schema
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if part not in hints:
+            return None
+        node = hints[part]
+    return node
+
+
+def _type_name(tp: Any) -> str:
+    if tp is None:
+        return "value"
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_type_name(a) for a in args)
+    return getattr(tp, "__name__", str(tp))
 
 
 def _keys(schema: Any, prefix: str = "") -> list[str]:
     keys = []
-    for field in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(field.type) or (isinstance(field.default_factory, type)
-                                                    and dataclasses.is_dataclass(field.default_factory)):
-            keys += _keys(field.default_factory, prefix + field.name + ".")
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints.get(f.name)):
+            keys += _keys(hints[f.name], prefix + f.name + ".")
         else:
-            keys.append(prefix + field.name)
+            keys.append(prefix + f.name)
     return keys
+
+
+def to_yaml(config: Any) -> str:
+    """The resolved configuration as YAML (defaults included)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config), resolve=True)
+
+
+def save_config(config: Any, directory: str | os.PathLike) -> str:
+    """Write the resolved ``config`` as ``config.yaml`` in ``directory``; returns its path.
+    ``xtrainer fit --config <that file>`` runs the same configuration again."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(os.fspath(directory), CONFIG_FILE)
+    with open(path, "w") as f:
+        f.write(to_yaml(config))
+    return path
+
+
+def flatten(config: Any) -> dict[str, Any]:
+    """``{"trainer.max_epochs": 8, "model._target_": "...", ...}``: scalars only (for TensorBoard's
+    hyperparameters); lists become strings."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        elif isinstance(node, (list, tuple)):
+            out[prefix[:-1]] = str(node)
+        else:
+            out[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(OmegaConf.structured(config), resolve=True), "")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Building the run
+# --------------------------------------------------------------------------------------------
+def locate(dotted: str, where: str) -> Any:
+    """The object a dotted name (``package.module.Name``) refers to."""
+    if not isinstance(dotted, str) or "." not in dotted:
+        raise ConfigError(f"{where}.{TARGET}={dotted!r}: give a dotted name, e.g. mypackage.models.Classifier.")
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is not None and not module_name.startswith(err.name) and err.name != module_name:
+                raise ConfigError(f"{where}.{TARGET}={dotted!r}: importing {module_name} failed, because it "
+                                  f"imports {err.name!r}, which is not installed.") from None
+            continue
+        for i, attr in enumerate(parts[cut:]):
+            if not hasattr(obj, attr):
+                raise ConfigError(f"{where}.{TARGET}={dotted!r}: module {'.'.join(parts[:cut + i])} has no "
+                                  f"attribute {attr!r}.")
+            obj = getattr(obj, attr)
+        return obj
+    raise ConfigError(f"{where}.{TARGET}={dotted!r}: no module {parts[0]!r} can be imported (run from the "
+                      "folder that holds it, or install its package).")
+
+
+def instantiate(spec: Any, where: str) -> Any:
+    """``{_target_: dotted.Name, **kwargs}`` called with its keyword arguments, checked first."""
+    if not isinstance(spec, dict) or TARGET not in spec:
+        raise ConfigError(f"{where} needs a {TARGET} (e.g. {where}: {{{TARGET}: mypackage.Thing, ...}}).")
+    kwargs = {k: v for k, v in spec.items() if k != TARGET}
+    return call_checked(locate(spec[TARGET], where), kwargs, where)
+
+
+def call_checked(target: Any, kwargs: dict[str, Any], where: str) -> Any:
+    """``target(**kwargs)`` after checking the names, the required arguments and simple types
+    against its signature, so that a mistake is a message naming the key."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return target(**kwargs)
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in params and not takes_any:
+            raise ConfigError(f"Unknown key '{where}.{key}': {_name(target)} takes {', '.join(named) or 'nothing'}."
+                              + did_you_mean(key, named))
+    for name in named:
+        if params[name].default is inspect.Parameter.empty and name not in kwargs:
+            raise ConfigError(f"{where}.{name} is required by {_name(target)} and has no value: set {where}.{name}=...")
+    hints = _hints(target)
+    for key, value in kwargs.items():
+        expected = hints.get(key)
+        if expected is not None and not _fits(value, expected):
+            raise ConfigError(f"{where}.{key}={value!r} is not a valid {_type_name(expected)} "
+                              f"(an argument of {_name(target)}).")
+    return target(**kwargs)
+
+
+def _name(target: Any) -> str:
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', target)}"
+
+
+def _hints(target: Any) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # noqa: BLE001 - annotations that do not evaluate: no type checks
+        return {}
+
+
+def _fits(value: Any, expected: Any) -> bool:
+    """Whether ``value`` fits a simple annotation; anything this does not understand fits."""
+    if expected is Any:
+        return True
+    origin = typing.get_origin(expected)
+    if origin is Union:
+        return any(_fits(value, a) for a in typing.get_args(expected))
+    if expected is type(None):
+        return value is None
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected in (str, bool):
+        return isinstance(value, expected)
+    return True
+
+
+@dataclass
+class Run:
+    """The typed objects a ``RunConfig`` describes."""
+
+    trainer: Any
+    model: Any
+    data: Any
+    ckpt_path: Optional[str]
+
+
+def build(config: RunConfig) -> Run:
+    """Seed, then instantiate the strategy, callbacks, Trainer, model and data of ``config``."""
+    from xtrainer import Trainer, seed_everything
+    from xtrainer.strategies import STRATEGIES, resolve_strategy
+
+    if config.seed is not None:
+        seed_everything(config.seed)
+    strategy = config.strategy
+    try:
+        if isinstance(strategy, dict):
+            options = dict(strategy)
+            name = options.pop("name", None)
+            if name not in STRATEGIES:
+                raise ConfigError(f"strategy.name={name!r}: use one of {', '.join(STRATEGIES)}.")
+            strategy = call_checked(STRATEGIES[name], options, "strategy")
+        else:
+            strategy = resolve_strategy(strategy)
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"strategy: {err}") from None
+    callbacks = [instantiate(spec, f"callbacks[{i}]") for i, spec in enumerate(config.callbacks)]
+    kwargs = trainer_kwargs(config.trainer)
+    try:
+        trainer = Trainer(strategy=strategy, callbacks=callbacks, **kwargs)
+    except ValueError as err:
+        raise ConfigError(f"trainer: {err}") from None
+    model = instantiate(config.model, "model")
+    data = instantiate(config.data, "data") if config.data is not None else None
+    trainer.run_config = flatten(config)
+    return Run(trainer, model, data, config.ckpt_path)
+

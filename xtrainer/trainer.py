@@ -173,6 +173,9 @@ class Trainer:
         self._stop_agreed = False
         self._seed = 0
         self._nonfinite: _NonFiniteWatch | None = None
+        #: The resolved configuration of ``xtrainer fit`` (flat keys), logged with the module's
+        #: hyperparameters.
+        self.run_config: dict[str, Any] = {}
         self.callback_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
@@ -322,7 +325,7 @@ class Trainer:
                 self._setup_optimizers()
                 if self.is_global_zero:
                     for logger in self.loggers:
-                        logger.log_hyperparams(dict(module.hparams))
+                        logger.log_hyperparams({**self.run_config, **module.hparams})
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage)
             if stage == "fit":
@@ -693,6 +696,16 @@ class Trainer:
         return state
 
 
+def seed_everything(seed: int) -> int:
+    """Seed Python's, NumPy's and torch's random generators. A fit then derives its shuffling
+    order and each replica's XLA generator from this seed, so runs repeat exactly."""
+    random.seed(seed)
+    if _numpy is not None:
+        _numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return seed
+
+
 # ---- module-level helpers --------------------------------------------------------------------
 class _NonFiniteWatch:
     """The global step of the first non-finite training loss, tracked on the device.
@@ -723,8 +736,9 @@ def _rng_states(strategy: Any) -> dict[str, Any]:
     Python's, NumPy's and torch's CPU generators (shared by a process) and each replica's XLA
     generator (a host rendezvous with several replicas, as all of a save is)."""
     states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if _numpy is not None:
-        states["numpy"] = _numpy.random.get_state()
+    if _numpy is not None:  # as plain lists: the checkpoint stays loadable with torch.load(weights_only=True)
+        name, keys, pos, has_gauss, cached = _numpy.random.get_state()
+        states["numpy"] = [name, keys.tolist(), pos, has_gauss, cached]
     xla = _xla.rng_state()
     states["xla"] = strategy.all_gather_object(xla) if strategy.world_size > 1 else [xla]
     return states
@@ -738,7 +752,8 @@ def _set_rng_states(states: dict[str, Any] | None, rank: int, world_size: int) -
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(states["torch"])
     if _numpy is not None and "numpy" in states:
-        _numpy.random.set_state(tuple(states["numpy"]))
+        name, keys, pos, has_gauss, cached = states["numpy"]
+        _numpy.random.set_state((name, _numpy.array(keys, dtype=_numpy.uint32), pos, has_gauss, cached))
     xla = states["xla"]
     _xla.set_rng_state(xla[rank] if len(xla) == world_size else xla[0] + rank)
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import TYPE_CHECKING, Any, Iterable
+
+from xtrainer.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -118,8 +119,7 @@ def check_hook_names(obj: Any, known: Iterable[str], base: type) -> None:
             break
         for name, value in vars(klass).items():
             if name.startswith("on_") and callable(value) and name not in known:
-                close = difflib.get_close_matches(name, sorted(known), n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
+                hint = did_you_mean(name, sorted(known))
                 raise AttributeError(
                     f"{klass.__name__}.{name} looks like a hook but there is no hook of that name, "
                     f"so it would never be called.{hint} Rename it, or drop the 'on_' prefix if it is a "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from xtrainer.strategies.base import Strategy
+from xtrainer.suggest import did_you_mean
 from xtrainer.strategies.ddp import XlaDDP
 from xtrainer.strategies.fsdp import XlaFSDP
 from xtrainer.strategies.native import XlaNative
@@ -21,7 +22,8 @@ def resolve_strategy(strategy: "str | Strategy") -> Strategy:
         return strategy
     if isinstance(strategy, str) and strategy in STRATEGIES:
         return STRATEGIES[strategy]()
-    raise ValueError(f"Unknown strategy {strategy!r}. Valid names: {', '.join(sorted(STRATEGIES))}; "
+    hint = did_you_mean(strategy, STRATEGIES) if isinstance(strategy, str) else ""
+    raise ValueError(f"Unknown strategy {strategy!r}.{hint} Valid names: {', '.join(sorted(STRATEGIES))}; "
                      "or pass a Strategy instance.")
 
 

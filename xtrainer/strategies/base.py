@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import inspect
 import os
 import pickle
 import sys
@@ -42,6 +43,7 @@ from xtrainer import _xla
 from xtrainer import checkpoint as ckpt_io
 from xtrainer.precision import Precision
 from xtrainer.strategies import cpu_replicas
+from xtrainer.suggest import did_you_mean
 
 
 class Strategy(abc.ABC):
@@ -74,10 +76,16 @@ class Strategy(abc.ABC):
         The calling process never touches the XLA runtime itself, which ``torch_xla.launch``
         requires. If a replica fails, the others are stopped and its error is raised here.
         """
+        external = _xla.launched_externally()
+        if external and _xla.requested_device_type() == "CPU" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise RuntimeError(
+                "This process is one of several started by torchrun (or a similar launcher), but torch_xla's "
+                "CPU runtime cannot run collectives across processes. Start one process instead (python "
+                "script.py or xtrainer fit) with Trainer(devices=N): xtrainer runs the N replicas itself.")
         if self.devices == 1:
             return fn(*args)
         threads = cpu_replicas.applies(self.devices)
-        if not threads:
+        if not threads and not external:
             _check_launch_devices(self.devices)
         self._launch_rng_state = torch.get_rng_state()
         with tempfile.TemporaryDirectory(prefix="xtrainer-launch-") as tmp:
@@ -295,6 +303,20 @@ def _check_launch_devices(devices: int | None) -> None:
         raise ValueError(
             f"devices={devices}, but torch_xla.launch runs one replica on each of the {local} local "
             f"{kind} devices. Use devices='auto' (or {local}), or make fewer devices visible to the runtime.")
+
+
+def check_wrapper_kwargs(cls: type, kwargs: dict[str, Any], ours: type, theirs: str) -> None:
+    """Refuse keyword arguments that the strategy ``ours`` passes on to the wrapper ``cls`` but
+    ``cls`` does not take: now, not later when a replica builds the wrapper."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    known = [*inspect.signature(ours.__init__).parameters, *params]
+    known = [name for name in known if name not in ("self", "kwargs") and not name.endswith("_kwargs")]
+    for key in kwargs:
+        if key not in params:
+            raise ValueError(f"{ours.__name__}({key}=...): neither {ours.__name__} nor {theirs} takes an argument "
+                             f"{key!r}.{did_you_mean(key, known)}")
 
 
 class ReplicaFailure(Exception):

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from xtrainer import _xla
-from xtrainer.strategies.base import Strategy
+from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
 
 
 class XlaDDP(Strategy):
@@ -35,6 +35,7 @@ class XlaDDP(Strategy):
         for key in ("device_ids", "output_device"):
             if key in ddp_kwargs:
                 raise ValueError(f"XlaDDP places the module on the XLA device itself; remove {key}=.")
+        check_wrapper_kwargs(DistributedDataParallel, ddp_kwargs, XlaDDP, "DistributedDataParallel")
         self.ddp_kwargs = {**ddp_kwargs, "gradient_as_bucket_view": True}
         self._owns_process_group = False
 

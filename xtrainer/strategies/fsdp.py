@@ -12,7 +12,7 @@ from torch import nn
 
 from xtrainer import _xla
 from xtrainer import checkpoint as ckpt_io
-from xtrainer.strategies.base import Strategy
+from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
 
 #: Instance attributes FSDP and activation checkpointing patch onto the user's modules.
 _PATCHED_ATTRIBUTES = frozenset({"forward", "_xla_checkpointed_forward_original",
@@ -54,6 +54,7 @@ class XlaFSDP(Strategy):
         for key in ("auto_wrapper_callable", "module"):
             if key in fsdp_kwargs:
                 raise ValueError(f"XlaFSDP sets {key} itself; use auto_wrap_policy / activation_checkpointing.")
+        check_wrapper_kwargs(self._fsdp_class(), fsdp_kwargs, XlaFSDP, "XlaFullyShardedDataParallel")
         self.reshard_after_forward = reshard_after_forward
         self.auto_wrap_policy = auto_wrap_policy
         self.activation_checkpointing = activation_checkpointing
