@@ -228,6 +228,27 @@ def compile_count() -> int:
     return metric_count("CompileTime")
 
 
+def compile_seconds() -> float:
+    """Total time spent compiling graphs in this process."""
+    data = _metrics.metric_data("CompileTime")
+    return float(data[1]) / 1e9 if data else 0.0
+
+
+def memory_info() -> dict[str, int] | None:
+    """``{"bytes_used", "bytes_limit"}`` of this replica's device, or None where the runtime does
+    not report it (the CPU runtime). Asks the allocator; no graph runs."""
+    try:
+        info = xm.get_memory_info(torch_xla.device())
+    except RuntimeError:
+        return None
+    if "bytes_used" in info:
+        return {"bytes_used": int(info["bytes_used"]), "bytes_limit": int(info["bytes_limit"])}
+    if "kb_total" in info:  # older runtimes report kilobytes
+        return {"bytes_used": 1024 * int(info["kb_total"] - info["kb_free"]),
+                "bytes_limit": 1024 * int(info["kb_total"])}
+    return None
+
+
 def execute_count() -> int:
     return metric_count("ExecuteTime")
 

@@ -69,6 +69,7 @@ class TrainerConfig:
     default_root_dir: Optional[str] = None
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
+    enable_xla_health: bool = True
     detect_nonfinite: str = "raise"
 
 

@@ -14,8 +14,9 @@ class Logger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         raise NotImplementedError
 
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
-        del params
+    def log_hyperparams(self, params: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        """The run's settings; called at the start of a fit, and at its end with the final metrics."""
+        del params, metrics
 
     def finalize(self) -> None:
         """Flush and close. Called at the end of every run, also when it failed."""
@@ -45,9 +46,18 @@ class TensorBoardLogger(Logger):
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, global_step=step)
 
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
-        if params:
-            self.writer.add_text("hparams", "\n".join(f"- {k}: {v}" for k, v in sorted(params.items())))
+    def log_hyperparams(self, params: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        """As text at the start; at the end, in TensorBoard's HPARAMS view, with the final metrics
+        (which link to the scalars of the same names)."""
+        if metrics is None:
+            if params:
+                self.writer.add_text("hparams", "\n".join(f"- {k}: {v}" for k, v in sorted(params.items())))
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        plain = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in params.items()}
+        for summary in hparams(plain, dict(metrics)):
+            self.writer.file_writer.add_summary(summary)
 
     def finalize(self) -> None:
         if self._writer is not None:

@@ -152,3 +152,17 @@ def to_floats(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     """Device scalars to Python floats in one batched transfer. Syncs the host."""
     host = _xla.to_cpu(tensors)  # host sync: one transfer for every value
     return {name: float(value) for name, value in host.items()}
+
+
+def batch_size(batch: Any) -> int:
+    """dim 0 of the batch's first tensor (shape metadata: no host sync)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = batch_size(item)
+            if size:
+                return size
+    return 1

@@ -21,12 +21,12 @@ except ImportError:  # NumPy is optional; its generator is saved when it is inst
 
 from xtrainer import _xla
 from xtrainer import checkpoint as ckpt_io
-from xtrainer.callbacks import ModelCheckpoint, ProgressBar
+from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.loggers import Logger, TensorBoardLogger
 from xtrainer.module import MODULE_HOOKS, XModule
 from xtrainer.precision import Precision
-from xtrainer.results import Results, to_floats
+from xtrainer.results import Results, batch_size, to_floats
 from xtrainer.strategies import Strategy, resolve_strategy
 
 _STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
@@ -82,6 +82,8 @@ class Trainer:
         default_root_dir: where run folders (``version_N``) are made; default ``./xtrainer_logs``.
         enable_progress_bar: print progress and ``prog_bar`` values on rank 0.
         enable_checkpointing: add a ``ModelCheckpoint`` (last epoch) if none is given.
+        enable_xla_health: add an ``XlaHealth`` callback (compilations, transfers, throughput,
+            recompilation warnings) if none is given.
         detect_nonfinite: what to do when the training loss is NaN or infinite: ``"raise"``
             (stop with the global step where it first happened), ``"warn"`` (say so once, go on),
             or ``"off"``. The check runs on the device inside each step and is read with the
@@ -111,6 +113,7 @@ class Trainer:
         default_root_dir: str | os.PathLike | None = None,
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,
+        enable_xla_health: bool = True,
         detect_nonfinite: str = "raise",
     ) -> None:
         self.strategy = resolve_strategy(strategy)
@@ -158,6 +161,8 @@ class Trainer:
             self.callbacks.append(ModelCheckpoint())
         if not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
             raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is among the callbacks.")
+        if enable_xla_health and not any(isinstance(cb, XlaHealth) for cb in self.callbacks):
+            self.callbacks.append(XlaHealth())
         if enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in self.callbacks):
             self.callbacks.append(ProgressBar())
         if logger is True:
@@ -325,7 +330,7 @@ class Trainer:
                 self._setup_optimizers()
                 if self.is_global_zero:
                     for logger in self.loggers:
-                        logger.log_hyperparams({**self.run_config, **module.hparams})
+                        logger.log_hyperparams(self._hyperparameters())
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage)
             if stage == "fit":
@@ -402,6 +407,17 @@ class Trainer:
                 self._batches_in_epoch = 0
         self._call("on_train_end")
         self._call("on_fit_end")
+        if self.is_global_zero:
+            for logger in self.loggers:
+                logger.log_hyperparams(self._hyperparameters(), dict(self.callback_metrics))
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        """The module's saved hyperparameters, the run's configuration and the Trainer's settings."""
+        settings = {"strategy": self.strategy.name, "world_size": self.world_size, "precision": self.precision.name,
+                    "max_epochs": self.max_epochs, "max_steps": self.max_steps,
+                    "accumulate_grad_batches": self.accumulate_grad_batches,
+                    "gradient_clip_val": self.gradient_clip_val, "log_every_n_steps": self.log_every_n_steps}
+        return {**{f"trainer/{k}": v for k, v in settings.items()}, **self.run_config, **self.module.hparams}
 
     def _stopping(self) -> bool:
         """Whether ``should_stop`` ends the fit. With several replicas, one replica's request is
@@ -418,7 +434,7 @@ class Trainer:
         steps = ((batch_idx + 1) % self.accumulate_grad_batches == 0
                  or batch_idx + 1 == self.num_training_batches)
         results = self._results
-        results.batch_size, results.in_step = _batch_size(batch), True
+        results.batch_size, results.in_step = batch_size(batch), True
         with self.strategy.no_backward_sync(self._wrapped, enabled=not steps):
             outputs = self._wrapped("train", batch, batch_idx)
             loss = _training_loss(outputs)
@@ -517,7 +533,7 @@ class Trainer:
                     if batch_idx >= limit:
                         break
                     self._call(f"on_{hook}_batch_start", batch, batch_idx, *extra)
-                    results.batch_size, results.in_step = _batch_size(batch), True
+                    results.batch_size, results.in_step = batch_size(batch), True
                     outputs = wrapped(stage, batch, batch_idx, *step_extra)
                     results.in_step = False
                     if stage == "predict":
@@ -573,8 +589,14 @@ class Trainer:
         self.callback_metrics.update(public)
         self.logged_metrics.update(public)
         if public and self.is_global_zero and self.state != "predict":
+            logged = dict(public)
+            if self.state == "fit":  # the epoch and every param group's learning rate ride along
+                logged["epoch"] = float(self.current_epoch)
+                for optimizer in self.optimizers:
+                    for i, group in enumerate(optimizer.param_groups):
+                        logged[f"lr-{type(optimizer).__name__}/pg{i}"] = float(group["lr"])
             for logger in self.loggers:
-                logger.log_metrics(public, self.global_step)
+                logger.log_metrics(logged, self.global_step)
         return public
 
     def _report_nonfinite(self, first: float) -> None:
@@ -830,20 +852,6 @@ def _accepts_dataloader_idx(step: Any) -> bool:
         return True
     return "dataloader_idx" in params or len(params) >= 3 or any(
         p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
-
-
-def _batch_size(batch: Any) -> int:
-    """dim 0 of the batch's first tensor (shape metadata: no host sync)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            size = _batch_size(item)
-            if size:
-                return size
-    return 1
 
 
 def _training_loss(outputs: Any) -> torch.Tensor:

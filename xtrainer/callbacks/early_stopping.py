@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from lightning_utilities.core.rank_zero import rank_zero_info
-
 from xtrainer.callbacks.base import Callback
 from xtrainer.callbacks.monitor import Monitor
 
@@ -76,8 +74,9 @@ class EarlyStopping(Callback):
         if reason:
             trainer.should_stop = True
             self.stopped_epoch, self.stop_reason = trainer.current_epoch, reason
-            if self.verbose:
-                rank_zero_info(f"EarlyStopping at epoch {trainer.current_epoch}, step {trainer.global_step}: {reason}")
+            if self.verbose and trainer.is_global_zero:
+                print(f"EarlyStopping at epoch {trainer.current_epoch}, step {trainer.global_step}: {reason}",
+                      flush=True)
 
     def _reason_to_stop(self, score: float) -> str:
         name = self.monitor.name

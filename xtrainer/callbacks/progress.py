@@ -1,4 +1,4 @@
-"""``ProgressBar``: a line of progress on rank 0, refreshed when logged values arrive."""
+"""``ProgressBar``: epoch, step, ETA, throughput and ``prog_bar`` values on rank 0 (``rich``)."""
 
 from __future__ import annotations
 
@@ -14,23 +14,53 @@ if TYPE_CHECKING:
 
 
 class ProgressBar(Callback):
-    """Prints epoch, step, throughput and the ``prog_bar`` values.
+    """A ``rich`` progress bar per training epoch on a terminal; plain lines otherwise.
 
-    It only shows values the Trainer has already read back to the host, so it never adds a
-    host sync (a progress bar that reads device values every step stalls XLA training).
+    It is redrawn only when the Trainer has read logged values back anyway (every
+    ``log_every_n_steps`` and at epoch ends) and shows only host values, so it never adds a
+    host sync or changes a graph (a bar that reads device values every step stalls XLA
+    training). Rank 0 only; ``Trainer(enable_progress_bar=False)`` turns it off.
+
+    Args:
+        stream: where to write (default: standard output).
+        rich: ``None`` (a bar if ``stream`` is a terminal), ``True`` or ``False``.
     """
 
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self.stream = stream
-        self._start = 0.0
-        self._start_step = 0
-        self._shown_step = -1
+    def __init__(self, stream: TextIO | None = None, rich: bool | None = None) -> None:
+        self.stream, self.rich = stream, rich
+        self._progress: Any = None
+        self._task: Any = None
+        self._start, self._start_step, self._shown_step = 0.0, 0, -1
 
     def _out(self) -> TextIO:
         return self.stream or sys.stdout
 
+    def _use_rich(self) -> bool:
+        if self.rich is not None:
+            return self.rich
+        isatty = getattr(self._out(), "isatty", None)
+        return bool(isatty and isatty())
+
+    # ---- training ----------------------------------------------------------------------------
+    def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
+        if trainer.is_global_zero and self._use_rich():
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            self._progress = Progress(
+                TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[values]}"),
+                console=Console(file=self._out(), force_terminal=self.rich or None), auto_refresh=False)
+            self._progress.start()
+
     def on_train_epoch_start(self, trainer: "Trainer", module: "XModule") -> None:
         self._start, self._start_step = time.perf_counter(), trainer.global_step
+        if self._progress is not None:
+            total = trainer.num_training_batches
+            self._task = self._progress.add_task("train", total=None if total == float("inf") else int(total),
+                                                 epoch=trainer.current_epoch, rate="", values="")
 
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -38,23 +68,38 @@ class ProgressBar(Callback):
         if step % trainer.log_every_n_steps or step == self._shown_step or not trainer.is_global_zero:
             return
         self._shown_step = step
-        self._print(trainer, f"batch {batch_idx + 1}/{_fmt_total(trainer.num_training_batches)}")
+        self._show(trainer, batch_idx + 1, f"batch {batch_idx + 1}/{_fmt_total(trainer.num_training_batches)}")
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
         if trainer.is_global_zero:
-            self._print(trainer, "done")
+            self._show(trainer, None, "done")
 
+    def on_train_end(self, trainer: "Trainer", module: "XModule") -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = self._task = None
+
+    def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+        self.on_train_end(trainer, module)  # also when training failed: give the terminal back
+
+    # ---- evaluation ----------------------------------------------------------------------------
     def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
         if trainer.is_global_zero and trainer.state != "fit":
             values = " ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.callback_metrics.items()))
             print(f"{trainer.state}: {values}", file=self._out(), flush=True)
 
-    def _print(self, trainer: "Trainer", where: str) -> None:
+    def _show(self, trainer: "Trainer", completed: int | None, where: str) -> None:
         elapsed = time.perf_counter() - self._start
         rate = (trainer.global_step - self._start_step) / elapsed if elapsed > 0 else 0.0
         values = " ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.progress_bar_metrics.items()))
-        print(f"epoch {trainer.current_epoch} {where} step {trainer.global_step} "
-              f"({rate:.1f} it/s) {values}", file=self._out(), flush=True)
+        if self._progress is not None and self._task is not None:
+            task = self._progress.tasks[-1]
+            done = completed if completed is not None else (task.total or task.completed)
+            self._progress.update(self._task, completed=done, rate=f"{rate:.1f} it/s", values=values)
+            self._progress.refresh()
+            return
+        print(f"epoch {trainer.current_epoch} {where} step {trainer.global_step} ({rate:.1f} it/s) {values}",
+              file=self._out(), flush=True)
 
 
 def _fmt_total(total: float) -> str:

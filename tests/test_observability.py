@@ -1,0 +1,112 @@
+"""What a run shows: TensorBoard scalars and hyperparameters, XLA health, the progress bar."""
+
+import io
+
+import pytest
+import torch
+from conftest import Regressor, make_data, make_loader
+from tbparse import SummaryReader
+
+from xtrainer import Trainer, _xla
+from xtrainer.callbacks import ProgressBar, RecompilationError, XlaHealth
+
+
+def test_event_files_hold_logged_values_lr_epoch_health_and_hparams(tmp_path):
+    trainer = Trainer(max_epochs=2, log_every_n_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_checkpointing=False)
+    model = Regressor(lr=0.05)
+    model.save_hyperparameters(width=16)
+    trainer.fit(model, make_loader(), make_loader(n=16, seed=1))
+    scalars = SummaryReader(trainer.log_dir).scalars
+    tags = set(scalars.tag)
+    assert {"train_loss_step", "train_loss_epoch", "val_loss", "epoch", "lr-SGD/pg0"} <= tags
+    assert {"xla/compilations", "xla/compile_seconds", "xla/executions", "xla/transfers_to_host",
+            "throughput/steps_per_second", "throughput/samples_per_second"} <= tags
+    lr = scalars[scalars.tag == "lr-SGD/pg0"]
+    assert all(v == pytest.approx(0.05) for v in lr.value) and lr.step.tolist()[:3] == [2, 4, 6]
+    assert sorted(set(scalars[scalars.tag == "epoch"].value)) == [0.0, 1.0]
+    val = scalars[scalars.tag == "val_loss"]
+    assert val.step.tolist() == [8, 16] and val.value.iloc[-1] == pytest.approx(trainer.callback_metrics["val_loss"])
+    samples = scalars[scalars.tag == "throughput/samples_per_second"].value
+    steps = scalars[scalars.tag == "throughput/steps_per_second"].value
+    assert all(s > 0 for s in steps) and all(abs(a / b - 8) < 1e-6 for a, b in zip(samples, steps))
+    hparams = SummaryReader(trainer.log_dir).hparams
+    recorded = dict(zip(hparams.tag, hparams.value))
+    assert recorded["trainer/strategy"] == "xla_native" and recorded["width"] == 16
+
+
+def transfers(tmp_path, **kwargs):
+    _xla.clear_metrics()
+    trainer = Trainer(max_epochs=3, log_every_n_steps=4, default_root_dir=str(tmp_path), enable_checkpointing=False,
+                      **kwargs)
+    trainer.fit(Regressor(), make_loader(), make_loader(n=16, seed=1))
+    return _xla.transfer_from_device_count()
+
+
+def test_logger_progress_bar_and_health_add_no_device_reads(tmp_path):
+    quiet = transfers(tmp_path / "quiet", logger=False, enable_progress_bar=False, enable_xla_health=False)
+    shown = transfers(tmp_path / "shown", logger=True, enable_progress_bar=True, enable_xla_health=True)
+    assert shown == quiet
+    # 24 steps: 6 logging steps, 3 validation ends, 3 training epoch ends; then the 4 weight tensors
+    assert quiet == 6 + 3 + 3 + len(list(Regressor().parameters()))
+
+
+class ShapeShifter:
+    """The default data as 8 batches of 8, except that batch 3 is shorter from the second epoch on."""
+
+    def __init__(self, rows):
+        self.data, self.epochs, self.rows = make_data(), 0, rows
+
+    def __len__(self):
+        return 8
+
+    def __iter__(self):
+        x, y = self.data.tensors
+        for i in range(8):
+            rows = self.rows if self.epochs >= 1 and i == 3 else 8
+            yield x[8 * i:8 * i + rows], y[8 * i:8 * i + rows]
+        self.epochs += 1
+
+
+def test_a_recompilation_is_reported_with_its_step_and_shapes(tmp_path):
+    health = XlaHealth()
+    trainer = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+                      enable_checkpointing=False, callbacks=[health])
+    with pytest.warns(UserWarning, match="recompiled .* at step 12 \\(epoch 1, training batch 3\\).*"
+                                         "shapes \\(\\(5, 8\\), \\(5, 1\\)\\) never occurred"):
+        trainer.fit(Regressor(), ShapeShifter(5))
+    assert [r["step"] for r in health.recompilations][:1] == [12]
+    assert health.totals["recompilations"] >= 1 and health.totals["steps"] == 24
+    strict = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+                     enable_checkpointing=False, callbacks=[XlaHealth(on_recompile="raise")])
+    with pytest.raises(RecompilationError, match="at step 12"):  # another shape: graphs are cached per process
+        strict.fit(Regressor(), ShapeShifter(6))
+
+
+def test_a_steady_run_reports_no_recompilation_and_a_summary(tmp_path, capsys):
+    health = XlaHealth(on_recompile="raise")
+    trainer = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+                      enable_checkpointing=False, callbacks=[health])
+    trainer.fit(Regressor(), make_loader(), make_loader(n=16, seed=1))
+    assert health.recompilations == [] and health.totals["recompilations"] == 0
+    assert "fit: 24 steps in" in capsys.readouterr().out
+
+
+def test_progress_bar_lines_off_a_terminal_and_a_rich_bar_on_one(tmp_path):
+    plain = io.StringIO()
+    Trainer(max_epochs=1, log_every_n_steps=4, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+            callbacks=[ProgressBar(plain)]).fit(Regressor(), make_loader())
+    lines = plain.getvalue().splitlines()
+    assert lines[0].startswith("epoch 0 batch 4/8 step 4") and "loss=" in lines[0] and lines[-1].startswith("epoch 0 done")
+    fancy = io.StringIO()
+    Trainer(max_epochs=2, log_every_n_steps=4, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+            callbacks=[ProgressBar(fancy, rich=True)]).fit(Regressor(), make_loader())
+    out = fancy.getvalue()
+    assert "epoch 1" in out and "8/8" in out and "it/s" in out and "\x1b[" in out  # drawn with terminal codes
+
+
+def test_no_progress_bar_when_turned_off(tmp_path, capsys):
+    Trainer(max_epochs=1, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_xla_health=False).fit(Regressor(), make_loader())
+    assert capsys.readouterr().out == ""
+    assert torch.is_tensor(torch.zeros(1))

@@ -1,0 +1,176 @@
+"""``XlaHealth``: compilations, executions, transfers and memory, and recompilations named."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
+from xtrainer import _xla
+from xtrainer.callbacks.base import Callback
+from xtrainer.results import batch_size
+
+if TYPE_CHECKING:
+    from xtrainer.module import XModule
+    from xtrainer.trainer import Trainer
+
+
+class RecompilationError(RuntimeError):
+    """A graph was compiled after the first epoch (``XlaHealth(on_recompile="raise")``)."""
+
+
+class XlaHealth(Callback):
+    """Watches what makes XLA training slow without saying so. Added by the Trainer by default.
+
+    Every ``log_every_n_steps`` it logs, under ``xla/``: compilations and compile seconds,
+    graph executions and device-to-host transfers in the interval, and the device's memory where
+    the runtime reports it (not on the CPU runtime); under ``throughput/``: optimizer steps and
+    samples (over all replicas) per second. It reads torch_xla's counters on the host, never a
+    device value, so it adds no host sync.
+
+    After the first training epoch, its validation and the first step after them (which, under
+    FSDP, compiles a graph of its own: parameters come out of evaluation in another state), every
+    graph should be compiled. A new compilation after that is a recompilation: it is reported once per new compilation, with the
+    step and what xtrainer can see differ (the batch's shapes against those of the first epoch);
+    ``PT_XLA_DEBUG_LEVEL=2`` makes torch_xla print its own analysis. ``on_recompile="raise"``
+    turns the report into an error (for CI). ``fit`` ends with a summary line.
+
+    The counters belong to the process: with several replicas as threads of one process (the CPU
+    runtime) they count every replica's work.
+
+    Args:
+        on_recompile: ``"warn"`` (default), ``"raise"`` or ``"ignore"``.
+        summary: print the summary at the end of ``fit`` (rank 0).
+    """
+
+    def __init__(self, on_recompile: str = "warn", summary: bool = True) -> None:
+        if on_recompile not in ("warn", "raise", "ignore"):
+            raise ValueError(f"XlaHealth(on_recompile={on_recompile!r}): use 'warn', 'raise' or 'ignore'.")
+        self.on_recompile, self.summary = on_recompile, summary
+        self.recompilations: list[dict[str, Any]] = []
+        self._warm = self._warming_last_step = False
+        self._first_epoch_shapes: set[tuple] = set()
+
+    def on_fit_start(self, trainer: "Trainer", module: "XModule") -> None:
+        self.recompilations, self._warm, self._first_epoch_shapes = [], False, set()
+        self._warming_last_step = False
+        self._fit = self._mark(trainer)
+        self._interval = self._fit
+        self._samples = self._interval_samples = 0
+        self._compiles_seen = self._fit["compiles"]
+
+    def _mark(self, trainer: "Trainer") -> dict[str, float]:
+        return {"time": time.perf_counter(), "step": trainer.global_step, "compiles": _xla.compile_count(),
+                "compile_s": _xla.compile_seconds(), "executions": _xla.execute_count(),
+                "transfers": _xla.transfer_from_device_count()}
+
+    # ---- every batch: recompilations (host counters only) ------------------------------------
+    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        shapes = _shapes(batch)
+        samples = batch_size(batch) * trainer.world_size
+        self._samples += samples
+        self._interval_samples += samples
+        if self._warming_last_step:  # the first step after the first epoch (and its validation)
+            self._warming_last_step, self._warm = False, True
+            self._compiles_seen = _xla.compile_count()
+        if not self._warm:
+            self._first_epoch_shapes.add(shapes)
+        self._check(trainer, f"training batch {batch_idx}", shapes)
+        if trainer.global_step % trainer.log_every_n_steps == 0 and trainer.global_step != self._interval["step"]:
+            self._log_interval(trainer)
+
+    def on_validation_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+                                batch_idx: int, *args: Any) -> None:
+        shapes = _shapes(batch)
+        if not self._warm:
+            self._first_epoch_shapes.add(shapes)
+        self._check(trainer, f"validation batch {batch_idx}", shapes)
+
+    def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
+        self._check(trainer, "the end of the epoch", None)
+        if not self._warm:
+            self._warming_last_step = True
+
+    def _check(self, trainer: "Trainer", where: str, shapes: tuple | None) -> None:
+        count = _xla.compile_count()
+        if not self._warm or count == self._compiles_seen:
+            self._compiles_seen = count
+            return
+        new, self._compiles_seen = count - self._compiles_seen, count
+        if shapes is not None and shapes not in self._first_epoch_shapes:
+            seen = ", ".join(str(s) for s in sorted(self._first_epoch_shapes, key=str)[:4])
+            why = f"this batch's shapes {shapes} never occurred in the first epoch (there: {seen})"
+        else:
+            why = ("the inputs' shapes are as in the first epoch, so something inside the step changed (a Python "
+                   "number that varies between steps, a branch taken for the first time, a .item() in the step)")
+        record = {"step": trainer.global_step, "epoch": trainer.current_epoch, "where": where, "graphs": new,
+                  "reason": why}
+        self.recompilations.append(record)
+        message = (f"XLA recompiled {new} graph(s) at step {trainer.global_step} (epoch {trainer.current_epoch}, "
+                   f"{where}), after the first epoch: {why}. Each recompilation stalls training; run with "
+                   "PT_XLA_DEBUG_LEVEL=2 to see torch_xla's reasons.")
+        if self.on_recompile == "raise":
+            raise RecompilationError(message)
+        if self.on_recompile == "warn":
+            rank_zero_warn(message)
+
+    # ---- every logging interval ------------------------------------------------------------
+    def _log_interval(self, trainer: "Trainer") -> None:
+        now, before = self._mark(trainer), self._interval
+        seconds = max(now["time"] - before["time"], 1e-9)
+        figures = {
+            "xla/compilations": now["compiles"] - before["compiles"],
+            "xla/compile_seconds": now["compile_s"] - before["compile_s"],
+            "xla/executions": now["executions"] - before["executions"],
+            "xla/transfers_to_host": now["transfers"] - before["transfers"],
+            "throughput/steps_per_second": (now["step"] - before["step"]) / seconds,
+            "throughput/samples_per_second": self._interval_samples / seconds,
+        }
+        memory = _xla.memory_info()
+        if memory is not None:
+            figures.update({"xla/memory_bytes_used": memory["bytes_used"],
+                            "xla/memory_bytes_limit": memory["bytes_limit"]})
+        self._interval, self._interval_samples = now, 0
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({k: float(v) for k, v in figures.items()}, trainer.global_step)
+
+    def on_fit_end(self, trainer: "Trainer", module: "XModule") -> None:
+        end, start = self._mark(trainer), self._fit
+        steps = end["step"] - start["step"]
+        seconds = max(end["time"] - start["time"], 1e-9)
+        self.totals = {"steps": steps, "seconds": seconds, "steps_per_second": steps / seconds,
+                       "samples_per_second": self._samples / seconds,
+                       "compilations": end["compiles"] - start["compiles"],
+                       "recompilations": sum(r["graphs"] for r in self.recompilations),
+                       "transfers_per_step": (end["transfers"] - start["transfers"]) / max(steps, 1)}
+        if self.summary and trainer.is_global_zero:
+            t = self.totals
+            print(
+                f"fit: {t['steps']} steps in {t['seconds']:.1f} s ({t['steps_per_second']:.1f} steps/s, "
+                f"{t['samples_per_second']:.0f} samples/s); {t['compilations']} compilations "
+                f"({end['compile_s'] - start['compile_s']:.1f} s), {t['recompilations']} after the first epoch; "
+                f"{t['transfers_per_step']:.2f} device-to-host transfers per step", flush=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recompilations": list(self.recompilations)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.recompilations = list(state_dict.get("recompilations", []))
+
+
+def _tensors(batch: Any) -> list[Any]:
+    if hasattr(batch, "shape"):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def _shapes(batch: Any) -> tuple:
+    """The batch's tensor shapes (host metadata: no device access)."""
+    return tuple(tuple(t.shape) for t in _tensors(batch))
