@@ -1,6 +1,8 @@
 """What a run shows: TensorBoard scalars and hyperparameters, XLA health, the progress bar."""
 
+import glob
 import io
+import os
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ from conftest import Regressor, make_data, make_loader
 from tbparse import SummaryReader
 
 from xtrainer import Trainer, _xla
-from xtrainer.callbacks import ProgressBar, RecompilationError, XlaHealth
+from xtrainer.callbacks import ProgressBar, RecompilationError, XlaHealth, XlaProfiler
 
 
 def test_event_files_hold_logged_values_lr_epoch_health_and_hparams(tmp_path):
@@ -110,3 +112,13 @@ def test_no_progress_bar_when_turned_off(tmp_path, capsys):
             enable_progress_bar=False, enable_xla_health=False).fit(Regressor(), make_loader())
     assert capsys.readouterr().out == ""
     assert torch.is_tensor(torch.zeros(1))
+
+
+def test_profiler_traces_the_chosen_steps_into_the_run_folder(tmp_path):
+    profiler = XlaProfiler(start_step=10, num_steps=3)
+    trainer = Trainer(max_epochs=2, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+                      enable_checkpointing=False, callbacks=[profiler])
+    trainer.fit(Regressor(), make_loader())
+    assert profiler.traced_steps == [11, 12, 13] and profiler.port
+    traces = glob.glob(os.path.join(trainer.log_dir, "plugins", "profile", "*", "*.xplane.pb"))
+    assert len(traces) == 1 and os.path.getsize(traces[0]) > 0

@@ -266,6 +266,29 @@ def metrics_report() -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Profiling.
+# --------------------------------------------------------------------------------------------
+def start_profiler_server(port: int) -> Any:
+    """torch_xla's profiler server (for on-demand captures by TensorBoard); keep the handle."""
+    import torch_xla.debug.profiler as xp
+
+    return xp.start_server(port, only_on_master=False)
+
+
+def start_trace(log_dir: str) -> None:
+    import torch_xla.debug.profiler as xp
+
+    xp.start_trace(log_dir)
+
+
+def stop_trace() -> None:
+    """Ends the trace and writes it under ``<log_dir>/plugins/profile/`` (TensorBoard's layout)."""
+    import torch_xla.debug.profiler as xp
+
+    xp.stop_trace()
+
+
+# --------------------------------------------------------------------------------------------
 # Distributed pieces used by strategies.
 # --------------------------------------------------------------------------------------------
 def register_xla_process_group_backend() -> None:

@@ -4,8 +4,9 @@ from xtrainer.callbacks.base import Callback
 from xtrainer.callbacks.checkpoint import ModelCheckpoint
 from xtrainer.callbacks.early_stopping import EarlyStopping
 from xtrainer.callbacks.health import RecompilationError, XlaHealth
+from xtrainer.callbacks.profiler import XlaProfiler
 from xtrainer.callbacks.progress import ProgressBar
 from xtrainer.loggers import TensorBoardLogger
 
 __all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "ProgressBar", "RecompilationError", "TensorBoardLogger",
-           "XlaHealth"]
+           "XlaHealth", "XlaProfiler"]
