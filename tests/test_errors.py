@@ -10,7 +10,7 @@ from xtrainer.callbacks import Callback
 
 
 def test_unknown_strategy_lists_valid_names():
-    with pytest.raises(ValueError, match="Unknown strategy 'xla_dp'. Did you mean 'xla_ddp'\? Valid names: .*xla_native"):
+    with pytest.raises(ValueError, match="Unknown strategy 'xla_dp'. Did you mean 'xla_ddp'. Valid names: .*xla_native"):
         Trainer(strategy="xla_dp")
 
 
@@ -165,3 +165,11 @@ def test_iterable_without_length_and_fractional_limit(trainer_kwargs):
     trainer = Trainer(max_epochs=2, **trainer_kwargs)
     trainer.fit(Regressor(), loader)
     assert trainer.global_step == 16
+
+
+def test_several_torchrun_processes_on_the_cpu_runtime_are_refused(trainer_kwargs, monkeypatch):
+    # What torchrun sets in each process it starts (no second process is needed to see it).
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="started by torchrun .* cannot run collectives across processes"):
+        Trainer(**trainer_kwargs).fit(Regressor(), make_loader())

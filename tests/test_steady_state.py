@@ -16,6 +16,7 @@ class Counter(Callback):
         self.at_epoch_start: list[tuple[int, int, int]] = []
 
     def on_train_epoch_start(self, trainer, module):
+        _xla.wait_device_ops()  # executions are counted when they finish: let the last one finish
         self.at_epoch_start.append(
             (_xla.compile_count(), _xla.execute_count(), _xla.transfer_from_device_count()))
 

@@ -257,6 +257,12 @@ def transfer_from_device_count() -> int:
     return metric_count("TransferFromDeviceTime")
 
 
+def wait_device_ops() -> None:
+    """Block until every pending execution on this host's devices has finished (a host sync;
+    tests and benchmarks use it to count executions exactly)."""
+    xm.wait_device_ops()
+
+
 def clear_metrics() -> None:
     _metrics.clear_all()
 
