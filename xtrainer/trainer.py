@@ -594,7 +594,9 @@ class Trainer:
                 logged["epoch"] = float(self.current_epoch)
                 for optimizer in self.optimizers:
                     for i, group in enumerate(optimizer.param_groups):
-                        logged[f"lr-{type(optimizer).__name__}/pg{i}"] = float(group["lr"])
+                        lr = group["lr"]
+                        if not _xla.is_xla_tensor(lr):  # an lr kept on the device is not read here
+                            logged[f"lr-{type(optimizer).__name__}/pg{i}"] = float(lr)
             for logger in self.loggers:
                 logger.log_metrics(logged, self.global_step)
         return public
