@@ -10,7 +10,7 @@ from conftest import Regressor, make_data, make_loader
 from tbparse import SummaryReader
 
 from xtrainer import Trainer, _xla
-from xtrainer.callbacks import ProgressBar, RecompilationError, XlaHealth, XlaProfiler
+from xtrainer.callbacks import ProgressBar, RecompilationError, TensorBoardLogger, XlaHealth, XlaProfiler
 
 
 def test_event_files_hold_logged_values_lr_epoch_health_and_hparams(tmp_path):
@@ -122,3 +122,16 @@ def test_profiler_traces_the_chosen_steps_into_the_run_folder(tmp_path):
     assert profiler.traced_steps == [11, 12, 13] and profiler.port
     traces = glob.glob(os.path.join(trainer.log_dir, "plugins", "profile", "*", "*.xplane.pb"))
     assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+
+
+def test_a_named_logger_puts_the_run_folder_under_its_name(tmp_path):
+    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      logger=TensorBoardLogger(name="exp"))
+    trainer.fit(Regressor(), make_loader())
+    assert trainer.log_dir == str(tmp_path / "exp" / "version_0")
+    assert set(SummaryReader(trainer.log_dir).scalars.tag) >= {"train_loss_epoch", "epoch"}
+    assert os.path.exists(os.path.join(trainer.log_dir, "checkpoints", "last.ckpt"))
+    again = Trainer(max_epochs=2, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                    logger=TensorBoardLogger(name="exp"))
+    again.fit(Regressor(), make_loader(), ckpt_path="last")  # found under exp/
+    assert again.log_dir.endswith("version_1") and again.global_step == 16

@@ -23,14 +23,17 @@ class Logger:
 
 
 class TensorBoardLogger(Logger):
-    """Writes TensorBoard event files into ``log_dir`` (the run folder by default).
+    """Writes TensorBoard event files, with the ``tensorboard`` package's writer.
 
-    The writer is opened on first use, inside the replica that logs, so a Trainer that holds
-    this logger still pickles for a multi-process launch.
+    By default into the run folder, ``<default_root_dir>/version_N``; with ``name``, into
+    ``<default_root_dir>/<name>/version_N`` (checkpoints and the configuration go there too);
+    with ``log_dir``, exactly there. The writer is opened on first use, inside the replica that
+    logs (rank 0), so a Trainer that holds this logger still pickles for a multi-process launch.
     """
 
-    def __init__(self, log_dir: str | os.PathLike) -> None:
-        self.log_dir = os.fspath(log_dir)
+    def __init__(self, log_dir: str | os.PathLike | None = None, name: str = "") -> None:
+        self.log_dir = os.fspath(log_dir) if log_dir is not None else None
+        self.name = name
         self._writer = None
 
     @property

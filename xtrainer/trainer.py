@@ -79,7 +79,8 @@ class Trainer:
         precision: ``"32"`` or ``"bf16"`` (parameters, optimizer state and inputs in bfloat16).
         callbacks: ``Callback`` instances, called after the module's hook of the same name.
         logger: ``True`` (TensorBoard in the run folder), ``False``, or a ``Logger``.
-        default_root_dir: where run folders (``version_N``) are made; default ``./xtrainer_logs``.
+        default_root_dir: where run folders (``version_N``, or ``<name>/version_N`` for a
+            ``TensorBoardLogger(name=...)``) are made; default ``./xtrainer_logs``.
         enable_progress_bar: print progress and ``prog_bar`` values on rank 0.
         enable_checkpointing: add a ``ModelCheckpoint`` (last epoch) if none is given.
         enable_xla_health: add an ``XlaHealth`` callback (compilations, transfers, throughput,
@@ -148,7 +149,10 @@ class Trainer:
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.default_root_dir = os.fspath(default_root_dir or os.path.join(os.getcwd(), "xtrainer_logs"))
-        self.log_dir = _next_version_dir(self.default_root_dir)
+        # The run folder: <default_root_dir>[/<logger name>]/version_N, shared by logs, checkpoints
+        # and the saved configuration.
+        name = logger.name if isinstance(logger, TensorBoardLogger) and logger.log_dir is None else ""
+        self.log_dir = _next_version_dir(os.path.join(self.default_root_dir, name) if name else self.default_root_dir)
 
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
@@ -166,7 +170,9 @@ class Trainer:
         if enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in self.callbacks):
             self.callbacks.append(ProgressBar())
         if logger is True:
-            logger = TensorBoardLogger(self.log_dir)
+            logger = TensorBoardLogger()
+        if isinstance(logger, TensorBoardLogger) and logger.log_dir is None:
+            logger.log_dir = self.log_dir
         self.loggers: list[Logger] = [logger] if isinstance(logger, Logger) else []
         if logger not in (None, False) and not isinstance(logger, Logger):
             raise TypeError(f"logger must be True, False or a Logger, got {type(logger).__name__}.")
@@ -254,7 +260,7 @@ class Trainer:
             return None
         if ckpt_path == "last":
             dirpaths = [cb.dirpath for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-            dirpaths += sorted(glob.glob(os.path.join(self.default_root_dir, "version_*", "checkpoints")))
+            dirpaths += sorted(glob.glob(os.path.join(os.path.dirname(self.log_dir), "version_*", "checkpoints")))
             candidates = ckpt_io.last_candidates(dirpaths)
             if not candidates:
                 raise ckpt_io.CheckpointError(
