@@ -326,7 +326,7 @@ class Trainer:
         self.state, self.should_stop, self._stop_agreed = stage, False, False
         module.trainer = self
         self._module = module
-        in_process, failed = self.strategy.devices == 1, False
+        in_process, failed = self.strategy.runs_in_caller, False
         try:
             for cb in self.callbacks:
                 cb.setup(self, module, stage)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from typing import TYPE_CHECKING, Any
 
 from xtrainer import _xla
 from xtrainer.callbacks.base import Callback
+from xtrainer.strategies.process import free_port
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -42,9 +42,7 @@ class XlaProfiler(Callback):
     def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         if stage == "fit" and trainer.is_global_zero and self._server is None:
             if self.port is None:
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", 0))
-                    self.port = sock.getsockname()[1]
+                self.port = free_port()
             self._server = _xla.start_profiler_server(self.port)
         self.dirpath = self.dirpath or trainer.log_dir
 

@@ -76,26 +76,19 @@ class Strategy(abc.ABC):
         The calling process never touches the XLA runtime itself, which ``torch_xla.launch``
         requires. If a replica fails, the others are stopped and its error is raised here.
         """
-        external = _xla.launched_externally()
-        if external and _xla.requested_device_type() == "CPU" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if _xla.launched_externally() and _xla.requested_device_type() == "CPU" \
+                and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise RuntimeError(
                 "This process is one of several started by torchrun (or a similar launcher), but torch_xla's "
                 "CPU runtime cannot run collectives across processes. Start one process instead (python "
                 "script.py or xtrainer fit) with Trainer(devices=N): xtrainer runs the N replicas itself.")
-        if self.devices == 1:
+        if self.runs_in_caller:
             return fn(*args)
-        threads = cpu_replicas.applies(self.devices)
-        if not threads and not external:
-            _check_launch_devices(self.devices)
         self._launch_rng_state = torch.get_rng_state()
         with tempfile.TemporaryDirectory(prefix="xtrainer-launch-") as tmp:
             job = _ReplicaJob(fn, args, tmp)
             try:
-                if threads:
-                    exitcode = cpu_replicas.launch(job, self.devices)
-                else:
-                    _xla.launch(_replica_main, args=(job,))
-                    exitcode = 0
+                exitcode = self.start_replicas(job)
             except BaseException as err:
                 job.raise_failure(cause=err)
                 raise
@@ -105,6 +98,21 @@ class Strategy(abc.ABC):
                 raise RuntimeError(f"The replicas' process ended with {how} before reporting a result or an "
                                    "error; its output above may say why (e.g. out of memory).")
             return job.result()
+
+    @property
+    def runs_in_caller(self) -> bool:
+        """Whether ``fit`` runs in the calling process (one device) rather than in started replicas."""
+        return self.devices == 1
+
+    def start_replicas(self, job: Callable[[], None]) -> int:
+        """Run ``job()`` in every replica; returns the exit code of the replicas' process (0 when
+        ``torch_xla.launch`` returns normally)."""
+        if cpu_replicas.applies(self.devices):
+            return cpu_replicas.launch(job, self.devices)
+        if not _xla.launched_externally():
+            _check_launch_devices(self.devices)
+        _xla.launch(_replica_main, args=(job,))
+        return 0
 
     def setup_environment(self) -> None:
         """Per replica, before anything else: pick the device, set up process groups."""

@@ -39,17 +39,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import multiprocessing
 import os
-import pickle
-import socket
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from xtrainer import _xla
+from xtrainer.strategies.process import free_port, run_in_new_process
 
 #: Seconds the first failing replica gives the others to stop at a graph cut or barrier (and
 #: flush their logs) before it ends the process. Replicas blocked inside an XLA collective that
@@ -78,9 +76,7 @@ def check_version() -> None:
 def environment(devices: int) -> dict[str, str]:
     """The variables the replicas' process starts with (the runtime reads them at start-up)."""
     pool = max(_int_env("XLA_THREAD_POOL_SIZE"), 4 * devices, 16)
-    with socket.socket() as sock:  # a port of its own for torch.distributed's xla:// rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a port of its own for torch.distributed's xla:// rendezvous
     return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "XLA_THREAD_POOL_SIZE": str(pool),
             "XLA_ENABLE_PARAM_ALIASING": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
@@ -95,49 +91,13 @@ def _int_env(name: str) -> int:
 # --------------------------------------------------------------------------------------------
 # The calling process.
 # --------------------------------------------------------------------------------------------
-_environ_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in ``os.environ`` while a child process starts (it copies the environment)."""
-    with _environ_lock:
-        saved = {name: os.environ.get(name) for name in values}
-        os.environ.update(values)
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-
-
 def launch(job: Callable[[], None], devices: int) -> int:
     """Run ``job()`` in ``devices`` replica threads of a new process; return its exit code.
 
     ``job`` must pickle. It reports its own result or error (see ``Strategy.launch``).
     """
     check_version()
-    context = multiprocessing.get_context("spawn")
-    with _environ(environment(devices)):
-        process = context.Process(target=_process_main, args=(job, devices), name="xtrainer-replicas")
-        try:
-            process.start()  # pickles the job: trainer, module, callbacks, dataloaders
-        except (pickle.PicklingError, AttributeError, TypeError) as err:
-            raise TypeError(
-                f"devices={devices} sends the trainer, the module, the callbacks and the dataloaders to the "
-                f"replicas by pickling them, and that failed: {err}. Define classes and functions at the top "
-                "level of a module (not inside a function or a notebook cell's function), and start the "
-                "script's work under `if __name__ == '__main__':`.") from err
-    try:
-        process.join()
-    except BaseException:  # KeyboardInterrupt: do not leave the replicas running
-        process.terminate()
-        process.join()
-        raise
-    return process.exitcode
+    return run_in_new_process(_process_main, (job, devices), environment(devices), f"devices={devices}")
 
 
 # --------------------------------------------------------------------------------------------

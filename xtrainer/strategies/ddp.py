@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -13,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from xtrainer import _xla
 from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
+from xtrainer.strategies.process import free_port
 
 
 class XlaDDP(Strategy):
@@ -71,10 +71,7 @@ def _own_port_when_alone(alone: bool) -> Iterator[None]:
     if not alone or "MASTER_PORT" in os.environ:
         yield
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ["MASTER_PORT"] = str(free_port())
     try:
         yield
     finally:

@@ -1,0 +1,67 @@
+"""Running a launch's replicas in a new process (the CPU runtime's thread replicas, SPMD).
+
+A new process gets a clean XLA runtime configured by environment variables, whatever the
+calling process (a script, a notebook, a test session) has already done with its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import threading
+from typing import Callable, Iterator
+
+_environ_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` while a child process starts (it copies the environment)."""
+    with _environ_lock:
+        saved = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def run_in_new_process(target: Callable[..., None], args: tuple, env: dict[str, str], what: str) -> int:
+    """``target(*args)`` in a new (spawned) process started with ``env``; its exit code.
+
+    ``args`` are pickled: a clear error says what to change when they cannot be. Interrupting
+    the caller (Ctrl-C) ends the process too.
+    """
+    context = multiprocessing.get_context("spawn")
+    with _environ(env):
+        process = context.Process(target=target, args=args, name="xtrainer-replicas")
+        try:
+            process.start()  # pickles the job: trainer, module, callbacks, dataloaders
+        except (pickle.PicklingError, AttributeError, TypeError) as err:
+            raise TypeError(
+                f"{what} sends the trainer, the module, the callbacks and the dataloaders to a new process by "
+                f"pickling them, and that failed: {err}. Define classes and functions at the top level of a "
+                "module (not inside a function or a notebook cell's function), and start the script's work "
+                "under `if __name__ == '__main__':`.") from err
+    try:
+        process.join()
+    except BaseException:  # KeyboardInterrupt: do not leave the replicas running
+        process.terminate()
+        process.join()
+        raise
+    return process.exitcode
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
