@@ -198,12 +198,12 @@ class DeviceBatches:
     iteration ends early (``break`` after ``limit_*_batches``) instead of leaving them blocked.
     """
 
-    def __init__(self, loader: Iterable, dev: torch.device) -> None:
-        self.loader, self.device = loader, dev
+    def __init__(self, loader: Iterable, dev: torch.device, input_sharding: Any = None) -> None:
+        self.loader, self.device, self.input_sharding = loader, dev, input_sharding
 
     def __iter__(self) -> Iterator[Any]:
-        parallel = _parallel_loader.ParallelLoader(self.loader, [self.device],
-                                                   batches_per_execution=sys.maxsize)
+        parallel = _parallel_loader.ParallelLoader(self.loader, [self.device], batches_per_execution=sys.maxsize,
+                                                   input_sharding=self.input_sharding)
         try:
             yield from parallel.per_device_loader(self.device)
         finally:
@@ -269,6 +269,82 @@ def clear_metrics() -> None:
 
 def metrics_report() -> str:
     return _metrics.metrics_report()
+
+
+# --------------------------------------------------------------------------------------------
+# SPMD: one program partitioned over every device by sharding annotations.
+# --------------------------------------------------------------------------------------------
+def use_spmd() -> None:
+    """Switch this process to SPMD; must come before any XLA tensor exists."""
+    xr.use_spmd()
+
+
+def is_spmd() -> bool:
+    return xr.is_spmd()
+
+
+def spmd_device_count() -> int:
+    """Every device the SPMD program spans (all hosts)."""
+    return xr.global_runtime_device_count()
+
+
+def process_count() -> int:
+    return xr.process_count()
+
+
+def process_index() -> int:
+    return xr.process_index()
+
+
+def spmd():
+    """torch_xla's SPMD package (``Mesh``, ``mark_sharding``, ``ShardingSpec``)."""
+    import torch_xla.distributed.spmd as xs
+
+    return xs
+
+
+def mesh(shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Any:
+    """A device mesh over every device, in device order."""
+    import numpy as np
+
+    return spmd().Mesh(np.arange(spmd_device_count()), tuple(shape), tuple(axis_names))
+
+
+def sharding_of(tensor: torch.Tensor) -> str:
+    """The tensor's sharding as XLA prints it (``""``: none, ``{replicated}``, ``{devices=[4,1]...}``)."""
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+def fsdpv2_partition_spec(param: torch.Tensor) -> tuple:
+    """The partition spec ``SpmdFullyShardedDataParallel`` gives a parameter it shards.
+    *Private API* (``_prepare_spmd_partition_spec``), so that the two never disagree."""
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+    return _prepare_spmd_partition_spec(param, shard_maximal=True)
+
+
+def fsdpv2_class() -> type:
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+    return SpmdFullyShardedDataParallel
+
+
+class BatchSharding:
+    """Shards every tensor of a batch along dim 0 over one mesh axis, whatever its rank, as it is
+    sent to the device (``ParallelLoader(input_sharding=...)`` asks ``xla_spec`` per tensor)."""
+
+    def __init__(self, mesh: Any, axis: str, minibatch: bool = False) -> None:
+        self.mesh, self.axis, self.minibatch = mesh, axis, minibatch
+        self._specs: dict[int, Any] = {}
+
+    def xla_spec(self, tensor: torch.Tensor) -> Any:
+        rank = tensor.dim()
+        if rank == 0:
+            return None
+        if rank not in self._specs:
+            spec = (self.axis,) + (None,) * (rank - 1)
+            self._specs[rank] = spmd().ShardingSpec(self.mesh, spec, minibatch=self.minibatch)
+        return self._specs[rank].xla_spec(tensor)
 
 
 # --------------------------------------------------------------------------------------------

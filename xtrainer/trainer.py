@@ -184,6 +184,8 @@ class Trainer:
         self._stop_agreed = False
         self._seed = 0
         self._nonfinite: _NonFiniteWatch | None = None
+        #: Graphs compiled while writing checkpoints, so far in this process.
+        self.checkpoint_compilations = 0
         #: The resolved configuration of ``xtrainer fit`` (flat keys), logged with the module's
         #: hyperparameters.
         self.run_config: dict[str, Any] = {}
@@ -643,7 +645,11 @@ class Trainer:
         module.on_save_checkpoint(checkpoint)
         for cb in self.callbacks:
             cb.on_save_checkpoint(self, module, checkpoint)
+        compiles = _xla.compile_count()
         self.strategy.save_checkpoint(checkpoint, os.fspath(path))
+        # Bringing sharded tensors to the host compiles graphs of its own (SPMD); those are not
+        # the training step's, and XlaHealth does not count them as recompilations.
+        self.checkpoint_compilations += _xla.compile_count() - compiles
 
     def _load_first_readable(self, candidates: list[str]) -> tuple[str, dict[str, Any]]:
         """The first of ``candidates`` that reads completely; unreadable ones are reported."""

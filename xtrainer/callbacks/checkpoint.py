@@ -73,10 +73,19 @@ class ModelCheckpoint(Callback):
                 "dirpath": self.dirpath}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_dir = state_dict.get("dirpath")
+        moved = saved_dir is not None and self.dirpath is not None
+        if moved and os.path.abspath(saved_dir) != os.path.abspath(self.dirpath):
+            # Resumed into another folder: the files listed belong to the earlier run, which this
+            # run must not prune. Only what they were is kept.
+            self.best_model_path = state_dict.get("best_model_path", "")
+            self.best_model_score = state_dict.get("best_model_score")
+            return
         self.best_k_models = dict(state_dict.get("best_k_models", {}))
         self.best_model_path = state_dict.get("best_model_path", "")
         self.best_model_score = state_dict.get("best_model_score")
         self.last_model_path = state_dict.get("last_model_path", "")
+        self.dirpath = self.dirpath or saved_dir  # as the replicas chose it
 
     def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         if self.dirpath is None:

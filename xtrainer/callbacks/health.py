@@ -33,7 +33,9 @@ class XlaHealth(Callback):
     FSDP, compiles a graph of its own: parameters come out of evaluation in another state), every
     graph should be compiled. A new compilation after that is a recompilation: it is reported once per new compilation, with the
     step and what xtrainer can see differ (the batch's shapes against those of the first epoch);
-    ``PT_XLA_DEBUG_LEVEL=2`` makes torch_xla print its own analysis. ``on_recompile="raise"``
+    ``PT_XLA_DEBUG_LEVEL=2`` makes torch_xla print its own analysis. Graphs compiled to write a
+    checkpoint (gathering sharded tensors under SPMD) are counted in ``xla/compilations`` but are
+    not recompilations. ``on_recompile="raise"``
     turns the report into an error (for CI). ``fit`` ends with a summary line.
 
     The counters belong to the process: with several replicas as threads of one process (the CPU
@@ -58,7 +60,7 @@ class XlaHealth(Callback):
         self._fit = self._mark(trainer)
         self._interval = self._fit
         self._samples = self._interval_samples = 0
-        self._compiles_seen = self._fit["compiles"]
+        self._compiles_seen = self._fit["compiles"] - trainer.checkpoint_compilations
 
     def _mark(self, trainer: "Trainer") -> dict[str, float]:
         return {"time": time.perf_counter(), "step": trainer.global_step, "compiles": _xla.compile_count(),
@@ -74,7 +76,7 @@ class XlaHealth(Callback):
         self._interval_samples += samples
         if self._warming_last_step:  # the first step after the first epoch (and its validation)
             self._warming_last_step, self._warm = False, True
-            self._compiles_seen = _xla.compile_count()
+            self._compiles_seen = _xla.compile_count() - trainer.checkpoint_compilations
         if not self._warm:
             self._first_epoch_shapes.add(shapes)
         self._check(trainer, f"training batch {batch_idx}", shapes)
@@ -94,7 +96,7 @@ class XlaHealth(Callback):
             self._warming_last_step = True
 
     def _check(self, trainer: "Trainer", where: str, shapes: tuple | None) -> None:
-        count = _xla.compile_count()
+        count = _xla.compile_count() - trainer.checkpoint_compilations
         if not self._warm or count == self._compiles_seen:
             self._compiles_seen = count
             return

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from xtrainer.strategies.base import Strategy
-from xtrainer.suggest import did_you_mean
 from xtrainer.strategies.ddp import XlaDDP
 from xtrainer.strategies.fsdp import XlaFSDP
 from xtrainer.strategies.native import XlaNative
+from xtrainer.strategies.spmd import XlaFSDPv2, XlaSPMD
+from xtrainer.suggest import did_you_mean
 
 #: Every name ``Trainer(strategy=...)`` accepts, mapped to its class.
 STRATEGIES: dict[str, type[Strategy]] = {
     XlaNative.name: XlaNative,
     XlaDDP.name: XlaDDP,
     XlaFSDP.name: XlaFSDP,
+    XlaSPMD.name: XlaSPMD,
+    XlaFSDPv2.name: XlaFSDPv2,
 }
 
 
@@ -27,4 +30,4 @@ def resolve_strategy(strategy: "str | Strategy") -> Strategy:
                      "or pass a Strategy instance.")
 
 
-__all__ = ["STRATEGIES", "Strategy", "XlaDDP", "XlaFSDP", "XlaNative", "resolve_strategy"]
+__all__ = ["STRATEGIES", "Strategy", "XlaDDP", "XlaFSDP", "XlaFSDPv2", "XlaNative", "XlaSPMD", "resolve_strategy"]

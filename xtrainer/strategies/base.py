@@ -230,7 +230,11 @@ class Strategy(abc.ABC):
         if isinstance(loader, DataLoader) and (self.world_size > 1 or _plain_random(loader)):
             distributed = distribute_dataloader(loader, self.world_size, self.global_rank)
             owns_sampler, loader = distributed is not loader, distributed
-        return DeviceData(loader, self.device, owns_sampler)
+        return DeviceData(loader, self.device, owns_sampler, self.input_sharding())
+
+    def input_sharding(self) -> Any:
+        """How batches are laid out over the devices as they are sent (None: on this replica's)."""
+        return None
 
     # ---- collectives -----------------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -421,9 +425,10 @@ class DeviceData:
     only, so a resumed run sees the same order as the original one.
     """
 
-    def __init__(self, loader: Iterable, device: torch.device, owns_sampler: bool = False) -> None:
+    def __init__(self, loader: Iterable, device: torch.device, owns_sampler: bool = False,
+                 input_sharding: Any = None) -> None:
         self.loader, self.owns_sampler = loader, owns_sampler
-        self._device_loader = _xla.DeviceBatches(loader, device)
+        self._device_loader = _xla.DeviceBatches(loader, device, input_sharding)
 
     def set_epoch(self, epoch: int, seed: int | None = None) -> None:
         sampler = getattr(self.loader, "sampler", None)

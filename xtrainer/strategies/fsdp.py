@@ -69,7 +69,7 @@ class XlaFSDP(Strategy):
 
     def _wrap_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.fsdp_kwargs, reshard_after_forward=self.reshard_after_forward)
-        policy = _policy(self.auto_wrap_policy)
+        policy = wrap_policy(self.auto_wrap_policy)
         if policy is not None:
             kwargs["auto_wrap_policy"] = policy
             if self.activation_checkpointing:
@@ -217,7 +217,8 @@ class XlaFSDP(Strategy):
         self._saved_structure, self._root = [], None
 
 
-def _policy(policy: Any) -> Callable | None:
+def wrap_policy(policy: Any) -> Callable | None:
+    """A torch_xla auto-wrap policy from a parameter count, a set of layer classes or a callable."""
     if policy is None or callable(policy) and not isinstance(policy, type):
         return policy
     wrap = _xla.fsdp_module().wrap

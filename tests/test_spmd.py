@@ -1,0 +1,102 @@
+"""SPMD strategies on 4 virtual CPU devices: one program partitioned by sharding annotations."""
+
+import os
+import sys
+
+import pytest
+import torch
+from conftest import Regressor, make_loader
+
+from xtrainer import Trainer, _xla
+from xtrainer.callbacks import Callback, ModelCheckpoint, XlaHealth
+from xtrainer.checkpoint import load_checkpoint
+from xtrainer.strategies import XlaFSDPv2, XlaSPMD
+
+pytestmark = pytest.mark.multi_device
+
+
+class Steps(Callback):
+    """Every step's loss, and the sharding of the first layer's weight, as the replica saw them."""
+
+    def __init__(self):
+        self.losses, self.sharding = [], None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(trainer.callback_metrics["train_loss_step"])
+        self.sharding = _xla.sharding_of(module.net[0].weight)
+
+    def state_dict(self):
+        return {"losses": self.losses, "sharding": self.sharding}
+
+    def load_state_dict(self, state):
+        self.losses, self.sharding = state["losses"], state["sharding"]
+
+
+def fit(tmp_path, strategy, devices=4, epochs=2, ckpt_path=None, callbacks=()):
+    steps = Steps()
+    model = Regressor(optimizer="adam", lr=0.02)
+    trainer = Trainer(strategy=strategy, devices=devices, max_epochs=epochs, log_every_n_steps=1,
+                      default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+                      callbacks=[steps, XlaHealth(on_recompile="raise"), *callbacks])
+    trainer.fit(model, make_loader(shuffle=True), make_loader(n=16, seed=1), ckpt_path=ckpt_path)
+    return trainer, model, steps
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    return fit(tmp_path_factory.mktemp("native"), "xla_native", devices=1)
+
+
+@pytest.mark.parametrize("strategy", ["xla_spmd", "xla_fsdpv2"])
+def test_spmd_follows_native_on_the_same_global_batches(tmp_path, native, strategy):
+    trainer, model, steps = fit(tmp_path, strategy)  # XlaHealth(on_recompile="raise"): no recompilation
+    _, ref_model, ref_steps = native
+    assert len(steps.losses) == 16
+    assert steps.losses == pytest.approx(ref_steps.losses, rel=1e-4, abs=1e-6)
+    assert trainer.callback_metrics["val_loss"] == pytest.approx(native[0].callback_metrics["val_loss"], rel=1e-4)
+    for name, tensor in ref_model.state_dict().items():
+        assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name
+    # data parallel replicates the weights; FSDPv2 splits them over the 4 devices
+    assert steps.sharding == ("{replicated}" if strategy == "xla_spmd" else "{devices=[4,1]0,1,2,3}")
+
+
+def test_fsdpv2_saves_whole_weights_and_resumes_exactly(tmp_path):
+    _, straight, _ = fit(tmp_path / "straight", XlaFSDPv2(), epochs=3)
+    saver = ModelCheckpoint(save_top_k=-1)
+    first, _, _ = fit(tmp_path / "run", XlaFSDPv2(), epochs=1, callbacks=[saver])
+    ckpt = load_checkpoint(os.path.join(saver.dirpath, "last.ckpt"))
+    assert ckpt["strategy"] == "xla_fsdpv2" and ckpt["state_dict"]["net.0.weight"].shape == (16, 8)
+    resumed_trainer, resumed, _ = fit(tmp_path / "run", XlaFSDPv2(), epochs=3, ckpt_path="last")
+    assert resumed_trainer.global_step == 24
+    for name, tensor in straight.state_dict().items():
+        assert torch.allclose(resumed.state_dict()[name], tensor, atol=1e-6), name
+    native_again, from_fsdpv2, _ = fit(tmp_path / "native", "xla_native", devices=1, epochs=3,
+                                       ckpt_path=os.path.join(saver.dirpath, "last.ckpt"))
+    assert native_again.global_step == 24  # the same file resumes another strategy
+
+
+def test_mesh_and_sharding_options_are_checked():
+    with pytest.raises(ValueError, match="data_axis='batch'\\) is not one of the mesh's axes"):
+        XlaSPMD(axis_names=("data",), data_axis="batch")
+    with pytest.raises(ValueError, match="same length"):
+        XlaSPMD(mesh_shape=(2, 2), axis_names=("data",))
+    with pytest.raises(ValueError, match="activation_checkpointing=True .* auto_wrap_policy"):
+        XlaFSDPv2(activation_checkpointing=True)
+
+
+def test_tensor_parallel_shardings_on_a_second_axis(tmp_path):
+    strategy = XlaFSDPv2(mesh_shape=(2, 2), axis_names=("fsdp", "model"), shardings={"net.0.weight": ("model", None)})
+    _, model, steps = fit(tmp_path, strategy, epochs=1)
+    assert steps.sharding.startswith("{devices=[2,1,2]")  # split over "model", replicated over "fsdp"
+    assert model.net[0].weight.device.type == "cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["xla_spmd", "xla_fsdpv2"])
+def test_digits_reaches_95_percent(tmp_path, strategy):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from examples import digits
+
+    metrics = digits.main([f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
+                           f"strategy={strategy}", "trainer.devices=4"])
+    assert metrics["val_acc"] >= 0.95

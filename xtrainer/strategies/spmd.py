@@ -1,0 +1,220 @@
+"""``XlaSPMD`` and ``XlaFSDPv2``: one program, compiled once, partitioned over every device.
+
+torch_xla's SPMD mode traces the step once, as if for one device, and the compiler partitions it
+over a device mesh according to sharding annotations: here, the batch dimension of every input
+(data parallel) and, for FSDPv2, every parameter along an ``fsdp`` mesh axis. There is one
+process per host and no launcher: ``Trainer(strategy="xla_spmd", devices=N)`` runs the fit in one
+new process (SPMD must be switched on before any XLA tensor exists, which the calling process
+may already have made), with N devices on the CPU runtime (``CPU_NUM_DEVICES``) or every device
+of the host elsewhere.
+
+Values computed in the step are already global (the compiler inserts the collectives), so
+``self.log(..., sync_dist=True)`` needs no reduction and the batch your loader yields is the
+global batch, split over the devices. On several hosts (untested here: no pod) each process
+reads its share of the data (``minibatch`` sharding) and rank 0 writes logs and checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from xtrainer import _xla
+from xtrainer.strategies.base import Strategy
+from xtrainer.strategies.process import run_in_new_process
+
+
+class XlaSPMD(Strategy):
+    """Data parallel by sharding: parameters replicated, each batch split on its first dimension.
+
+    Args:
+        mesh_shape: the device mesh's shape (default: every device on one axis).
+        axis_names: its axis names; the batch is split over ``data_axis``.
+        data_axis: the mesh axis the batch dimension is sharded over.
+        shardings: ``{parameter name: partition spec}`` annotations applied before training, e.g.
+            ``{"net.0.weight": ("model", None)}`` to shard a layer over a ``"model"`` axis (tensor
+            parallelism); other parameters stay replicated.
+    """
+
+    name = "xla_spmd"
+    _default_axes: tuple[str, ...] = ("data",)
+
+    def __init__(self, mesh_shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] | None = None,
+                 data_axis: str | None = None, shardings: dict[str, tuple] | None = None) -> None:
+        super().__init__()
+        self.axis_names = tuple(axis_names or self._default_axes)
+        self.mesh_shape = tuple(mesh_shape) if mesh_shape is not None else None
+        self.data_axis = data_axis or self.axis_names[0]
+        if self.data_axis not in self.axis_names:
+            raise ValueError(f"{type(self).__name__}(data_axis={self.data_axis!r}) is not one of the mesh's axes "
+                             f"{self.axis_names}.")
+        if self.mesh_shape is not None and len(self.mesh_shape) != len(self.axis_names):
+            raise ValueError(f"{type(self).__name__}: mesh_shape {self.mesh_shape} and axis_names {self.axis_names} "
+                             "must have the same length.")
+        self.shardings = dict(shardings or {})
+        self.mesh: Any = None
+        self._specs: dict[int, tuple] = {}  # id(parameter) -> its partition spec
+
+    # ---- launching: one new process, SPMD on -------------------------------------------------
+    @property
+    def runs_in_caller(self) -> bool:
+        return False
+
+    def start_replicas(self, job: Callable[[], None]) -> int:
+        # SPMD from the runtime's start, by the (deprecated, still read) variable: the new process
+        # may touch XLA while it imports the caller's modules, before any code of ours runs.
+        env = {"XLA_USE_SPMD": "1"}
+        if _xla.requested_device_type() == "CPU":
+            env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(self.devices or 1))
+        return run_in_new_process(_spmd_main, (job,), env, f"strategy={self.name!r}")
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        count = _xla.spmd_device_count()
+        if self.devices is not None and _xla.device_type() != "CPU" and self.devices != count:
+            raise ValueError(f"devices={self.devices}, but an SPMD program spans every device ({count} here). "
+                             f"Use devices='auto' (or {count}).")
+        shape = self.mesh_shape or (count,) + (1,) * (len(self.axis_names) - 1)
+        if int(torch.tensor(shape).prod()) != count:
+            raise ValueError(f"mesh_shape={shape} holds {int(torch.tensor(shape).prod())} devices; there are {count}.")
+        self.mesh = _xla.mesh(shape, self.axis_names)
+
+    # ---- where we are: one process per host ----------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return _xla.process_count() if self._device is not None else 1
+
+    @property
+    def global_rank(self) -> int:
+        return _xla.process_index() if self._device is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    # ---- the module ----------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        self._annotate(module.module)
+        return module
+
+    def _annotate(self, user_module: nn.Module) -> None:
+        params = dict(user_module.named_parameters())
+        unknown = sorted(set(self.shardings) - set(params))
+        if unknown:
+            raise ValueError(f"{type(self).__name__}(shardings=...) names {unknown}, which the module does not have "
+                             f"(its parameters: {', '.join(list(params)[:8])}...).")
+        for name, spec in self.shardings.items():
+            _xla.spmd().mark_sharding(params[name], self.mesh, tuple(spec))
+            self._specs[id(params[name])] = tuple(spec)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Loaded optimizer state arrives unsharded; give each tensor its parameter's sharding, as
+        the state that training created had. Otherwise the step would compile anew for it."""
+        super().load_optimizer_state_dict(optimizer, state)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                spec = self._specs.get(id(param))
+                if spec is None:
+                    continue
+                for value in optimizer.state.get(param, {}).values():
+                    if _xla.is_xla_tensor(value) and value.shape == param.shape:
+                        _xla.spmd().mark_sharding(value, self.mesh, spec)
+
+    def input_sharding(self) -> Any:
+        return _xla.BatchSharding(self.mesh, self.data_axis, minibatch=self.world_size > 1)
+
+    # ---- values are global already -------------------------------------------------------------
+    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The step's values are computed over the whole mesh already: nothing to combine."""
+        if self.world_size > 1 and op == "sum":
+            # Every host holds the same global value; sync_dist's mean divides by the world size.
+            return tensor * self.world_size
+        return tensor
+
+
+class XlaFSDPv2(XlaSPMD):
+    """FSDP by sharding (torch_xla's ``SpmdFullyShardedDataParallel``): every parameter split over
+    the ``fsdp`` mesh axis, gathered by the compiler where it is used; the batch split over the
+    same axis.
+
+    Args:
+        auto_wrap_policy: wrap submodules in their own unit: an int (parameter count) or a set of
+            layer classes (e.g. transformer blocks), as for ``XlaFSDP``.
+        activation_checkpointing: recompute each wrapped unit's activations in backward.
+        mesh_shape, axis_names: the mesh; default every device on ``("fsdp",)``. Add a second
+            axis (e.g. ``axis_names=("fsdp", "model")``) and ``shardings`` for tensor parallelism.
+        shardings: ``{parameter name: partition spec}`` applied first; FSDPv2 leaves those alone.
+    """
+
+    name = "xla_fsdpv2"
+    _default_axes = ("fsdp",)
+
+    def __init__(self, auto_wrap_policy: Any = None, activation_checkpointing: bool = False,
+                 mesh_shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] | None = None,
+                 shardings: dict[str, tuple] | None = None) -> None:
+        super().__init__(mesh_shape, axis_names, "fsdp", shardings)
+        if activation_checkpointing and auto_wrap_policy is None:
+            raise ValueError("activation_checkpointing=True checkpoints each auto-wrapped unit: give an "
+                             "auto_wrap_policy as well (a parameter count or a set of layer classes).")
+        self.auto_wrap_policy, self.activation_checkpointing = auto_wrap_policy, activation_checkpointing
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from xtrainer.strategies.fsdp import wrap_policy
+
+        # FSDPv2 hooks an optimization barrier into backward on every unit, the root included; the
+        # root is xtrainer's step dispatcher, whose output is a loss or nothing, and torch warns
+        # about such hooks on every call. The barrier works all the same.
+        for message in ("Full backward hook is firing", "For backward hooks to be called"):
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+
+        module = super().setup_module(module)  # configure_model(), to the device, user shardings
+        fsdpv2 = _xla.fsdpv2_class()
+        kwargs: dict[str, Any] = {"mesh": self.mesh, "shard_output": _leave_output}
+        policy = wrap_policy(self.auto_wrap_policy)
+        if policy is not None:
+            kwargs["auto_wrap_policy"] = policy
+            if self.activation_checkpointing:
+                checkpoint_module = _xla.fsdp_module().checkpoint_module
+                kwargs["auto_wrapper_callable"] = lambda m, *a, **kw: fsdpv2(checkpoint_module(m), *a, **kw)
+        wrapped = fsdpv2(module, **kwargs)
+        for param in module.parameters():
+            self._specs.setdefault(id(param), _xla.fsdpv2_partition_spec(param))
+        return wrapped
+
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        fsdpv2 = _xla.fsdpv2_class()
+        while isinstance(wrapped, fsdpv2):
+            wrapped = wrapped.module
+        return wrapped
+
+    def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
+        """The user's module back without FSDPv2 units, its weights whole, on the CPU."""
+        user_module = self.unwrap(wrapped).module
+        fsdpv2 = _xla.fsdpv2_class()
+        for parent in list(user_module.modules()):
+            for name, child in list(parent._modules.items()):
+                if isinstance(child, fsdpv2):
+                    parent._modules[name] = self.unwrap(child)
+        super().teardown(wrapped, failed)
+
+
+def _leave_output(output: Any, mesh: Any) -> None:
+    """The step returns a loss (or nothing), not activations: no output sharding to enforce."""
+    del output, mesh
+
+
+def _spmd_main(job: Callable[[], None]) -> None:
+    if not _xla.is_spmd():
+        _xla.use_spmd()
+    try:
+        job()
+    except BaseException:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # the error is in the job's error file; the caller raises it
