@@ -8,7 +8,7 @@ import torch
 from conftest import Regressor, make_loader
 from torch import nn
 
-from xtrainer import Trainer, XModule
+from xtrainer import Trainer
 from xtrainer.callbacks import Callback
 
 

@@ -10,7 +10,7 @@ from conftest import Regressor, make_loader
 from torch import nn
 
 from xtrainer import Trainer, XModule
-from xtrainer.callbacks import Callback, ModelCheckpoint
+from xtrainer.callbacks import Callback
 from xtrainer.checkpoint import CheckpointError, consolidate, load_file, save_file
 from xtrainer.strategies import XlaDDP, XlaFSDP
 

@@ -8,7 +8,7 @@ import math
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -458,11 +458,16 @@ class Trainer:
         results.in_step = False
         if steps:
             self._optimizer_step()
+        if steps and self.global_step % self.log_every_n_steps == 0:
+            # Read once the step's graph is launched, as torch_xla's step closures run: the
+            # values are this step's outputs, and reading them is the interval's one host sync.
+            _xla.add_step_closure(self._publish_step_values)
         self.strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
         self._batches_in_epoch = batch_idx + 1
-        if steps and self.global_step % self.log_every_n_steps == 0:
-            self._publish(results.step_tensors(self.strategy.reduce, self.world_size), check_loss=True)
         self._call("on_train_batch_end", outputs, batch, batch_idx)
+
+    def _publish_step_values(self) -> None:
+        self._publish(self._results.step_tensors(self.strategy.reduce, self.world_size), check_loss=True)
 
     def _optimizer_step(self) -> None:
         optimizer = self._optimizer
