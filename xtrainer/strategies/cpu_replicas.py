@@ -38,6 +38,7 @@ its effects. It relies on private torch_xla internals checked with torch_xla 2.9
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import os
 import sys
@@ -150,6 +151,7 @@ class _ThreadRank(threading.local):
 
 
 def _process_main(job: Callable[[], None], devices: int) -> None:
+    faulthandler.enable()  # a crash in native code still shows every replica's Python stack
     _install(devices)
     _xla.private_internals().run_threads(_replica_thread, (job,))
 

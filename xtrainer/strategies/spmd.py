@@ -16,6 +16,7 @@ reads its share of the data (``minibatch`` sharding) and rank 0 writes logs and 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import warnings
@@ -210,6 +211,7 @@ def _leave_output(output: Any, mesh: Any) -> None:
 
 
 def _spmd_main(job: Callable[[], None]) -> None:
+    faulthandler.enable()  # a crash in native code still shows the Python stack
     if not _xla.is_spmd():
         _xla.use_spmd()
     try:
