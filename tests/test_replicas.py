@@ -174,7 +174,7 @@ class RankScores(Regressor):
 
 def test_early_stopping_on_one_replica_stops_all(tmp_path):
     stopper = EarlyStopping("score", patience=2)
-    trainer, _, replicas = train(tmp_path, "xla_ddp", 2, module=RankScores(), callbacks=[stopper], max_epochs=10,
+    trainer, _, replicas = train(tmp_path, "xla_native", 2, module=RankScores(), callbacks=[stopper], max_epochs=10,
                                  logger=False)
     assert trainer.current_epoch == 3 and trainer.should_stop  # replica 1 lost patience after epoch 2
     assert [r["global_step"] for r in replicas] == [24, 24]  # 3 epochs of 8 steps, on both

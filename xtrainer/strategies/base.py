@@ -95,8 +95,9 @@ class Strategy(abc.ABC):
             job.raise_failure()
             if exitcode != 0:
                 how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
-                raise RuntimeError(f"The replicas' process ended with {how} before reporting a result or an "
-                                   "error; its output above may say why (e.g. out of memory).")
+                when = "after rank 0 had finished" if os.path.exists(job.result_path) else "before rank 0 finished"
+                raise RuntimeError(f"The replicas' process ended with {how} {when}, without reporting an error; "
+                                   "its output above (Python stacks of every thread on a crash) may say why.")
             return job.result()
 
     @property

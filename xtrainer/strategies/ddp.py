@@ -59,6 +59,9 @@ class XlaDDP(Strategy):
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
         super().teardown(wrapped, failed)
         if self._owns_process_group and dist.is_initialized():
+            if not failed:
+                # Rank 0 hosts the rendezvous store: nobody tears down before everybody is done.
+                self.barrier("xtrainer_ddp_teardown")
             dist.destroy_process_group()
             self._owns_process_group = False
 
