@@ -258,3 +258,20 @@ def test_consolidated_fsdp_weights_load_into_native_and_ddp(tmp_path):
                         logger=False)
         (metrics,) = check.validate(model, make_loader(n=16, seed=1))
         assert metrics["val_loss"] == pytest.approx(trainer.callback_metrics["val_loss"], rel=1e-6), strategy
+
+
+class WithScratch(Regressor):
+    """A non-persistent buffer: in no state dict, still part of the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((1,), 2.0), persistent=False)
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+def test_fsdp_gives_back_non_persistent_buffers(tmp_path):
+    _, model = fit(tmp_path, XlaFSDP(), epochs=1, model=WithScratch())
+    assert model.scale.device.type == "cpu" and model.scale.item() == 2.0
+    assert "scale" not in model.state_dict()

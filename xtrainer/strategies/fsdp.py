@@ -212,8 +212,8 @@ class XlaFSDP(Strategy):
                 if param is not None:
                     module._parameters[name] = nn.Parameter(full[prefix + name], requires_grad=param.requires_grad)
             for name, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[name] = full[prefix + name]
+                if buffer is not None:  # a non-persistent buffer is in no state dict: copy it as it is
+                    module._buffers[name] = full.get(prefix + name, buffer.to("cpu"))
         self._saved_structure, self._root = [], None
 
 
