@@ -269,6 +269,10 @@ def write_results(results: dict, args: argparse.Namespace, repeats: int) -> None
         lines += ["", "The replicas of the CPU runtime are threads sharing this machine's cores, and every graph cut "
                   "waits for its replica's execution (see `xtrainer/strategies/cpu_replicas.py`): these numbers "
                   "show what multi-replica runs cost on a laptop, not how a TPU pod scales.", ""]
+    findings = os.path.join(HERE, "FINDINGS.md")  # what was learnt from the numbers, kept across runs
+    if os.path.exists(findings):
+        with open(findings) as f:
+            lines += ["", f.read()]
     with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
         f.write("\n".join(lines))
     plot(results, args)
