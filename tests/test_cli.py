@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from xtrainer import cli
-from xtrainer.config import ConfigError, RunConfig, load, save_config
+from xtrainer.config import RunConfig, load, save_config
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 BASE = """
@@ -118,4 +118,3 @@ def test_xtrainer_fit_then_validate_from_the_command_line(base, tmp_path):
     assert "dataloader 0: val_loss=" in val.stdout
     helped = subprocess.run([exe, "fit", "--help"], capture_output=True, text=True, env=env)
     assert helped.returncode == 0 and "--config FILE.yaml" in helped.stdout
-    assert ConfigError.__doc__

@@ -779,7 +779,7 @@ def _rng_states(strategy: Any) -> dict[str, Any]:
     states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if _numpy is not None:  # as plain lists: the checkpoint stays loadable with torch.load(weights_only=True)
         name, keys, pos, has_gauss, cached = _numpy.random.get_state()
-        states["numpy"] = [name, keys.tolist(), pos, has_gauss, cached]
+        states["numpy"] = [name, keys.tolist(), pos, has_gauss, cached]  # a NumPy array: no device involved
     xla = _xla.rng_state()
     states["xla"] = strategy.all_gather_object(xla) if strategy.world_size > 1 else [xla]
     return states

@@ -17,6 +17,7 @@ reads its share of the data (``minibatch`` sharding) and rank 0 writes logs and 
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import sys
 import warnings
@@ -81,8 +82,8 @@ class XlaSPMD(Strategy):
             raise ValueError(f"devices={self.devices}, but an SPMD program spans every device ({count} here). "
                              f"Use devices='auto' (or {count}).")
         shape = self.mesh_shape or (count,) + (1,) * (len(self.axis_names) - 1)
-        if int(torch.tensor(shape).prod()) != count:
-            raise ValueError(f"mesh_shape={shape} holds {int(torch.tensor(shape).prod())} devices; there are {count}.")
+        if math.prod(shape) != count:
+            raise ValueError(f"mesh_shape={shape} holds {math.prod(shape)} devices; there are {count}.")
         self.mesh = _xla.mesh(shape, self.axis_names)
 
     # ---- where we are: one process per host ----------------------------------------------------
