@@ -212,8 +212,10 @@ class XlaFSDP(Strategy):
                 if param is not None:
                     module._parameters[name] = nn.Parameter(full[prefix + name], requires_grad=param.requires_grad)
             for name, buffer in module._buffers.items():
-                if buffer is not None:  # a non-persistent buffer is in no state dict: copy it as it is
-                    module._buffers[name] = full.get(prefix + name, buffer.to("cpu"))
+                if buffer is not None:
+                    key = prefix + name
+                    # a non-persistent buffer is in no state dict: copy it as it is (a host sync)
+                    module._buffers[name] = full[key] if key in full else buffer.to("cpu")
         self._saved_structure, self._root = [], None
 
 
