@@ -1,5 +1,6 @@
 """SPMD strategies on 4 virtual CPU devices: one program partitioned by sharding annotations."""
 
+import glob
 import os
 import sys
 
@@ -9,7 +10,8 @@ from conftest import Regressor, make_loader
 
 from xtrainer import Trainer, _xla
 from xtrainer.callbacks import Callback, ModelCheckpoint, XlaHealth
-from xtrainer.checkpoint import load_checkpoint
+from xtrainer.checkpoint import (CheckpointError, UnreadableCheckpointError, consolidate, load_checkpoint,
+                                 load_sharded_checkpoint)
 from xtrainer.strategies import XlaFSDPv2, XlaSPMD
 
 pytestmark = pytest.mark.multi_device
@@ -60,19 +62,60 @@ def test_spmd_follows_native_on_the_same_global_batches(tmp_path, native, strate
     assert steps.sharding == ("{replicated}" if strategy == "xla_spmd" else "{devices=[4,1]0,1,2,3}")
 
 
-def test_fsdpv2_saves_whole_weights_and_resumes_exactly(tmp_path):
+def test_fsdpv2_saves_shards_and_resumes_exactly_on_any_mesh(tmp_path):
     _, straight, _ = fit(tmp_path / "straight", XlaFSDPv2(), epochs=3)
     saver = ModelCheckpoint(save_top_k=-1)
-    first, _, _ = fit(tmp_path / "run", XlaFSDPv2(), epochs=1, callbacks=[saver])
-    ckpt = load_checkpoint(os.path.join(saver.dirpath, "last.ckpt"))
-    assert ckpt["strategy"] == "xla_fsdpv2" and ckpt["state_dict"]["net.0.weight"].shape == (16, 8)
+    first, first_model, _ = fit(tmp_path / "run", XlaFSDPv2(), epochs=1, callbacks=[saver])
+    path = os.path.realpath(os.path.join(saver.dirpath, "last.ckpt"))
+    # a folder of torch.distributed.checkpoint shards and the trainer state; nothing was gathered
+    assert sorted(os.listdir(path)) == ["state", "trainer.pt"]
+    assert sorted(os.listdir(os.path.join(path, "state"))) == [".metadata", "__0_0.distcp"]
+    assert "state_dict" not in torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
+    assert first.checkpoint_compilations == 0
+    # xtrainer consolidate gives the weights the run ended with
+    for name, tensor in consolidate(path).items():
+        assert torch.equal(tensor, first_model.state_dict()[name]), name
+
     resumed_trainer, resumed, _ = fit(tmp_path / "run", XlaFSDPv2(), epochs=3, ckpt_path="last")
     assert resumed_trainer.global_step == 24
     for name, tensor in straight.state_dict().items():
         assert torch.allclose(resumed.state_dict()[name], tensor, atol=1e-6), name
-    native_again, from_fsdpv2, _ = fit(tmp_path / "native", "xla_native", devices=1, epochs=3,
-                                       ckpt_path=os.path.join(saver.dirpath, "last.ckpt"))
-    assert native_again.global_step == 24  # the same file resumes another strategy
+    # the shards are read into another mesh: 2 devices instead of 4
+    _, on_two, steps = fit(tmp_path / "two", XlaFSDPv2(), devices=2, epochs=3, ckpt_path=path)
+    assert steps.sharding == "{devices=[2,1]0,1}"
+    for name, tensor in straight.state_dict().items():
+        assert torch.allclose(on_two.state_dict()[name], tensor, atol=1e-5), name
+    native_again, from_fsdpv2, _ = fit(tmp_path / "native", "xla_native", devices=1, epochs=3, ckpt_path=path)
+    assert native_again.global_step == 24  # another strategy reads the folder whole
+    for name, tensor in straight.state_dict().items():
+        assert torch.allclose(from_fsdpv2.state_dict()[name], tensor, atol=1e-5), name
+
+
+def test_spmd_resumes_its_replicated_checkpoint(tmp_path, native):
+    saver = ModelCheckpoint()
+    fit(tmp_path, "xla_spmd", epochs=1, callbacks=[saver])
+    trainer, model, _ = fit(tmp_path, "xla_spmd", epochs=2, ckpt_path="last")
+    assert trainer.global_step == 16
+    for name, tensor in native[1].state_dict().items():
+        assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name
+
+
+def test_broken_distributed_checkpoints_are_named(tmp_path, capfd):
+    saver = ModelCheckpoint(save_top_k=-1)
+    fit(tmp_path, XlaFSDPv2(), epochs=2, callbacks=[saver])
+    older, newest = sorted(glob.glob(os.path.join(saver.dirpath, "epoch=*")))
+    shard = os.path.join(newest, "state", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(UnreadableCheckpointError, match="__0_0.distcp' is truncated"):
+        load_checkpoint(newest)
+    with pytest.raises(CheckpointError, match="distributed checkpoint of an SPMD strategy.*xtrainer consolidate"):
+        load_sharded_checkpoint(older, 0, 1)
+    # "last" falls back to the newest checkpoint that reads, with a warning (from the SPMD process)
+    capfd.readouterr()
+    trainer, _, _ = fit(tmp_path, XlaFSDPv2(), epochs=3, ckpt_path="last")
+    assert trainer.global_step == 24
+    assert f"resuming from {older!r}" in capfd.readouterr().err
 
 
 def test_mesh_and_sharding_options_are_checked():

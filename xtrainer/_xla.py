@@ -323,6 +323,15 @@ def fsdpv2_partition_spec(param: torch.Tensor) -> tuple:
     return _prepare_spmd_partition_spec(param, shard_maximal=True)
 
 
+def spmd_checkpoint_planners() -> tuple[Any, Any]:
+    """torch_xla's ``torch.distributed.checkpoint`` planners for sharded XLA tensors: a save planner
+    that writes each process's local shards, and a load planner that reads into sharded tensors
+    in place (resharding when the mesh differs from the one that saved)."""
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
+
+    return SPMDSavePlanner(), SPMDLoadPlanner()
+
+
 def fsdpv2_class() -> type:
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 

@@ -17,27 +17,33 @@ key                    what it holds
 ``hyper_parameters``   the module's ``hparams`` (a plain dict)
 =====================  ==========================================================================
 
-A sharded checkpoint (``xla_fsdp``) is a folder instead: ``trainer.pt`` holds every key above but
-the module and optimizer state, and each rank's ``rank-RRRRR-of-WWWWW.pt`` holds its shard of
-those with the shard metadata. Files are written atomically (a temporary file renamed into
+A sharded checkpoint is a folder instead, whose ``trainer.pt`` holds every key above but the
+module and optimizer state. Those are, for ``xla_fsdp``, in each rank's ``rank-RRRRR-of-WWWWW.pt``
+(its shard, with the shard metadata); for the SPMD strategies, in ``state/``, written by
+``torch.distributed.checkpoint`` with torch_xla's SPMD planners (each process writes the shards
+it holds; the metadata maps them into the whole tensors, so the folder loads on any mesh and
+consolidates without the mesh that wrote it). Files are written atomically (a temporary file renamed into
 place; a sharded folder is staged and renamed when complete), so an interrupted save never leaves
 a truncated checkpoint behind. ``last.ckpt`` is a link to the newest checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
 import tempfile
 import zipfile
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 FORMAT = "xtrainer"
 FORMAT_VERSION = 1
 TRAINER_FILE = "trainer.pt"
+#: The ``torch.distributed.checkpoint`` folder inside an SPMD checkpoint folder.
+DISTRIBUTED_DIR = "state"
 #: Where the user's module sits inside the Trainer's step dispatcher, which sharded strategies wrap.
 DISPATCHER_PREFIX = "module."
 
@@ -71,13 +77,21 @@ def save_file(obj: Any, path: str) -> None:
     except BaseException as err:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
-        # A full disk shows as OSError, or as torch's RuntimeError "... file write failed".
-        if isinstance(err, OSError) or (isinstance(err, RuntimeError) and "write" in str(err)):
+        _raise_if_write_failure(err, path)
+        raise
+
+
+def _raise_if_write_failure(err: BaseException, path: str) -> None:
+    """Turn a failed write (a full disk, an unwritable folder) into a ``CheckpointError`` that says
+    what to do. A full disk shows as OSError, or as torch's RuntimeError "... file write failed";
+    ``torch.distributed.checkpoint`` wraps either in a ``CheckpointException``."""
+    causes = list(getattr(err, "failures", {}).values()) or [err]
+    for cause in causes:
+        if isinstance(cause, OSError) or (isinstance(cause, RuntimeError) and "write" in str(cause)):
             raise CheckpointError(
-                f"Could not write {path!r} ({type(err).__name__}: {err}). Training stopped; the checkpoints "
+                f"Could not write {path!r} ({type(cause).__name__}: {cause}). Training stopped; the checkpoints "
                 "written before are intact. Free disk space or choose a writable dirpath, then resume with "
                 "fit(..., ckpt_path='last').") from err
-        raise
 
 
 LAST = "last.ckpt"
@@ -163,10 +177,14 @@ def is_sharded(path: str) -> bool:
 
 
 def load_checkpoint(path: str, world_size: int | None = None) -> dict[str, Any]:
-    """Read a whole (single-file) checkpoint and check that it is an xtrainer checkpoint."""
+    """Read a whole checkpoint and check that it is an xtrainer checkpoint. A distributed (SPMD)
+    folder is read whole too: its shards are assembled on the host."""
     if is_sharded(path):
         trainer_state = load_file(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
         check_header(trainer_state, path)
+        if is_distributed(path):
+            check_distributed(path)
+            return {**trainer_state, **read_distributed(path)}
         raise CheckpointError(
             f"{path!r} is a sharded checkpoint written by {trainer_state.get('strategy')!r} with "
             f"world size {trainer_state.get('world_size')}. Resume it with strategy='xla_fsdp' at that "
@@ -180,6 +198,11 @@ def load_checkpoint(path: str, world_size: int | None = None) -> dict[str, Any]:
 
 def load_sharded_checkpoint(path: str, rank: int, world_size: int) -> dict[str, Any]:
     """The trainer state of a sharded checkpoint folder merged with ``rank``'s shard."""
+    if is_distributed(path):
+        raise CheckpointError(
+            f"{path!r} is a distributed checkpoint of an SPMD strategy; xla_fsdp resumes from its own sharded "
+            f"folders only. Resume it with strategy='xla_spmd' or 'xla_fsdpv2' (any number of devices), or "
+            f"consolidate it (xtrainer consolidate {path} -o full.pt) and load that into your module before fit().")
     if not is_sharded(path):
         checkpoint = load_file(path)
         check_header(checkpoint, path)
@@ -213,9 +236,13 @@ def consolidate(path: str) -> dict[str, Any]:
     """One plain state dict (as the unwrapped module names it) from a sharded checkpoint folder."""
     if not is_sharded(path) or not os.path.exists(os.path.join(path, TRAINER_FILE)):
         raise CheckpointError(f"{path!r} is not a sharded checkpoint folder (one holding {TRAINER_FILE} and "
-                              "rank-RRRRR-of-WWWWW.pt files, as xla_fsdp writes them).")
+                              "rank-RRRRR-of-WWWWW.pt files, as xla_fsdp writes them, or a state/ folder, as the "
+                              "SPMD strategies write it).")
     trainer_state = load_file(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
     check_header(trainer_state, path)
+    if is_distributed(path):
+        check_distributed(path)
+        return read_distributed(path, only="state_dict")["state_dict"]
     world_size = trainer_state["world_size"]
     names = _check_shards(path, world_size)
     shards = [load_file(os.path.join(path, name), f"shard {name}") for name in names]
@@ -225,18 +252,24 @@ def consolidate(path: str) -> dict[str, Any]:
 def load_weights(module: torch.nn.Module, state_dict: dict[str, Any]) -> None:
     """``module.load_state_dict(state_dict)``, refusing a state dict of another model with an
     error that lists the missing and unexpected keys and the shape mismatches."""
+    check_fits(module, {k: v.shape if isinstance(v, torch.Tensor) else None for k, v in state_dict.items()})
+    module.load_state_dict(state_dict)
+
+
+def check_fits(module: torch.nn.Module, shapes: dict[str, Any]) -> None:
+    """Refuse saved module state, given as ``{name: shape or None}``, that is not this module's,
+    listing the missing and unexpected keys and the shape mismatches."""
     own = module.state_dict()
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
-    mismatched = [f"{k} {tuple(v.shape)} (module: {tuple(own[k].shape)})" for k, v in state_dict.items()
-                  if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape]
+    missing = [k for k in own if k not in shapes]
+    unexpected = [k for k in shapes if k not in own]
+    mismatched = [f"{k} {tuple(shape)} (module: {tuple(own[k].shape)})" for k, shape in shapes.items()
+                  if k in own and shape is not None and tuple(shape) != tuple(own[k].shape)]
     problems = [f"{label} ({len(keys)}): {', '.join(keys[:8])}{', ...' if len(keys) > 8 else ''}"
                 for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
                                     ("shape mismatches", mismatched)) if keys]
     if problems:
         raise CheckpointError("it does not fit this module, so nothing was trained: " + "; ".join(problems)
                               + ". Is it a checkpoint of another model (or of another configure_model())?")
-    module.load_state_dict(state_dict)
 
 
 def _check_shards(path: str, world_size: int) -> list[str]:
@@ -258,3 +291,143 @@ def check_header(checkpoint: Any, path: str) -> None:
             f"{path!r} has checkpoint format version {checkpoint['format_version']}, newer than this "
             f"xtrainer reads ({FORMAT_VERSION}). Upgrade xtrainer."
         )
+
+
+# ---- distributed (SPMD) checkpoints: torch.distributed.checkpoint -------------------------------
+@dataclasses.dataclass(frozen=True)
+class DistributedPart:
+    """Stands in a loaded checkpoint dict for module or optimizer state that stays on disk until
+    it is read into the live, sharded module or optimizer (``load_distributed``). ``key`` is its
+    place in the distributed checkpoint: ``"state_dict"`` or ``"optimizer_states.I"``."""
+
+    path: str
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedEntry:
+    """One saved value of a distributed checkpoint: where it sits below its part (``("state", 0,
+    "exp_avg")``), and its shape and dtype if it is a tensor (None otherwise)."""
+
+    where: tuple
+    shape: tuple | None
+    dtype: torch.dtype | None
+
+
+def is_distributed(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, DISTRIBUTED_DIR, ".metadata"))
+
+
+def save_distributed(state: dict[str, Any], folder: str) -> None:
+    """Write ``state`` (the module's and optimizers' state, tensors sharded over the SPMD mesh) to
+    ``folder/state`` with ``torch.distributed.checkpoint``: every process writes the shards it
+    holds, straight from the device, and nothing is gathered. With several hosts the processes
+    coordinate over the default process group (untested here: no pod)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from xtrainer import _xla
+
+    target = os.path.join(folder, DISTRIBUTED_DIR)
+    planner, _ = _xla.spmd_checkpoint_planners()
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(target), planner=planner,
+                 no_dist=not dist.is_initialized())
+    except Exception as err:
+        _raise_if_write_failure(err, target)
+        raise
+
+
+def check_distributed(path: str) -> dict[str, list[DistributedEntry]]:
+    """Read a distributed checkpoint's metadata and check that every file it names is there and
+    long enough; returns its entries by part (``"state_dict"``, ``"optimizer_states.0"``, ...)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = os.path.join(path, DISTRIBUTED_DIR)
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, RuntimeError) as err:
+        raise UnreadableCheckpointError(
+            f"The metadata of {path!r} ({DISTRIBUTED_DIR}/.metadata) could not be read ({type(err).__name__}: "
+            f"{err}); resume from an earlier checkpoint instead.") from err
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = os.path.join(folder, name)
+        size = os.path.getsize(file) if os.path.exists(file) else None
+        if size is None or size < end:
+            state = "is missing" if size is None else f"is truncated ({size} of {end} bytes)"
+            raise UnreadableCheckpointError(f"{file!r} {state}: the checkpoint {path!r} is incomplete; resume "
+                                            "from an earlier checkpoint instead.")
+    parts: dict[str, list[DistributedEntry]] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        where = metadata.planner_data[fqn]
+        part, below = (where[0], where[1:]) if where[0] != "optimizer_states" else (f"{where[0]}.{where[1]}", where[2:])
+        if isinstance(meta, TensorStorageMetadata):
+            parts.setdefault(part, []).append(DistributedEntry(tuple(below), tuple(meta.size), meta.properties.dtype))
+        else:
+            parts.setdefault(part, []).append(DistributedEntry(tuple(below), None, None))
+    return parts
+
+
+def load_distributed(target: dict[str, Any], path: str) -> None:
+    """Read a distributed checkpoint into ``target`` in place: ``{"state_dict": ...}`` or
+    ``{"optimizer_states": [...]}``, shaped as saved, tensors on the device with the sharding
+    they are to have. Each process reads only the pieces of the files its shards need."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from xtrainer import _xla
+
+    _, planner = _xla.spmd_checkpoint_planners()
+    # The load planner finds each shard's place from the tensors' device data: tensors that are
+    # still pending computations (new zeros) have none until they are executed.
+    _xla.sync()
+    _xla.wait_device_ops()  # host sync: before reading the checkpoint, not in a training step
+    try:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(os.path.join(path, DISTRIBUTED_DIR)),
+                 planner=planner, no_dist=not dist.is_initialized())
+    except Exception as err:
+        raise UnreadableCheckpointError(f"The distributed checkpoint {path!r} could not be read "
+                                        f"({type(err).__name__}: {err}).") from err
+
+
+def read_distributed(path: str, only: str | None = None) -> dict[str, Any]:
+    """A distributed checkpoint's module and optimizer state, whole, on the host (every shard is
+    read): ``{"state_dict": ..., "optimizer_states": [...]}`` as a single-file checkpoint holds
+    them. ``only`` reads one of the two."""
+    import torch.distributed.checkpoint as dcp
+    # *Private API* of torch (what torch's public dcp_to_torch_save uses): reads every entry of a
+    # checkpoint into an empty dict, without a process group.
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(os.path.join(path, DISTRIBUTED_DIR)),
+                         planner=_EmptyStateDictLoadPlanner(keys=None if only is None else [only]), no_dist=True)
+    except Exception as err:
+        raise UnreadableCheckpointError(f"The distributed checkpoint {path!r} could not be read "
+                                        f"({type(err).__name__}: {err}).") from err
+    for optimizer_state in state.get("optimizer_states", []):
+        # Saving names every entry by a path of strings: the optimizer's parameter ids are ints.
+        optimizer_state["state"] = {int(k): v for k, v in optimizer_state.get("state", {}).items()}
+    return state
+
+
+def load_distributed_checkpoint(path: str) -> dict[str, Any]:
+    """A distributed checkpoint's trainer state, with ``DistributedPart`` in place of the module
+    and optimizer state, which ``load_distributed`` reads into the live, sharded objects."""
+    trainer_state = load_file(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
+    check_header(trainer_state, path)
+    parts = check_distributed(path)
+    optimizers = sorted(int(part.split(".")[1]) for part in parts if part.startswith("optimizer_states."))
+    return {**trainer_state, "state_dict": DistributedPart(path, "state_dict"),
+            "optimizer_states": [DistributedPart(path, f"optimizer_states.{i}") for i in optimizers]}
+
+
+def entries(part: DistributedPart) -> Iterator[DistributedEntry]:
+    """The saved values of one part of a distributed checkpoint."""
+    yield from check_distributed(part.path).get(part.key, [])

@@ -284,6 +284,22 @@ class Strategy(abc.ABC):
             ckpt_io.save_file(checkpoint, path)
         self.barrier("xtrainer_save_checkpoint")
 
+    def save_folder(self, path: str, trainer_state: dict[str, Any], write_shards: Callable[[str], None]) -> None:
+        """Write a sharded checkpoint folder: every replica calls ``write_shards(folder)`` into a
+        staging folder; once all have written, rank 0 adds the trainer state (``trainer.pt``) and
+        renames the folder into place, so a folder under the final name is always complete."""
+        staging = ckpt_io.staging_path(path)
+        if self.is_global_zero and os.path.exists(staging):
+            ckpt_io.remove_checkpoint(staging)  # left by a save that crashed
+        self.barrier("xtrainer_sharded_checkpoint_staged")
+        write_shards(staging)
+        self.barrier("xtrainer_sharded_checkpoint_shards")
+        if self.is_global_zero:
+            trainer_state = _xla.to_cpu(trainer_state)  # host sync: written from the host
+            ckpt_io.save_file(trainer_state, os.path.join(staging, ckpt_io.TRAINER_FILE))
+            ckpt_io.publish(staging, path)
+        self.barrier("xtrainer_save_sharded_checkpoint")
+
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Read a checkpoint written by ``save_checkpoint`` (every replica reads it)."""
         return ckpt_io.load_checkpoint(path, world_size=self.world_size)

@@ -162,23 +162,14 @@ class XlaFSDP(Strategy):
         return ckpt_io.consolidate_state_dicts([shards], metadata)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
-        """Every rank writes its shard file into a staging folder; once all are written, rank 0
-        adds the trainer state and renames the folder into place, so a folder under the final
-        name is always complete. Then all meet."""
+        """Every rank writes its shard file (``rank-RRRRR-of-WWWWW.pt``) into the folder; rank 0
+        the trainer state."""
         checkpoint = dict(checkpoint)
         shard = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states"),
                  "shard_metadata": self._root.get_shard_metadata(), "rank": self.global_rank, "world_size": self.world_size}
         shard = _xla.to_cpu(shard)  # host sync: the shards are written from the host
-        staging = ckpt_io.staging_path(path)
-        if self.is_global_zero and os.path.exists(staging):
-            ckpt_io.remove_checkpoint(staging)  # left by a save that crashed
-        self.barrier("xtrainer_sharded_checkpoint_staged")
-        ckpt_io.save_file(shard, os.path.join(staging, ckpt_io.shard_file_name(self.global_rank, self.world_size)))
-        self.barrier("xtrainer_sharded_checkpoint_shards")
-        if self.is_global_zero:
-            ckpt_io.save_file(_xla.to_cpu(checkpoint), os.path.join(staging, ckpt_io.TRAINER_FILE))
-            ckpt_io.publish(staging, path)
-        self.barrier("xtrainer_save_sharded_checkpoint")
+        name = ckpt_io.shard_file_name(self.global_rank, self.world_size)
+        self.save_folder(path, checkpoint, lambda folder: ckpt_io.save_file(shard, os.path.join(folder, name)))
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         return ckpt_io.load_sharded_checkpoint(path, self.global_rank, self.world_size)

@@ -8,6 +8,11 @@ new process (SPMD must be switched on before any XLA tensor exists, which the ca
 may already have made), with N devices on the CPU runtime (``CPU_NUM_DEVICES``) or every device
 of the host elsewhere.
 
+Checkpoints are folders written with ``torch.distributed.checkpoint`` and torch_xla's SPMD
+planners: every process writes the shards it holds, and a resume reads each shard back into the
+sharded tensors in place, on any mesh (another device count reshards). ``xtrainer consolidate``
+and every other strategy read such a folder whole.
+
 Values computed in the step are already global (the compiler inserts the collectives), so
 ``self.log(..., sync_dist=True)`` needs no reduction and the batch your loader yields is the
 global batch, split over the devices. On several hosts (untested here: no pod) each process
@@ -24,9 +29,11 @@ import warnings
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from xtrainer import _xla
+from xtrainer import checkpoint as ckpt_io
 from xtrainer.strategies.base import Strategy
 from xtrainer.strategies.process import run_in_new_process
 
@@ -61,6 +68,7 @@ class XlaSPMD(Strategy):
         self.shardings = dict(shardings or {})
         self.mesh: Any = None
         self._specs: dict[int, tuple] = {}  # id(parameter) -> its partition spec
+        self._owns_process_group = False
 
     # ---- launching: one new process, SPMD on -------------------------------------------------
     @property
@@ -85,6 +93,12 @@ class XlaSPMD(Strategy):
         if math.prod(shape) != count:
             raise ValueError(f"mesh_shape={shape} holds {math.prod(shape)} devices; there are {count}.")
         self.mesh = _xla.mesh(shape, self.axis_names)
+        if _xla.process_count() > 1 and not dist.is_initialized():
+            # torch.distributed.checkpoint coordinates the hosts' writes over a CPU process group,
+            # as torch_xla documents for SPMD (untested here: no pod).
+            _xla.register_xla_process_group_backend()
+            dist.init_process_group("gloo", init_method="xla://")
+            self._owns_process_group = True
 
     # ---- where we are: one process per host ----------------------------------------------------
     @property
@@ -115,9 +129,37 @@ class XlaSPMD(Strategy):
             _xla.spmd().mark_sharding(params[name], self.mesh, tuple(spec))
             self._specs[id(params[name])] = tuple(spec)
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Loaded optimizer state arrives unsharded; give each tensor its parameter's sharding, as
-        the state that training created had. Otherwise the step would compile anew for it."""
+    # ---- checkpoints: sharded, through torch.distributed.checkpoint -----------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
+        """A folder: each process writes the shards it holds of the module and optimizer state
+        (``state/``, nothing is gathered), process 0 the trainer state (``trainer.pt``)."""
+        checkpoint = dict(checkpoint)
+        state = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states")}
+        self.save_folder(path, checkpoint, lambda folder: ckpt_io.save_distributed(state, folder))
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """A distributed folder is read lazily, into the live sharded tensors; any other (whole)
+        checkpoint, from any strategy, loads as it does elsewhere."""
+        if ckpt_io.is_distributed(path):
+            return ckpt_io.load_distributed_checkpoint(path)
+        return super().load_checkpoint(path)
+
+    def load_module_state_dict(self, wrapped: nn.Module, checkpoint: dict[str, Any]) -> None:
+        part = checkpoint["state_dict"]
+        if not isinstance(part, ckpt_io.DistributedPart):
+            return super().load_module_state_dict(wrapped, checkpoint)
+        module = self.unwrap(wrapped).module
+        ckpt_io.check_fits(module, {entry.where[0]: entry.shape for entry in ckpt_io.entries(part)})
+        target = {"state_dict": module.state_dict()}  # the module's own (sharded) tensors, read in place
+        ckpt_io.load_distributed(target, part.path)
+        module.load_state_dict(target["state_dict"])
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
+        """Optimizer state is given the sharding of its parameter, as the state that training
+        created had; otherwise the step would compile anew for it. From a distributed checkpoint
+        it is read straight into tensors so sharded; from a whole file it arrives unsharded."""
+        if isinstance(state, ckpt_io.DistributedPart):
+            state = self._read_optimizer_state(optimizer, state)
         super().load_optimizer_state_dict(optimizer, state)
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -125,8 +167,44 @@ class XlaSPMD(Strategy):
                 if spec is None:
                     continue
                 for value in optimizer.state.get(param, {}).values():
-                    if _xla.is_xla_tensor(value) and value.shape == param.shape:
+                    if _xla.is_xla_tensor(value) and value.shape == param.shape and not _xla.sharding_of(value):
                         _xla.spmd().mark_sharding(value, self.mesh, spec)
+
+    def _read_optimizer_state(self, optimizer: torch.optim.Optimizer, part: ckpt_io.DistributedPart) -> dict:
+        """An ``optimizer.state_dict()`` read from a distributed checkpoint: the saved structure
+        is rebuilt from its metadata, with a tensor of the saved shape for every tensor, placed
+        and sharded as its parameter is (scalars such as Adam's ``step`` on the host)."""
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        # Keyed as saved: the checkpoint's paths name the parameter indices as strings.
+        target: dict[Any, Any] = {"state": {}}  # an optimizer that has not stepped saves no state
+        for entry in ckpt_io.entries(part):
+            if entry.where[0] == "state" and len(entry.where) == 3:  # ("state", parameter index, name)
+                index = int(entry.where[1])
+                if index >= len(params):
+                    raise ckpt_io.CheckpointError(
+                        f"{part.path!r} holds optimizer state for parameter {index}, but the optimizer has "
+                        f"{len(params)} parameters: is it a checkpoint of another model or optimizer?")
+                value = self._optimizer_tensor(params[index], entry) if entry.shape is not None else None
+                target["state"].setdefault(entry.where[1], {})[entry.where[2]] = value
+            else:  # param_groups, and anything else the optimizer saved (read as it was pickled)
+                _place(target, entry.where, None)
+        ckpt_io.load_distributed({"optimizer_states": {part.key.split(".")[1]: target}}, part.path)
+        return {**target, "state": {int(index): value for index, value in target["state"].items()}}
+
+    def _optimizer_tensor(self, param: torch.Tensor, entry: ckpt_io.DistributedEntry) -> torch.Tensor:
+        if entry.shape != tuple(param.shape) or param.dim() == 0 or not _xla.is_xla_tensor(param):
+            return torch.zeros(entry.shape, dtype=entry.dtype)  # the optimizer moves it where it belongs
+        tensor = torch.zeros(entry.shape, dtype=entry.dtype, device=param.device)
+        spec = self._specs.get(id(param))
+        if spec is not None:
+            _xla.spmd().mark_sharding(tensor, self.mesh, spec)
+        return tensor
+
+    def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
+        super().teardown(wrapped, failed)
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
 
     def input_sharding(self) -> Any:
         return _xla.BatchSharding(self.mesh, self.data_axis, minibatch=self.world_size > 1)
@@ -204,6 +282,13 @@ class XlaFSDPv2(XlaSPMD):
                 if isinstance(child, fsdpv2):
                     parent._modules[name] = self.unwrap(child)
         super().teardown(wrapped, failed)
+
+
+def _place(target: dict, where: tuple, value: Any) -> None:
+    """``target[where[0]][where[1]]... = value``, making the dicts on the way."""
+    for key in where[:-1]:
+        target = target.setdefault(key, {})
+    target[where[-1]] = value
 
 
 def _leave_output(output: Any, mesh: Any) -> None:
