@@ -2,6 +2,7 @@
 
 import glob
 import os
+import subprocess
 import sys
 
 import pytest
@@ -73,7 +74,13 @@ def test_fsdpv2_saves_shards_and_resumes_exactly_on_any_mesh(tmp_path):
     assert "state_dict" not in torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
     assert first.checkpoint_compilations == 0
     # xtrainer consolidate gives the weights the run ended with
-    for name, tensor in consolidate(path).items():
+    out = tmp_path / "full.pt"
+    cli = os.path.join(os.path.dirname(sys.executable), "xtrainer")
+    done = subprocess.run([cli, "consolidate", path, "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    full = torch.load(out, weights_only=True)
+    assert full.keys() == first_model.state_dict().keys() == consolidate(path).keys()
+    for name, tensor in full.items():
         assert torch.equal(tensor, first_model.state_dict()[name]), name
 
     resumed_trainer, resumed, _ = fit(tmp_path / "run", XlaFSDPv2(), epochs=3, ckpt_path="last")

@@ -2,7 +2,7 @@
 
     xtrainer fit --config run.yaml [key=value ...]       # also validate, test, predict
     xtrainer config --config run.yaml [key=value ...]    # print the resolved configuration
-    xtrainer consolidate CHECKPOINT_DIR -o full.pt       # one state dict from an xla_fsdp folder
+    xtrainer consolidate CHECKPOINT_DIR -o full.pt       # one state dict from a sharded folder
 
 A configuration mistake is a one-line message and exit code 2, before anything trains. A fit
 writes the resolved configuration to ``<run folder>/config.yaml``; ``xtrainer fit --config`` on
@@ -81,8 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="--config FILE.yaml (repeatable, merged in order), then key=value overrides")
         sub.set_defaults(run=_config_command if stage == "config" else _stage_command)
     consolidate = commands.add_parser(
-        "consolidate", help="stitch a sharded (xla_fsdp) checkpoint folder into one plain state dict")
-    consolidate.add_argument("checkpoint", help="the checkpoint folder (holds trainer.pt and rank-*-of-*.pt)")
+        "consolidate", help="stitch a sharded checkpoint folder (xla_fsdp, xla_spmd, xla_fsdpv2) into one plain "
+                            "state dict")
+    consolidate.add_argument("checkpoint", help="the checkpoint folder (holds trainer.pt, and rank-*-of-*.pt or state/)")
     consolidate.add_argument("-o", "--output", required=True, help="where to write the state dict (.pt)")
     consolidate.set_defaults(run=_consolidate_command)
     return parser

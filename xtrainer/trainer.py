@@ -652,8 +652,9 @@ class Trainer:
             cb.on_save_checkpoint(self, module, checkpoint)
         compiles = _xla.compile_count()
         self.strategy.save_checkpoint(checkpoint, os.fspath(path))
-        # Bringing sharded tensors to the host compiles graphs of its own (SPMD); those are not
-        # the training step's, and XlaHealth does not count them as recompilations.
+        # A save that computes anything on the device (gathering shards, say) compiles graphs of
+        # its own; those are not the training step's, and XlaHealth does not count them as
+        # recompilations.
         self.checkpoint_compilations += _xla.compile_count() - compiles
 
     def _load_first_readable(self, candidates: list[str]) -> tuple[str, dict[str, Any]]:

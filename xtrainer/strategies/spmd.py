@@ -94,8 +94,8 @@ class XlaSPMD(Strategy):
             raise ValueError(f"mesh_shape={shape} holds {math.prod(shape)} devices; there are {count}.")
         self.mesh = _xla.mesh(shape, self.axis_names)
         if _xla.process_count() > 1 and not dist.is_initialized():
-            # torch.distributed.checkpoint coordinates the hosts' writes over a CPU process group,
-            # as torch_xla documents for SPMD (untested here: no pod).
+            # The hosts agree (barriers, and torch.distributed.checkpoint's coordination of their
+            # writes) over a CPU process group, as torch_xla documents for SPMD (untested: no pod).
             _xla.register_xla_process_group_backend()
             dist.init_process_group("gloo", init_method="xla://")
             self._owns_process_group = True
@@ -112,6 +112,26 @@ class XlaSPMD(Strategy):
     @property
     def local_rank(self) -> int:
         return 0
+
+    # Host-side agreement between hosts goes over the CPU process group: torch_xla's rendezvous is
+    # a collective of the MPMD replicas, which an SPMD program does not have (untested: no pod).
+    def barrier(self, name: str = "barrier") -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     # ---- the module ----------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
