@@ -22,9 +22,9 @@ module and optimizer state. Those are, for ``xla_fsdp``, in each rank's ``rank-R
 (its shard, with the shard metadata); for the SPMD strategies, in ``state/``, written by
 ``torch.distributed.checkpoint`` with torch_xla's SPMD planners (each process writes the shards
 it holds; the metadata maps them into the whole tensors, so the folder loads on any mesh and
-consolidates without the mesh that wrote it). Files are written atomically (a temporary file renamed into
-place; a sharded folder is staged and renamed when complete), so an interrupted save never leaves
-a truncated checkpoint behind. ``last.ckpt`` is a link to the newest checkpoint.
+consolidates without the mesh that wrote it). Files are written atomically (a temporary file
+renamed into place; a sharded folder is staged and renamed when complete), so an interrupted
+save never leaves a truncated checkpoint behind. ``last.ckpt`` is a link to the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -297,8 +297,9 @@ def check_header(checkpoint: Any, path: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class DistributedPart:
     """Stands in a loaded checkpoint dict for module or optimizer state that stays on disk until
-    it is read into the live, sharded module or optimizer (``load_distributed``). ``key`` is its
-    place in the distributed checkpoint: ``"state_dict"`` or ``"optimizer_states.I"``."""
+    it is read into the live, sharded module or optimizer (``load_distributed``); so
+    ``on_load_checkpoint`` hooks see these, not tensors. ``key`` is its place in the distributed
+    checkpoint: ``"state_dict"`` or ``"optimizer_states.I"``."""
 
     path: str
     key: str
@@ -306,8 +307,9 @@ class DistributedPart:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedEntry:
-    """One saved value of a distributed checkpoint: where it sits below its part (``("state", 0,
-    "exp_avg")``), and its shape and dtype if it is a tensor (None otherwise)."""
+    """One saved value of a distributed checkpoint: where it sits below its part (``("0.weight",)``,
+    ``("state", "0", "exp_avg")``: dict keys are saved as strings), and its shape and dtype if it
+    is a tensor (None otherwise)."""
 
     where: tuple
     shape: tuple | None
