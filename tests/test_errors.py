@@ -1,5 +1,9 @@
 """Bad input fails early, with a message that says what to do."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import Regressor, make_loader
@@ -173,3 +177,22 @@ def test_several_torchrun_processes_on_the_cpu_runtime_are_refused(trainer_kwarg
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="started by torchrun .* cannot run collectives across processes"):
         Trainer(**trainer_kwargs).fit(Regressor(), make_loader())
+
+
+@pytest.mark.multi_device
+def test_a_script_that_trains_at_import_is_told_to_guard_it(tmp_path):
+    """The replicas' process imports the script again; training at import time starts there too."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from conftest import Regressor, make_loader\n"
+        "from xtrainer import Trainer\n"
+        "Trainer(devices=2, max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,\n"
+        f"        default_root_dir={str(tmp_path)!r}).fit(Regressor(), make_loader())\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PJRT_DEVICE": "CPU"}, cwd=tmp_path)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: The script starts training when it is imported")
+    assert "if __name__ == '__main__':" in last

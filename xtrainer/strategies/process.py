@@ -10,10 +10,18 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import tempfile
 import threading
 from typing import Callable, Iterator
 
 _environ_lock = threading.Lock()
+#: Set in a started process: where to leave word that it was asked to start one of its own while
+#: it imported the caller's script (the script starts training at import time).
+_UNGUARDED_MARKER = "XTRAINER_UNGUARDED_MAIN_MARKER"
+_UNGUARDED_MESSAGE = (
+    "The script starts training when it is imported: the new process that runs the replicas imports "
+    "it again (Python's 'spawn' start method), and it tried to start training there too. Put the "
+    "script's work under `if __name__ == '__main__':` (define the classes and functions above it).")
 
 
 @contextlib.contextmanager
@@ -39,10 +47,19 @@ def run_in_new_process(target: Callable[..., None], args: tuple, env: dict[str, 
     the caller (Ctrl-C) ends the process too.
     """
     context = multiprocessing.get_context("spawn")
-    with _environ(env):
+    inherited_marker = os.environ.get(_UNGUARDED_MARKER)  # set if this is a started process itself
+    marker = os.path.join(tempfile.gettempdir(), f"xtrainer-unguarded-{os.getpid()}-{id(args)}")
+    with _environ({**env, _UNGUARDED_MARKER: marker}):
         process = context.Process(target=target, args=args, name="xtrainer-replicas")
         try:
             process.start()  # pickles the job: trainer, module, callbacks, dataloaders
+        except RuntimeError as err:
+            if "bootstrapping phase" not in str(err) or inherited_marker is None:
+                raise
+            # This is the started process, importing the caller's unguarded script: tell the caller.
+            with open(inherited_marker, "w"):
+                pass
+            raise RuntimeError(_UNGUARDED_MESSAGE) from err
         except (pickle.PicklingError, AttributeError, TypeError) as err:
             raise TypeError(
                 f"{what} sends the trainer, the module, the callbacks and the dataloaders to a new process by "
@@ -55,6 +72,9 @@ def run_in_new_process(target: Callable[..., None], args: tuple, env: dict[str, 
         process.terminate()
         process.join()
         raise
+    if os.path.exists(marker):
+        os.remove(marker)
+        raise RuntimeError(_UNGUARDED_MESSAGE)
     return process.exitcode
 
 

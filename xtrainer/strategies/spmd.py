@@ -10,8 +10,8 @@ of the host elsewhere.
 
 Checkpoints are folders written with ``torch.distributed.checkpoint`` and torch_xla's SPMD
 planners: every process writes the shards it holds, and a resume reads each shard back into the
-sharded tensors in place, on any mesh (another device count reshards). ``xtrainer consolidate``
-and every other strategy read such a folder whole.
+sharded tensors in place, on any mesh (another device count reshards). ``xtrainer consolidate``,
+``xla_native`` and ``xla_ddp`` read such a folder whole.
 
 Values computed in the step are already global (the compiler inserts the collectives), so
 ``self.log(..., sync_dist=True)`` needs no reduction and the batch your loader yields is the
