@@ -125,6 +125,37 @@ def test_broken_distributed_checkpoints_are_named(tmp_path, capfd):
     assert f"resuming from {older!r}" in capfd.readouterr().err
 
 
+class Units(Callback):
+    """How many FSDPv2 units wrap the module, and how many of them recompute activations."""
+
+    def on_train_start(self, trainer, module):
+        units = [m for m in trainer.model.modules() if isinstance(m, _xla.fsdpv2_class())]
+        self.counts = {"units": len(units),
+                       "checkpointed": sum(hasattr(m.module, "_xla_checkpointed_forward_original") for m in units)}
+
+    def state_dict(self):
+        return self.counts
+
+    def load_state_dict(self, state):
+        self.counts = state
+
+
+def test_fsdpv2_auto_wraps_layers_with_activation_checkpointing(tmp_path, native):
+    def strategy():
+        return XlaFSDPv2(auto_wrap_policy={torch.nn.Linear}, activation_checkpointing=True)
+
+    units = Units()
+    _, _, steps = fit(tmp_path, strategy(), epochs=1, callbacks=[units, ModelCheckpoint()])
+    assert units.counts == {"units": 3, "checkpointed": 2}  # the root, and each Linear checkpointed
+    assert steps.losses == pytest.approx(native[2].losses[:8], rel=1e-4, abs=1e-6)
+    # checkpoints name the weights as the bare module does, and resume into the wrapped units
+    trainer, model, _ = fit(tmp_path, strategy(), epochs=2, ckpt_path="last")
+    assert trainer.global_step == 16
+    assert isinstance(model.net[0].weight, torch.nn.Parameter)  # given back unwrapped
+    for name, tensor in native[1].state_dict().items():
+        assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name
+
+
 def test_mesh_and_sharding_options_are_checked():
     with pytest.raises(ValueError, match="data_axis='batch'\\) is not one of the mesh's axes"):
         XlaSPMD(axis_names=("data",), data_axis="batch")

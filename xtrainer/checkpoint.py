@@ -252,14 +252,18 @@ def consolidate(path: str) -> dict[str, Any]:
 def load_weights(module: torch.nn.Module, state_dict: dict[str, Any]) -> None:
     """``module.load_state_dict(state_dict)``, refusing a state dict of another model with an
     error that lists the missing and unexpected keys and the shape mismatches."""
-    check_fits(module, {k: v.shape if isinstance(v, torch.Tensor) else None for k, v in state_dict.items()})
+    check_fits(module.state_dict(), shapes_of(state_dict))
     module.load_state_dict(state_dict)
 
 
-def check_fits(module: torch.nn.Module, shapes: dict[str, Any]) -> None:
-    """Refuse saved module state, given as ``{name: shape or None}``, that is not this module's,
-    listing the missing and unexpected keys and the shape mismatches."""
-    own = module.state_dict()
+def shapes_of(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``{name: shape}`` of a state dict (None for entries that are not tensors)."""
+    return {k: v.shape if isinstance(v, torch.Tensor) else None for k, v in state_dict.items()}
+
+
+def check_fits(own: dict[str, Any], shapes: dict[str, Any]) -> None:
+    """Refuse saved module state, given as ``{name: shape or None}``, that does not fit the module
+    whose state dict is ``own``, listing the missing and unexpected keys and the shape mismatches."""
     missing = [k for k in own if k not in shapes]
     unexpected = [k for k in shapes if k not in own]
     mismatched = [f"{k} {tuple(shape)} (module: {tuple(own[k].shape)})" for k, shape in shapes.items()

@@ -164,15 +164,30 @@ class XlaSPMD(Strategy):
             return ckpt_io.load_distributed_checkpoint(path)
         return super().load_checkpoint(path)
 
+    def module_state_dict(self, wrapped: nn.Module) -> dict[str, torch.Tensor]:
+        """The user module's state dict, named as the bare module names it (FSDPv2's inner units
+        would add their own name to every key below them)."""
+        return {self._bare(name): tensor for name, tensor in self.unwrap(wrapped).module.state_dict().items()}
+
     def load_module_state_dict(self, wrapped: nn.Module, checkpoint: dict[str, Any]) -> None:
-        part = checkpoint["state_dict"]
-        if not isinstance(part, ckpt_io.DistributedPart):
-            return super().load_module_state_dict(wrapped, checkpoint)
+        """From a distributed checkpoint, every shard is read into the module's own sharded
+        tensors in place; a whole file's tensors are copied into them."""
         module = self.unwrap(wrapped).module
-        ckpt_io.check_fits(module, {entry.where[0]: entry.shape for entry in ckpt_io.entries(part)})
-        target = {"state_dict": module.state_dict()}  # the module's own (sharded) tensors, read in place
-        ckpt_io.load_distributed(target, part.path)
-        module.load_state_dict(target["state_dict"])
+        live = module.state_dict()
+        names = {self._bare(name): name for name in live}  # as saved -> as the wrapped module has it
+        own = {bare: live[name] for bare, name in names.items()}
+        state = checkpoint["state_dict"]
+        if isinstance(state, ckpt_io.DistributedPart):
+            ckpt_io.check_fits(own, {entry.where[0]: entry.shape for entry in ckpt_io.entries(state)})
+            target = {"state_dict": own}
+            ckpt_io.load_distributed(target, state.path)
+            state = target["state_dict"]
+        else:
+            ckpt_io.check_fits(own, ckpt_io.shapes_of(state))
+        module.load_state_dict({names[name]: tensor for name, tensor in state.items()})
+
+    def _bare(self, name: str) -> str:
+        return name
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
         """Optimizer state is given the sharding of its parameter, as the state that training
@@ -287,6 +302,9 @@ class XlaFSDPv2(XlaSPMD):
             self._specs.setdefault(id(param), _xla.fsdpv2_partition_spec(param))
         return wrapped
 
+    def _bare(self, name: str) -> str:
+        return name.replace(_UNIT_ATTRIBUTE + ".", "")
+
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
         fsdpv2 = _xla.fsdpv2_class()
         while isinstance(wrapped, fsdpv2):
@@ -302,6 +320,10 @@ class XlaFSDPv2(XlaSPMD):
                 if isinstance(child, fsdpv2):
                     parent._modules[name] = self.unwrap(child)
         super().teardown(wrapped, failed)
+
+
+#: The attribute under which an FSDPv2 unit holds the module it wraps.
+_UNIT_ATTRIBUTE = "_orig_module"
 
 
 def _place(target: dict, where: tuple, value: Any) -> None:
