@@ -123,6 +123,17 @@ def test_broken_distributed_checkpoints_are_named(tmp_path, capfd):
     trainer, _, _ = fit(tmp_path, XlaFSDPv2(), epochs=3, ckpt_path="last")
     assert trainer.global_step == 24
     assert f"resuming from {older!r}" in capfd.readouterr().err
+    # another model's checkpoint is refused before any step, saying what does not fit
+    wider = Trainer(strategy=XlaFSDPv2(), devices=4, max_epochs=3, logger=False, enable_progress_bar=False,
+                    default_root_dir=str(tmp_path / "wider"))
+    with pytest.raises(CheckpointError, match=r"shape mismatches \(3\): net.0.weight \(16, 8\) \(module: \(32, 8\)\)"):
+        wider.fit(WiderRegressor(), make_loader(), ckpt_path=older)
+
+
+class WiderRegressor(Regressor):
+    def __init__(self):
+        super().__init__(optimizer="adam")
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 
 
 class Units(Callback):
