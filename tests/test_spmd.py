@@ -107,6 +107,16 @@ def test_spmd_resumes_its_replicated_checkpoint(tmp_path, native):
         assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name
 
 
+def test_fsdpv2_resumes_a_whole_checkpoint_of_another_strategy(tmp_path, native):
+    saver = ModelCheckpoint()
+    fit(tmp_path, "xla_native", devices=1, epochs=1, callbacks=[saver])
+    # the optimizer state arrives whole and is sharded like its parameters: no recompilation
+    trainer, model, steps = fit(tmp_path, XlaFSDPv2(), epochs=2, ckpt_path="last")
+    assert trainer.global_step == 16 and steps.sharding == "{devices=[4,1]0,1,2,3}"
+    for name, tensor in native[1].state_dict().items():
+        assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name
+
+
 def test_broken_distributed_checkpoints_are_named(tmp_path, capfd):
     saver = ModelCheckpoint(save_top_k=-1)
     fit(tmp_path, XlaFSDPv2(), epochs=2, callbacks=[saver])
