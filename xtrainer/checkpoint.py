@@ -35,7 +35,7 @@ import pickle
 import shutil
 import tempfile
 import zipfile
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -303,10 +303,11 @@ class DistributedPart:
     """Stands in a loaded checkpoint dict for module or optimizer state that stays on disk until
     it is read into the live, sharded module or optimizer (``load_distributed``); so
     ``on_load_checkpoint`` hooks see these, not tensors. ``key`` is its place in the distributed
-    checkpoint: ``"state_dict"`` or ``"optimizer_states.I"``."""
+    checkpoint: ``"state_dict"`` or ``"optimizer_states.I"``; ``entries`` the values saved there."""
 
     path: str
     key: str
+    entries: tuple[DistributedEntry, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,10 +431,7 @@ def load_distributed_checkpoint(path: str) -> dict[str, Any]:
     check_header(trainer_state, path)
     parts = check_distributed(path)
     optimizers = sorted(int(part.split(".")[1]) for part in parts if part.startswith("optimizer_states."))
-    return {**trainer_state, "state_dict": DistributedPart(path, "state_dict"),
-            "optimizer_states": [DistributedPart(path, f"optimizer_states.{i}") for i in optimizers]}
-
-
-def entries(part: DistributedPart) -> Iterator[DistributedEntry]:
-    """The saved values of one part of a distributed checkpoint."""
-    yield from check_distributed(part.path).get(part.key, [])
+    keys = ["state_dict"] + [f"optimizer_states.{i}" for i in optimizers]
+    parts = {key: DistributedPart(path, key, tuple(parts.get(key, ()))) for key in keys}
+    return {**trainer_state, "state_dict": parts["state_dict"],
+            "optimizer_states": [parts[key] for key in keys[1:]]}

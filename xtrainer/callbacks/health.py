@@ -33,9 +33,9 @@ class XlaHealth(Callback):
     FSDP, compiles a graph of its own: parameters come out of evaluation in another state), every
     graph should be compiled. A new compilation after that is a recompilation: it is reported once per new compilation, with the
     step and what xtrainer can see differ (the batch's shapes against those of the first epoch);
-    ``PT_XLA_DEBUG_LEVEL=2`` makes torch_xla print its own analysis. Graphs compiled to write a
-    checkpoint (gathering sharded tensors under SPMD) are counted in ``xla/compilations`` but are
-    not recompilations. ``on_recompile="raise"``
+    ``PT_XLA_DEBUG_LEVEL=2`` makes torch_xla print its own analysis. Graphs compiled while a
+    checkpoint is written (should a save compute on the device) are counted in
+    ``xla/compilations`` but are not recompilations. ``on_recompile="raise"``
     turns the report into an error (for CI). ``fit`` ends with a summary line.
 
     The counters belong to the process: with several replicas as threads of one process (the CPU

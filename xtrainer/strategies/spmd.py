@@ -178,7 +178,7 @@ class XlaSPMD(Strategy):
         own = {bare: live[name] for bare, name in names.items()}
         state = checkpoint["state_dict"]
         if isinstance(state, ckpt_io.DistributedPart):
-            ckpt_io.check_fits(own, {entry.where[0]: entry.shape for entry in ckpt_io.entries(state)})
+            ckpt_io.check_fits(own, {entry.where[0]: entry.shape for entry in state.entries})
             target = {"state_dict": own}
             ckpt_io.load_distributed(target, state.path)
             state = target["state_dict"]
@@ -212,7 +212,7 @@ class XlaSPMD(Strategy):
         params = [param for group in optimizer.param_groups for param in group["params"]]
         # Keyed as saved: the checkpoint's paths name the parameter indices as strings.
         target: dict[Any, Any] = {"state": {}}  # an optimizer that has not stepped saves no state
-        for entry in ckpt_io.entries(part):
+        for entry in part.entries:
             if entry.where[0] == "state" and len(entry.where) == 3:  # ("state", parameter index, name)
                 index = int(entry.where[1])
                 if index >= len(params):
