@@ -78,3 +78,26 @@ def trainer_kwargs(tmp_path):
     """Quiet Trainer arguments writing into the test's own folder."""
     return dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
                 enable_checkpointing=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size)``: a real filesystem of ``size`` (a tmpfs, e.g. ``"64k"``) that fills up
+    for real; the test is skipped, with the reason, where one cannot be mounted (not root)."""
+    import subprocess
+
+    path = tmp_path / "small-disk"
+    path.mkdir()
+    mounted = []
+
+    def mount(size: str) -> str:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"a small tmpfs cannot be mounted here (it needs root): {done.stderr.strip()}")
+        mounted.append(path)
+        return str(path)
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)

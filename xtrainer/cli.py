@@ -29,6 +29,9 @@ def run_stage(stage: str, config: cfg_io.RunConfig) -> tuple[Any, Any]:
     trainer, data = run.trainer, run.data
     loaders = {name: getattr(data, f"{name}_dataloader")() if hasattr(data, f"{name}_dataloader") else None
                for name in ("train", "val", "test", "predict")}
+    # The saved configuration names the checkpoint actually used (not "last"), so running it
+    # again starts from the same state.
+    config.ckpt_path = trainer.resolve_ckpt_path(run.ckpt_path)
     path = cfg_io.save_config(config, trainer.log_dir)
     print(f"xtrainer {stage}: run folder {trainer.log_dir} (configuration: {path})", flush=True)
     if stage == "fit":
@@ -48,7 +51,9 @@ def _stage_command(args: argparse.Namespace) -> int:
             print(f"  {name}: {value:.6g}")
     elif args.command == "predict":
         path = os.path.join(trainer.log_dir, "predictions.pt")
-        ckpt_io.save_file(result, path)
+        import torch
+
+        torch.save(result, path)  # the user's predict_step outputs, as they are
         print(f"  predictions: {path}")
     else:
         for i, metrics in enumerate(result):
@@ -63,7 +68,7 @@ def _config_command(args: argparse.Namespace) -> int:
 
 def _consolidate_command(args: argparse.Namespace) -> int:
     state_dict = ckpt_io.consolidate(args.checkpoint)
-    ckpt_io.save_file(state_dict, args.output)
+    ckpt_io.storage.write_file(state_dict, args.output)
     total = sum(t.numel() for t in state_dict.values())
     print(f"wrote {args.output}: {len(state_dict)} tensors, {total:,} values. "
           "Load it with module.load_state_dict(torch.load(path)).")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import inspect
 import math
 import os
@@ -21,6 +20,8 @@ except ImportError:  # NumPy is optional; its generator is saved when it is inst
 
 from xtrainer import _xla
 from xtrainer import checkpoint as ckpt_io
+from xtrainer.checkpoint import format as ckpt_format
+from xtrainer.checkpoint import resume
 from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.loggers import Logger, TensorBoardLogger
@@ -152,7 +153,8 @@ class Trainer:
         # The run folder: <default_root_dir>[/<logger name>]/version_N, shared by logs, checkpoints
         # and the saved configuration.
         name = logger.name if isinstance(logger, TensorBoardLogger) and logger.log_dir is None else ""
-        self.log_dir = _next_version_dir(os.path.join(self.default_root_dir, name) if name else self.default_root_dir)
+        self._runs_root = os.path.join(self.default_root_dir, name) if name else self.default_root_dir
+        self._log_dir: str | None = None  # claimed on first use (log_dir)
 
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
@@ -171,8 +173,6 @@ class Trainer:
             self.callbacks.append(ProgressBar())
         if logger is True:
             logger = TensorBoardLogger()
-        if isinstance(logger, TensorBoardLogger) and logger.log_dir is None:
-            logger.log_dir = self.log_dir
         self.loggers: list[Logger] = [logger] if isinstance(logger, Logger) else []
         if logger not in (None, False) and not isinstance(logger, Logger):
             raise TypeError(f"logger must be True, False or a Logger, got {type(logger).__name__}.")
@@ -186,6 +186,10 @@ class Trainer:
         self._nonfinite: _NonFiniteWatch | None = None
         #: Graphs compiled while writing checkpoints, so far in this process.
         self.checkpoint_compilations = 0
+        #: The checkpoint the last fit/validate/test/predict started from (None: none).
+        self.ckpt_path: str | None = None
+        self._finite_checked_step = -1
+        self._resolved_ckpt: tuple[Any, str | None] | None = None
         #: The resolved configuration of ``xtrainer fit`` (flat keys), logged with the module's
         #: hyperparameters.
         self.run_config: dict[str, Any] = {}
@@ -203,6 +207,26 @@ class Trainer:
         self._optimizer: torch.optim.Optimizer | None = None
         self._schedulers: list[_Scheduler] = []
         self._results = Results("train", default_on_step=True)
+
+    # ---- the run folder ------------------------------------------------------------------------
+    @property
+    def log_dir(self) -> str:
+        """This run's folder, ``<default_root_dir>[/<logger name>]/version_N``: logs, checkpoints
+        and the saved configuration. Claimed on first use with ``os.mkdir``, which fails when the
+        folder exists, so runs started at the same moment never share one."""
+        if self._log_dir is None:
+            self.log_dir = claim_version_dir(self._runs_root)
+        return self._log_dir
+
+    @log_dir.setter
+    def log_dir(self, value: str) -> None:
+        self._log_dir = value
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger) and (logger.log_dir is None or logger.log_dir == self._claimed):
+                logger.log_dir = value
+        self._claimed = value
+
+    _claimed: str | None = None
 
     # ---- where we are (valid inside a run) -------------------------------------------------
     @property
@@ -253,26 +277,34 @@ class Trainer:
         val = _as_list(val_dataloaders) or _as_list(_module_loader(model, "val_dataloader"))
         if val and type(model).validation_step is XModule.validation_step:
             raise ValueError(f"Validation data was given but {type(model).__name__} has no validation_step.")
-        self._launch("fit", model, {"train": train, "validate": val}, self._checkpoint_candidates(ckpt_path))
+        self._launch("fit", model, {"train": train, "validate": val}, ckpt_path)
 
-    def _checkpoint_candidates(self, ckpt_path: str | os.PathLike | None) -> list[str] | None:
-        """``ckpt_path`` as the checkpoints to try, in order: one path, or for ``"last"`` the
-        newest complete checkpoints of this run folder (``last.ckpt`` first)."""
+    def resolve_ckpt_path(self, ckpt_path: str | os.PathLike | None) -> str | None:
+        """The checkpoint ``ckpt_path`` means for this run, checked completely (every byte against
+        its checksum, its strategy and world size against this run's) and announced in one line;
+        None for a fresh start. ``"last"`` looks in this run's lineage only (``resume.py``). The
+        next ``fit``/``validate``/``test``/``predict`` given the same ``ckpt_path`` uses this answer."""
+        resolved = self._resolve_ckpt_path(ckpt_path)
+        self._resolved_ckpt = (ckpt_path, resolved)
+        return resolved
+
+    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike | None) -> str | None:
         if ckpt_path is None:
             return None
-        if ckpt_path == "last":
-            dirpaths = [cb.dirpath for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-            dirpaths += sorted(glob.glob(os.path.join(os.path.dirname(self.log_dir), "version_*", "checkpoints")))
-            candidates = ckpt_io.last_candidates(dirpaths)
-            if not candidates:
-                raise ckpt_io.CheckpointError(
-                    f"ckpt_path='last' found no checkpoint in {', '.join(dirpaths) or self.default_root_dir}. "
-                    "Check default_root_dir (and ModelCheckpoint's dirpath), or give the checkpoint's path.")
-            return candidates
+        if self._resolved_ckpt is not None and self._resolved_ckpt[0] == ckpt_path:
+            resolved, self._resolved_ckpt = self._resolved_ckpt[1], None
+            return resolved
         ckpt_path = os.fspath(ckpt_path)
-        if not os.path.exists(ckpt_path):
+        if ckpt_path != "last" and not os.path.exists(ckpt_path):
             raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (or pass ckpt_path='last').")
-        return [ckpt_path]
+        extra = [cb.dirpath for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        search = resume.lineage_dirs(os.path.join(self._runs_root, "version_0"), extra)
+        header = resume.resolve(ckpt_path, search, self.strategy.checkpoint_layout, self.strategy.name,
+                                self.strategy.planned_world_size(), root=self._runs_root)
+        if header is None:
+            return None
+        print(f"xtrainer: resuming from {header.describe()}", flush=True)
+        return header.path
 
     def validate(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[dict[str, float]]:
         """Run the validation loop once; one dict of metrics per dataloader.
@@ -303,14 +335,20 @@ class Trainer:
         step = _STEP_METHODS[stage]
         if stage != "predict" and getattr(type(model), step) is getattr(XModule, step):
             raise ValueError(f"{type(model).__name__} has no {step}(self, batch, batch_idx) to {stage} with.")
-        return self._launch(stage, model, {stage: loaders}, self._checkpoint_candidates(ckpt_path))
+        return self._launch(stage, model, {stage: loaders}, ckpt_path)
 
-    def _launch(self, stage: str, model: XModule, loaders: dict[str, list], ckpt_path: list[str] | None) -> Any:
-        os.makedirs(self.log_dir, exist_ok=True)  # here, so that every replica shares one run folder
+    def _launch(self, stage: str, model: XModule, loaders: dict[str, list], ckpt_path: Any) -> Any:
+        resolved = self._resolve_ckpt_path(ckpt_path)
+        self.ckpt_path = resolved
+        self.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
         # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the
         # epoch) and each replica's XLA random generator (with its rank).
         self._seed = torch.initial_seed() % 2**31
-        result = self.strategy.launch(self._run, stage, model, loaders, ckpt_path)
+        try:
+            result = self.strategy.launch(self._run, stage, model, loaders, resolved)
+        except BaseException:
+            _remove_if_empty(self.log_dir)  # a run that failed before writing anything leaves no folder
+            raise
         if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
             model.load_state_dict(result["state_dict"])
             self.global_step, self.current_epoch = result["global_step"], result["current_epoch"]
@@ -321,9 +359,15 @@ class Trainer:
         return result["outputs"]
 
     # ---- one replica -------------------------------------------------------------------------
-    def _run(self, stage: str, module: XModule, loaders: dict[str, list], ckpt_path: list[str] | None
+    def _run(self, stage: str, module: XModule, loaders: dict[str, list], ckpt_path: str | None
              ) -> dict[str, Any]:
         self.strategy.setup_environment()
+        if self.world_size > 1:
+            # On several hosts each calling process claimed a folder of its own; rank 0's is the
+            # run's (untested here: no pod), and a folder claimed for nothing is given back.
+            own, self.log_dir = self.log_dir, self.strategy.broadcast(self.log_dir)
+            if own != self.log_dir:
+                _remove_if_empty(own)
         _xla.set_rng_state(self._seed + self.global_rank)
         self.state, self.should_stop, self._stop_agreed = stage, False, False
         module.trainer = self
@@ -630,12 +674,20 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write a checkpoint of the running fit to ``path``. Every replica must call this."""
+        """Write a checkpoint of the running fit to ``path``. Every replica must call this.
+
+        Refused (``CheckpointError``) once the training loss has been NaN or infinite: the weights
+        are no longer good, and a checkpoint of them must never replace a good one."""
         if self._wrapped is None:
             raise RuntimeError("save_checkpoint() works during fit() only (from a callback or hook).")
+        bad = self.nonfinite_step()
+        if bad is not None:
+            raise ckpt_io.CheckpointError(
+                f"Not writing {os.fspath(path)!r}: the training loss became NaN or infinite at global step {bad}, so "
+                "the weights are not good any more. The checkpoints written before are intact.")
         module = self.module
         checkpoint = {
-            "format": ckpt_io.FORMAT, "format_version": ckpt_io.FORMAT_VERSION,
+            "format": ckpt_format.FORMAT, "format_version": ckpt_format.FORMAT_VERSION,
             "xtrainer_version": _version(), "strategy": self.strategy.name, "world_size": self.world_size,
             "state_dict": self.strategy.module_state_dict(self._wrapped),
             "optimizer_states": [self.strategy.optimizer_state_dict(opt) for opt in self.optimizers],
@@ -645,37 +697,36 @@ class Trainer:
                       "seed": self._seed},
             "rng_states": _rng_states(self.strategy),
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
-            "hyper_parameters": dict(module.hparams),
+            "hyper_parameters": ckpt_format.plain_hparams(module.hparams),
         }
         module.on_save_checkpoint(checkpoint)
         for cb in self.callbacks:
             cb.on_save_checkpoint(self, module, checkpoint)
         compiles = _xla.compile_count()
-        self.strategy.save_checkpoint(checkpoint, os.fspath(path))
+        self.strategy.checkpoint_layout.save(self.strategy, checkpoint, os.fspath(path))
         # A save that computes anything on the device (gathering shards, say) compiles graphs of
         # its own; those are not the training step's, and XlaHealth does not count them as
         # recompilations.
         self.checkpoint_compilations += _xla.compile_count() - compiles
 
-    def _load_first_readable(self, candidates: list[str]) -> tuple[str, dict[str, Any]]:
-        """The first of ``candidates`` that reads completely; unreadable ones are reported."""
-        skipped = []
-        for path in candidates:
-            try:
-                checkpoint = self.strategy.load_checkpoint(path)
-            except ckpt_io.UnreadableCheckpointError as err:
-                if len(candidates) == 1:
-                    raise
-                skipped.append(str(err))
-                continue
-            if skipped:
-                rank_zero_warn(f"ckpt_path='last': resuming from {path!r}, the newest checkpoint that reads; "
-                               "skipped:\n  " + "\n  ".join(skipped))
-            return path, checkpoint
-        raise ckpt_io.CheckpointError("ckpt_path='last': no checkpoint reads completely:\n  " + "\n  ".join(skipped))
+    def nonfinite_step(self) -> int | None:
+        """The global step whose training loss was first NaN or infinite, if the weights have
+        been updated since (None: all good so far, or ``detect_nonfinite="off"``). Reads one number
+        from every replica: a host sync, made only before a checkpoint is written (which syncs
+        anyway), and once per step at most."""
+        if self._nonfinite is None:
+            return None
+        if self._finite_checked_step != self.global_step:
+            first = int(_xla.to_cpu(self._nonfinite.first)[0])  # host sync: before a save only
+            if self.world_size > 1:
+                first = min(self.strategy.all_gather_object(first))
+            self._finite_checked_step, self._first_nonfinite = self.global_step, first
+        first = self._first_nonfinite
+        return first if first < self.global_step else None
 
-    def _restore(self, candidates: list[str], stage: str) -> None:
-        path, checkpoint = self._load_first_readable(candidates)
+    def _restore(self, path: str, stage: str) -> None:
+        """Load the checkpoint at ``path`` (checked in the calling process) into this replica."""
+        checkpoint = self.strategy.checkpoint_layout.load(self.strategy, path)
         try:
             self.strategy.load_module_state_dict(self._wrapped, checkpoint)
         except ckpt_io.CheckpointError as err:
@@ -925,11 +976,24 @@ def _parse_optimizers(config: Any, name: str) -> tuple[torch.optim.Optimizer, li
     return optimizers[0], parsed
 
 
-def _next_version_dir(root: str) -> str:
-    """``root/version_N`` with the first N not taken (decided in the calling process)."""
-    existing = []
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.startswith("version_") and name[len("version_"):].isdigit():
-                existing.append(int(name[len("version_"):]))
-    return os.path.join(root, f"version_{max(existing) + 1 if existing else 0}")
+def claim_version_dir(root: str) -> str:
+    """Create and return ``root/version_N`` for the first N not taken. ``os.mkdir`` fails if the
+    folder exists, so two runs choosing at the same moment get different folders."""
+    os.makedirs(root, exist_ok=True)
+    existing = [int(name[len("version_"):]) for name in os.listdir(root)
+                if name.startswith("version_") and name[len("version_"):].isdigit()]
+    version = max(existing) + 1 if existing else 0
+    while True:
+        path = os.path.join(root, f"version_{version}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            version += 1
+
+
+def _remove_if_empty(path: str) -> None:
+    try:
+        os.rmdir(path)  # only an empty folder: anything written stays
+    except OSError:
+        pass

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.callbacks.monitor import Monitor
-from xtrainer.checkpoint import default_dirpath, link_last, remove_checkpoint
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
+from xtrainer.checkpoint import default_dirpath, storage
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -38,7 +40,10 @@ class ModelCheckpoint(Callback):
     complete; then ``last.ckpt`` is switched to it (an atomic rename of a new link); only then are
     checkpoints that fell out of the top k removed. At any moment ``last.ckpt`` names a complete
     checkpoint. Every replica calls the save (writing a checkpoint is collective); rank 0 removes
-    files.
+    files, and at the start of a fit the leftovers of saves that a crash interrupted.
+
+    No checkpoint is written once the training loss has been NaN or infinite (with the Trainer's
+    ``detect_nonfinite`` on): the good ones written before stay, ``last.ckpt`` among them.
     """
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
@@ -91,6 +96,8 @@ class ModelCheckpoint(Callback):
         if self.dirpath is None:
             self.dirpath = default_dirpath(trainer.log_dir)
         self._last_save_time = time.monotonic()
+        if stage == "fit" and trainer.is_global_zero:
+            storage.remove_leftovers(self.dirpath)  # of saves that a crash interrupted
 
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -114,6 +121,13 @@ class ModelCheckpoint(Callback):
             self._save(trainer)
 
     def _save(self, trainer: "Trainer") -> None:
+        bad = trainer.nonfinite_step()
+        if bad is not None:
+            self._last_saved_step = trainer.global_step
+            rank_zero_warn(f"ModelCheckpoint: no checkpoint at step {trainer.global_step}: the training loss became "
+                           f"NaN or infinite at step {bad}. The newest good checkpoint stays "
+                           f"{self.last_model_path or 'none (none was written before)'}.")
+            return
         metrics = dict(trainer.callback_metrics)
         if self.monitor is None:
             score = float(trainer.global_step)  # unmonitored: the newest is the best
@@ -138,7 +152,7 @@ class ModelCheckpoint(Callback):
             self.best_model_score = self.best_k_models[self.best_model_path] if self.monitor else None
         trainer.save_checkpoint(path)
         if self.save_last and trainer.is_global_zero:
-            link_last(self.dirpath, path)
+            storage.link_last(self.dirpath, path)
         self._remove(trainer, stale)
 
     def _ranked(self) -> list[str]:
@@ -163,7 +177,7 @@ class ModelCheckpoint(Callback):
     def _remove(self, trainer: "Trainer", paths: list[str]) -> None:
         if trainer.is_global_zero:
             for path in paths:
-                remove_checkpoint(path)
+                storage.remove(path)
         trainer.strategy.barrier("xtrainer_checkpoint_cleanup")
 
     def _format(self, trainer: "Trainer", metrics: dict[str, float]) -> str:

@@ -14,11 +14,11 @@ checkpoints are written. The Trainer owns the loop and calls these members in th
           loss = wrapped(...); backward(loss)
         if stepping: optimizer_step(optimizer, before_step=clip)   # reduce, clip, step
         sync()                           # the graph cut: one execution per micro-batch
-      save_checkpoint / load_checkpoint  # called on every replica, never on one only
+      checkpoint_layout.save / .load     # called on every replica, never on one only
       teardown(wrapped)                  # the user's module unwrapped, on the CPU
 
 Every member runs on every replica; those that are collectives (``reduce``, ``barrier``,
-``broadcast``, ``save_checkpoint``) must be entered by all replicas or they hang.
+``broadcast``, a checkpoint save) must be entered by all replicas or they hang.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from xtrainer import _xla
-from xtrainer import checkpoint as ckpt_io
+from xtrainer.checkpoint import layout as ckpt_layout
+from xtrainer.checkpoint.format import load_weights
+from xtrainer.checkpoint.whole import WholeFile
 from xtrainer.precision import Precision
 from xtrainer.strategies import cpu_replicas
 from xtrainer.suggest import did_you_mean
@@ -99,6 +101,14 @@ class Strategy(abc.ABC):
                 raise RuntimeError(f"The replicas' process ended with {how} {when}, without reporting an error; "
                                    "its output above (Python stacks of every thread on a crash) may say why.")
             return job.result()
+
+    def planned_world_size(self) -> int | None:
+        """The world size a launch will have, as the calling process can tell before it: the
+        replica count on the CPU runtime; None elsewhere (a TPU pod's size is known to the runtime
+        only)."""
+        if _xla.requested_device_type() == "CPU" and not _xla.launched_externally():
+            return self.devices
+        return None
 
     @property
     def runs_in_caller(self) -> bool:
@@ -273,39 +283,13 @@ class Strategy(abc.ABC):
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
-        """Write ``checkpoint`` to ``path``. Every replica calls this; rank 0 writes one file.
-
-        Tensors are brought to the host on every replica (a host sync), then rank 0 writes the
-        file atomically and all replicas meet at a barrier, so no one races ahead of the file.
-        """
-        checkpoint = _xla.to_cpu(checkpoint)  # host sync: checkpoints are written from the host
-        if self.is_global_zero:
-            ckpt_io.save_file(checkpoint, path)
-        self.barrier("xtrainer_save_checkpoint")
-
-    def save_folder(self, path: str, trainer_state: dict[str, Any], write_shards: Callable[[str], None]) -> None:
-        """Write a sharded checkpoint folder: every replica calls ``write_shards(folder)`` into a
-        staging folder; once all have written, rank 0 adds the trainer state (``trainer.pt``) and
-        renames the folder into place, so a folder under the final name is always complete."""
-        staging = ckpt_io.staging_path(path)
-        if self.is_global_zero and os.path.exists(staging):
-            ckpt_io.remove_checkpoint(staging)  # left by a save that crashed
-        self.barrier("xtrainer_sharded_checkpoint_staged")
-        write_shards(staging)
-        self.barrier("xtrainer_sharded_checkpoint_shards")
-        if self.is_global_zero:
-            trainer_state = _xla.to_cpu(trainer_state)  # host sync: written from the host
-            ckpt_io.save_file(trainer_state, os.path.join(staging, ckpt_io.TRAINER_FILE))
-            ckpt_io.publish(staging, path)
-        self.barrier("xtrainer_save_sharded_checkpoint")
-
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Read a checkpoint written by ``save_checkpoint`` (every replica reads it)."""
-        return ckpt_io.load_checkpoint(path, world_size=self.world_size)
+    @property
+    def checkpoint_layout(self) -> ckpt_layout.Layout:
+        """How this strategy's checkpoints are written and which it resumes (``xtrainer.checkpoint``)."""
+        return WholeFile()
 
     def load_module_state_dict(self, wrapped: nn.Module, checkpoint: dict[str, Any]) -> None:
-        ckpt_io.load_weights(self.unwrap(wrapped).module, checkpoint["state_dict"])
+        load_weights(self.unwrap(wrapped).module, checkpoint["state_dict"])
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
@@ -380,7 +364,9 @@ class _ReplicaJob:
             # multi-host pod every host runs its own; untested here). Weights are the same on
             # every replica.
             if _xla.local_rank() == 0:
-                ckpt_io.save_file({"result": result}, self.result_path)
+                # Private to this launch (a folder only this user can read, made by the calling
+                # process): the result may hold any object the user's hooks return.
+                torch.save({"result": result}, self.result_path)
         except BaseException as err:
             self._record_failure(err)
             raise
@@ -416,7 +402,8 @@ class _ReplicaJob:
     def result(self) -> Any:
         if not os.path.exists(self.result_path):
             raise RuntimeError("The replicas finished without rank 0 returning a result.")
-        return ckpt_io.load_file(self.result_path, what="replica result")["result"]
+        # The launch's own private folder (see __call__), not a checkpoint: read in full.
+        return torch.load(self.result_path, map_location="cpu", weights_only=False)["result"]
 
 
 def _replica_main(index: int, job: _ReplicaJob) -> None:

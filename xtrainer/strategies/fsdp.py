@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from xtrainer import _xla
-from xtrainer import checkpoint as ckpt_io
+from xtrainer.checkpoint.format import load_weights
+from xtrainer.checkpoint.fsdp import FsdpShards, consolidate_state_dicts
 from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
 
 #: Instance attributes FSDP and activation checkpointing patch onto the user's modules.
@@ -40,8 +41,9 @@ class XlaFSDP(Strategy):
     For a model too large to build whole on the host, build it in ``XModule.configure_model()``
     and wrap each block there with ``self.trainer.strategy.wrap(block)`` (nested FSDP).
 
-    Checkpoints are folders: every rank writes ``rank-RRRRR-of-WWWWW.pt`` (its parameter and
-    optimizer shards with the shard metadata), rank 0 also ``trainer.pt``. ``xtrainer consolidate``
+    Checkpoints are folders (``xtrainer.checkpoint.fsdp``): every rank writes
+    ``rank-RRRRR-of-WWWWW.pt`` (its parameter and optimizer shards with the shard metadata), rank 0
+    also ``trainer.pt`` and the ``manifest.json`` that marks the folder complete. ``xtrainer consolidate``
     turns such a folder into one plain state dict.
     """
 
@@ -159,23 +161,14 @@ class XlaFSDP(Strategy):
         if self.world_size > 1:
             shards = {name: _xla.all_gather(tensor) if _is_shard(name) else tensor for name, tensor in shards.items()}
             metadata = {**metadata, "world_size": 1}
-        return ckpt_io.consolidate_state_dicts([shards], metadata)
+        return consolidate_state_dicts([shards], metadata)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
-        """Every rank writes its shard file (``rank-RRRRR-of-WWWWW.pt``) into the folder; rank 0
-        the trainer state."""
-        checkpoint = dict(checkpoint)
-        shard = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states"),
-                 "shard_metadata": self._root.get_shard_metadata(), "rank": self.global_rank, "world_size": self.world_size}
-        shard = _xla.to_cpu(shard)  # host sync: the shards are written from the host
-        name = ckpt_io.shard_file_name(self.global_rank, self.world_size)
-        self.save_folder(path, checkpoint, lambda folder: ckpt_io.save_file(shard, os.path.join(folder, name)))
-
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        return ckpt_io.load_sharded_checkpoint(path, self.global_rank, self.world_size)
+    @property
+    def checkpoint_layout(self) -> FsdpShards:
+        return FsdpShards(lambda: self._root.get_shard_metadata())
 
     def load_module_state_dict(self, wrapped: nn.Module, checkpoint: dict[str, Any]) -> None:
-        ckpt_io.load_weights(wrapped, checkpoint["state_dict"])
+        load_weights(wrapped, checkpoint["state_dict"])
 
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
         """Give the user's module back unwrapped, with its full trained weights, on the CPU."""

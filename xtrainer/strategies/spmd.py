@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from xtrainer import _xla
-from xtrainer import checkpoint as ckpt_io
+from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
+from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
 from xtrainer.strategies.base import Strategy
 from xtrainer.strategies.process import run_in_new_process
 
@@ -101,6 +102,9 @@ class XlaSPMD(Strategy):
             self._owns_process_group = True
 
     # ---- where we are: one process per host ----------------------------------------------------
+    def planned_world_size(self) -> int | None:
+        return 1 if _xla.requested_device_type() == "CPU" else None
+
     @property
     def world_size(self) -> int:
         return _xla.process_count() if self._device is not None else 1
@@ -150,19 +154,12 @@ class XlaSPMD(Strategy):
             self._specs[id(params[name])] = tuple(spec)
 
     # ---- checkpoints: sharded, through torch.distributed.checkpoint -----------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str) -> None:
-        """A folder: each process writes the shards it holds of the module and optimizer state
-        (``state/``, nothing is gathered), process 0 the trainer state (``trainer.pt``)."""
-        checkpoint = dict(checkpoint)
-        state = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states")}
-        self.save_folder(path, checkpoint, lambda folder: ckpt_io.save_distributed(state, folder))
-
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """A distributed folder is read lazily, into the live sharded tensors; any other (whole)
-        checkpoint, from any strategy, loads as it does elsewhere."""
-        if ckpt_io.is_distributed(path):
-            return ckpt_io.load_distributed_checkpoint(path)
-        return super().load_checkpoint(path)
+    @property
+    def checkpoint_layout(self) -> Distributed:
+        """Folders through ``torch.distributed.checkpoint``: each process writes the shards it holds
+        (nothing is gathered); a distributed folder is read lazily, into the live sharded tensors,
+        and a whole file of another strategy loads too."""
+        return Distributed()
 
     def module_state_dict(self, wrapped: nn.Module) -> dict[str, torch.Tensor]:
         """The user module's state dict, named as the bare module names it (FSDPv2's inner units
@@ -177,13 +174,13 @@ class XlaSPMD(Strategy):
         names = {self._bare(name): name for name in live}  # as saved -> as the wrapped module has it
         own = {bare: live[name] for bare, name in names.items()}
         state = checkpoint["state_dict"]
-        if isinstance(state, ckpt_io.DistributedPart):
-            ckpt_io.check_fits(own, {entry.where[0]: entry.shape for entry in state.entries})
+        if isinstance(state, DistributedPart):
+            check_fits(own, {entry.where[0]: entry.shape for entry in state.entries})
             target = {"state_dict": own}
-            ckpt_io.load_distributed(target, state.path)
+            load_into(target, state.path)
             state = target["state_dict"]
         else:
-            ckpt_io.check_fits(own, ckpt_io.shapes_of(state))
+            check_fits(own, shapes_of(state))
         module.load_state_dict({names[name]: tensor for name, tensor in state.items()})
 
     def _bare(self, name: str) -> str:
@@ -193,7 +190,7 @@ class XlaSPMD(Strategy):
         """Optimizer state is given the sharding of its parameter, as the state that training
         created had; otherwise the step would compile anew for it. From a distributed checkpoint
         it is read straight into tensors so sharded; from a whole file it arrives unsharded."""
-        if isinstance(state, ckpt_io.DistributedPart):
+        if isinstance(state, DistributedPart):
             state = self._read_optimizer_state(optimizer, state)
         super().load_optimizer_state_dict(optimizer, state)
         for group in optimizer.param_groups:
@@ -205,7 +202,7 @@ class XlaSPMD(Strategy):
                     if _xla.is_xla_tensor(value) and value.shape == param.shape and not _xla.sharding_of(value):
                         _xla.spmd().mark_sharding(value, self.mesh, spec)
 
-    def _read_optimizer_state(self, optimizer: torch.optim.Optimizer, part: ckpt_io.DistributedPart) -> dict:
+    def _read_optimizer_state(self, optimizer: torch.optim.Optimizer, part: DistributedPart) -> dict:
         """An ``optimizer.state_dict()`` read from a distributed checkpoint: the saved structure
         is rebuilt from its metadata, with a tensor of the saved shape for every tensor, placed
         and sharded as its parameter is (scalars such as Adam's ``step`` on the host)."""
@@ -216,17 +213,17 @@ class XlaSPMD(Strategy):
             if entry.where[0] == "state" and len(entry.where) == 3:  # ("state", parameter index, name)
                 index = int(entry.where[1])
                 if index >= len(params):
-                    raise ckpt_io.CheckpointError(
+                    raise CheckpointError(
                         f"{part.path!r} holds optimizer state for parameter {index}, but the optimizer has "
                         f"{len(params)} parameters: is it a checkpoint of another model or optimizer?")
                 value = self._optimizer_tensor(params[index], entry) if entry.shape is not None else None
                 target["state"].setdefault(entry.where[1], {})[entry.where[2]] = value
             else:  # param_groups, and anything else the optimizer saved (read as it was pickled)
                 _place(target, entry.where, None)
-        ckpt_io.load_distributed({"optimizer_states": {part.key.split(".")[1]: target}}, part.path)
+        load_into({"optimizer_states": {part.key.split(".")[1]: target}}, part.path)
         return {**target, "state": {int(index): value for index, value in target["state"].items()}}
 
-    def _optimizer_tensor(self, param: torch.Tensor, entry: ckpt_io.DistributedEntry) -> torch.Tensor:
+    def _optimizer_tensor(self, param: torch.Tensor, entry: DistributedEntry) -> torch.Tensor:
         if entry.shape != tuple(param.shape) or param.dim() == 0 or not _xla.is_xla_tensor(param):
             return torch.zeros(entry.shape, dtype=entry.dtype)  # the optimizer moves it where it belongs
         tensor = torch.zeros(entry.shape, dtype=entry.dtype, device=param.device)

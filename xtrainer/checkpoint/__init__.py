@@ -1,0 +1,62 @@
+"""The one package that reads and writes checkpoints.
+
+- ``format``: what a checkpoint dict holds, and the rule that it holds plain data only;
+- ``safe``: every read, weights-only (nothing in a checkpoint runs);
+- ``storage``: atomic writes, manifests and checksums, disk errors, leftovers of crashed saves;
+- ``layout``, ``whole``, ``fsdp``, ``distributed``: the three layouts on disk;
+- ``resume``: which checkpoint ``ckpt_path`` (``"last"``) means for a run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from xtrainer.checkpoint import distributed, fsdp, layout, storage, whole
+from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointError, check_header
+from xtrainer.checkpoint.layout import TRAINER_FILE
+from xtrainer.checkpoint.safe import UnsafeCheckpointError
+from xtrainer.checkpoint.storage import LAST
+
+__all__ = ["CheckpointError", "UnreadableCheckpointError", "UnsafeCheckpointError", "LAST", "TRAINER_FILE",
+           "load_checkpoint", "consolidate", "verify", "default_dirpath"]
+
+
+def default_dirpath(log_dir: str) -> str:
+    """Where a run's checkpoints go unless told otherwise."""
+    return os.path.join(log_dir, "checkpoints")
+
+
+def verify(path: str | os.PathLike) -> layout.Header:
+    """Check a checkpoint completely against its checksums and return its header."""
+    return layout.verify(os.fspath(path))
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint whole, on the host, after checking it against its checksums: a file, or
+    a distributed (SPMD) folder with its shards assembled. An FSDP folder is refused (its shards
+    need ``consolidate``). Nothing in the file runs: it is read weights-only."""
+    path = os.fspath(path)
+    kind = layout.layout_of(path)
+    if kind == layout.FSDP:
+        state = distributed.trainer_state(path)
+        raise CheckpointError(
+            f"{path!r} is a sharded checkpoint written by {state.get('strategy')!r} with world size "
+            f"{state.get('world_size')}. Resume it with strategy='xla_fsdp' at that world size, or consolidate it "
+            f"first: xtrainer consolidate {path} -o full.pt")
+    return whole.read(path, verify=True)
+
+
+def consolidate(path: str | os.PathLike) -> dict[str, Any]:
+    """One plain state dict (as the unwrapped module names it) from a sharded checkpoint folder,
+    checked against its manifest first."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path!r} does not exist.")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is a whole checkpoint file, not a sharded folder: its weights are "
+                              "torch.load(path, weights_only=True)['state_dict'] already.")
+    storage.verify_folder(path)
+    kind = layout.layout_of(path)
+    check_header(distributed.trainer_state(path), path)
+    return fsdp.consolidate(path) if kind == layout.FSDP else distributed.consolidate(path)

@@ -1,0 +1,195 @@
+"""``Distributed``: SPMD checkpoints through ``torch.distributed.checkpoint`` (``xla_spmd``,
+``xla_fsdpv2``).
+
+``NAME.ckpt/trainer.pt`` holds everything but the module and optimizer state; ``state/`` holds
+those as ``torch.distributed.checkpoint`` writes them with torch_xla's SPMD planners (each process
+writes the shards it holds, straight from the devices; ``.metadata`` maps the shards into the
+whole tensors, so the folder loads on any mesh and consolidates without the mesh that wrote it);
+``manifest.json`` (written last) lists every file with its size, SHA-256 and the process that
+wrote it. Reading goes through ``safe``: the metadata pickle with a restricted unpickler, every
+value weights-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from xtrainer.checkpoint import safe, storage
+from xtrainer.checkpoint.format import (OPTIMIZER_STATES, STATE_DICT, UnreadableCheckpointError, check_header,
+                                        check_savable)
+from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, TRAINER_FILE, Layout, Replicas, entry, save_folder
+
+#: The ``torch.distributed.checkpoint`` folder inside an SPMD checkpoint folder.
+STATE_DIR = "state"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedPart:
+    """Stands in a loaded checkpoint dict for module or optimizer state that stays on disk until
+    it is read into the live, sharded module or optimizer (``load_into``); so
+    ``on_load_checkpoint`` hooks see these, not tensors. ``key`` is its place in the distributed
+    checkpoint: ``"state_dict"`` or ``"optimizer_states.I"``; ``entries`` the values saved there."""
+
+    path: str
+    key: str
+    entries: tuple[DistributedEntry, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedEntry:
+    """One saved value of a distributed checkpoint: where it sits below its part (``("0.weight",)``,
+    ``("state", "0", "exp_avg")``: dict keys are saved as strings), and its shape and dtype if it
+    is a tensor (None otherwise)."""
+
+    where: tuple
+    shape: tuple | None
+    dtype: torch.dtype | None
+
+
+class Distributed(Layout):
+    """Each process writes and reads only its own shards; any mesh resumes. Also reads a whole
+    file (its tensors copied into the sharded ones)."""
+
+    kind = DISTRIBUTED
+    reads = {DISTRIBUTED: "any", FILE: "any"}
+
+    def save(self, replicas: Replicas, checkpoint: dict[str, Any], path: str) -> None:
+        checkpoint = dict(checkpoint)
+        state = {STATE_DICT: checkpoint.pop(STATE_DICT), OPTIMIZER_STATES: checkpoint.pop(OPTIMIZER_STATES)}
+        check_savable(checkpoint)
+
+        def write_state(folder: str) -> dict[str, Any]:
+            return _save_state(state, folder, replicas.global_rank)
+
+        save_folder(replicas, path, DISTRIBUTED, checkpoint, write_state)
+
+    def load(self, replicas: Replicas, path: str) -> dict[str, Any]:
+        if os.path.isdir(path):
+            return read_lazily(path)
+        from xtrainer.checkpoint import whole
+
+        return whole.read(path, verify=False)
+
+
+def _save_state(state: dict[str, Any], folder: str, rank: int) -> dict[str, Any]:
+    """Write ``state`` (the module's and optimizers' state, tensors sharded over the SPMD mesh) to
+    ``folder/state``: every process writes the shards it holds, straight from the device, and
+    nothing is gathered; then hashes the files it wrote (one read of its own shards). With several
+    hosts the processes coordinate over the default process group (untested here: no pod)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from xtrainer import _xla
+
+    target = os.path.join(folder, STATE_DIR)
+    planner, _ = _xla.spmd_checkpoint_planners()
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(target), planner=planner,
+                 no_dist=not dist.is_initialized())
+    except Exception as err:
+        raise storage.write_error(err, target) from err
+    # torch.distributed.checkpoint names each process's files __<rank>_<n>.distcp; process 0
+    # writes .metadata.
+    mine = [name for name in os.listdir(target)
+            if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata")]
+    return {f"{STATE_DIR}/{name}": entry(storage.Written(os.path.getsize(os.path.join(target, name)),
+                                                          storage.sha256_of(os.path.join(target, name))), rank)
+            for name in mine}
+
+
+def entries(path: str) -> dict[str, list[DistributedEntry]]:
+    """A distributed checkpoint's entries by part (``"state_dict"``, ``"optimizer_states.0"``,
+    ...), from its metadata (read with the restricted unpickler)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = safe.dcp_reader(os.path.join(path, STATE_DIR)).read_metadata()
+    parts: dict[str, list[DistributedEntry]] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        where = metadata.planner_data[fqn]
+        part, below = (where[0], where[1:]) if where[0] != OPTIMIZER_STATES else (f"{where[0]}.{where[1]}", where[2:])
+        if isinstance(meta, TensorStorageMetadata):
+            parts.setdefault(part, []).append(DistributedEntry(tuple(below), tuple(meta.size), meta.properties.dtype))
+        else:
+            parts.setdefault(part, []).append(DistributedEntry(tuple(below), None, None))
+    return parts
+
+
+def load_into(target: dict[str, Any], path: str) -> None:
+    """Read a distributed checkpoint into ``target`` in place: ``{"state_dict": ...}`` or
+    ``{"optimizer_states": [...]}``, shaped as saved, tensors on the device with the sharding
+    they are to have. Each process reads only the pieces of the files its shards need."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from xtrainer import _xla
+
+    _, planner = _xla.spmd_checkpoint_planners()
+    # The load planner finds each shard's place from the tensors' device data: tensors that are
+    # still pending computations (new zeros) have none until they are executed.
+    _xla.sync()
+    _xla.wait_device_ops()  # host sync: before reading the checkpoint, not in a training step
+    try:
+        dcp.load(target, storage_reader=safe.dcp_reader(os.path.join(path, STATE_DIR)),
+                 planner=safe.safe_load_planner(planner), no_dist=not dist.is_initialized())
+    except safe.UnsafeCheckpointError:
+        raise
+    except Exception as err:
+        raise UnreadableCheckpointError(f"The distributed checkpoint {path!r} could not be read "
+                                        f"({type(err).__name__}: {err}).") from err
+
+
+def read_state(path: str, only: str | None = None) -> dict[str, Any]:
+    """A distributed checkpoint's module and optimizer state, whole, on the host (every shard is
+    read): ``{"state_dict": ..., "optimizer_states": [...]}`` as a single-file checkpoint holds
+    them. ``only`` reads one of the two."""
+    # *Private API* of torch (what torch's public dcp_to_torch_save uses): reads every entry of a
+    # checkpoint into an empty dict, without a process group.
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    planner = safe.safe_load_planner(_EmptyStateDictLoadPlanner(keys=None if only is None else [only]))
+    try:
+        _load_state_dict(state, storage_reader=safe.dcp_reader(os.path.join(path, STATE_DIR)), planner=planner,
+                         no_dist=True)
+    except safe.UnsafeCheckpointError:
+        raise
+    except Exception as err:
+        raise UnreadableCheckpointError(f"The distributed checkpoint {path!r} could not be read "
+                                        f"({type(err).__name__}: {err}).") from err
+    for optimizer_state in state.get(OPTIMIZER_STATES, []):
+        # Saving names every entry by a path of strings: the optimizer's parameter ids are ints.
+        optimizer_state["state"] = {int(k): v for k, v in optimizer_state.get("state", {}).items()}
+    return state
+
+
+def trainer_state(path: str) -> dict[str, Any]:
+    state = safe.load(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
+    check_header(state, path)
+    return state
+
+
+def read_whole(path: str, verify: bool = True) -> dict[str, Any]:
+    """The whole checkpoint of a distributed folder, its shards assembled on the host."""
+    if verify:
+        storage.verify_folder(path)
+    return {**trainer_state(path), **read_state(path)}
+
+
+def read_lazily(path: str) -> dict[str, Any]:
+    """A distributed checkpoint's trainer state, with ``DistributedPart`` in place of the module
+    and optimizer state, which ``load_into`` reads into the live, sharded objects."""
+    state = trainer_state(path)
+    parts = entries(path)
+    optimizers = sorted(int(part.split(".")[1]) for part in parts if part.startswith(f"{OPTIMIZER_STATES}."))
+    keys = [STATE_DICT] + [f"{OPTIMIZER_STATES}.{i}" for i in optimizers]
+    lazy = {key: DistributedPart(path, key, tuple(parts.get(key, ()))) for key in keys}
+    return {**state, STATE_DICT: lazy[STATE_DICT], OPTIMIZER_STATES: [lazy[key] for key in keys[1:]]}
+
+
+def consolidate(path: str) -> dict[str, Any]:
+    return read_state(path, only=STATE_DICT)[STATE_DICT]

@@ -1,0 +1,156 @@
+"""What a checkpoint holds, and the rule that keeps it data: plain containers, numbers, strings
+and tensors, nothing that needs code to rebuild.
+
+A checkpoint is one plain dict:
+
+=====================  ==========================================================================
+key                    what it holds
+=====================  ==========================================================================
+``format``             ``"xtrainer"``; ``format_version`` its layout version (now 2)
+``xtrainer_version``   the package version that wrote it
+``strategy``           the strategy's name; ``world_size`` how many replicas trained
+``state_dict``         the user module's state dict, as ``module.state_dict()`` gives it
+``optimizer_states``   one ``optimizer.state_dict()`` per optimizer
+``lr_schedulers``      one ``scheduler.state_dict()`` per scheduler
+``loops``              ``global_step``, ``epoch``, ``batches_in_epoch``, ``epoch_finished``, ``seed``
+``rng_states``         Python, NumPy, torch CPU generators; each replica's XLA generator
+``callbacks``          ``{callback.state_key: callback.state_dict()}``
+``hyper_parameters``   the module's ``hparams`` (a plain dict)
+=====================  ==========================================================================
+
+Every value is one of the types ``torch.load(weights_only=True)`` rebuilds without running code
+(``SAVABLE``): a checkpoint that would need anything else is refused when it is written, with the
+key that holds it, so that every checkpoint xtrainer writes can be read without trusting it.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import os
+import pathlib
+from typing import Any
+
+import torch
+
+FORMAT = "xtrainer"
+#: 2: sharded folders carry a ``manifest.json``; whole files are verified by their zip CRCs.
+FORMAT_VERSION = 2
+
+STATE_DICT = "state_dict"
+OPTIMIZER_STATES = "optimizer_states"
+LR_SCHEDULERS = "lr_schedulers"
+LOOPS = "loops"
+RNG_STATES = "rng_states"
+CALLBACKS = "callbacks"
+HYPER_PARAMETERS = "hyper_parameters"
+STRATEGY = "strategy"
+WORLD_SIZE = "world_size"
+
+#: Where the user's module sits inside the Trainer's step dispatcher, which sharded strategies wrap.
+DISPATCHER_PREFIX = "module."
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, unsafe, or does not fit this run."""
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint file is truncated or corrupt, or a sharded checkpoint lacks shards: another,
+    older checkpoint may still be good."""
+
+
+_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device)
+_CONTAINERS = (dict, collections.OrderedDict, list, tuple, set, torch.Size)
+
+
+def check_savable(value: Any, where: str = "checkpoint") -> None:
+    """Refuse a value that ``torch.load(weights_only=True)`` could not read back: anything but
+    plain containers of numbers, strings, tensors, dtypes and devices. ``where`` names the key."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        kind = type(item)
+        if isinstance(item, _LEAVES) and (kind in _LEAVES or isinstance(item, torch.Tensor)):
+            continue
+        if kind in _CONTAINERS:
+            if kind in (dict, collections.OrderedDict):
+                for key, sub in item.items():
+                    if not isinstance(key, (str, int, float, bool, type(None), tuple)):
+                        raise CheckpointError(f"{path} has a key of type {type(key).__name__}; checkpoints hold "
+                                              "plain data only (keys: str, int, float, bool, tuple).")
+                    stack.append((sub, f"{path}[{key!r}]"))
+            else:
+                stack.extend((sub, f"{path}[{i}]") for i, sub in enumerate(item))
+            continue
+        raise CheckpointError(
+            f"{path} is a {kind.__module__}.{kind.__qualname__}: checkpoints hold plain data only (dicts, lists, "
+            "tuples, numbers, strings, tensors), so that loading one never runs code. Convert it in "
+            "state_dict() / on_save_checkpoint (e.g. to a dict, a list or a tensor).")
+
+
+def plain_hparams(hparams: Any) -> Any:
+    """``hparams`` as plain data: OmegaConf containers, paths, enums and namespaces converted;
+    anything else stored as its ``repr`` (a checkpoint never holds objects that need code)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        DictConfig = ListConfig = ()  # type: ignore[assignment]
+
+    def convert(value: Any) -> Any:
+        if DictConfig and isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+        if isinstance(value, dict):
+            return {str(k) if not isinstance(k, (str, int)) else k: convert(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(convert(v) for v in value) if type(value) in (list, tuple) else [convert(v) for v in value]
+        if isinstance(value, enum.Enum):
+            return convert(value.value)
+        if isinstance(value, (pathlib.PurePath, os.PathLike)):
+            return os.fspath(value)
+        if isinstance(value, _LEAVES) and type(value) in _LEAVES or isinstance(value, torch.Tensor):
+            return value
+        if hasattr(value, "__dict__") and type(value).__name__ == "Namespace":
+            return convert(vars(value))
+        return repr(value)
+
+    return convert(dict(hparams))
+
+
+def check_header(checkpoint: Any, path: str) -> None:
+    """Refuse what is not an xtrainer checkpoint, or one newer than this xtrainer reads."""
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path!r} is not an xtrainer checkpoint (no 'format': 'xtrainer' entry). To start from "
+            "plain weights, load them into your module with module.load_state_dict() before fit().")
+    if checkpoint.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path!r} has checkpoint format version {checkpoint['format_version']}, newer than this "
+            f"xtrainer reads ({FORMAT_VERSION}). Upgrade xtrainer.")
+
+
+def load_weights(module: torch.nn.Module, state_dict: dict[str, Any]) -> None:
+    """``module.load_state_dict(state_dict)``, refusing a state dict of another model with an
+    error that lists the missing and unexpected keys and the shape mismatches."""
+    check_fits(module.state_dict(), shapes_of(state_dict))
+    module.load_state_dict(state_dict)
+
+
+def shapes_of(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``{name: shape}`` of a state dict (None for entries that are not tensors)."""
+    return {k: v.shape if isinstance(v, torch.Tensor) else None for k, v in state_dict.items()}
+
+
+def check_fits(own: dict[str, Any], shapes: dict[str, Any]) -> None:
+    """Refuse saved module state, given as ``{name: shape or None}``, that does not fit the module
+    whose state dict is ``own``, listing the missing and unexpected keys and the shape mismatches."""
+    missing = [k for k in own if k not in shapes]
+    unexpected = [k for k in shapes if k not in own]
+    mismatched = [f"{k} {tuple(shape)} (module: {tuple(own[k].shape)})" for k, shape in shapes.items()
+                  if k in own and shape is not None and tuple(shape) != tuple(own[k].shape)]
+    problems = [f"{label} ({len(keys)}): {', '.join(keys[:8])}{', ...' if len(keys) > 8 else ''}"
+                for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
+                                    ("shape mismatches", mismatched)) if keys]
+    if problems:
+        raise CheckpointError("it does not fit this module, so nothing was trained: " + "; ".join(problems)
+                              + ". Is it a checkpoint of another model (or of another configure_model())?")

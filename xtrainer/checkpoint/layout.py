@@ -1,0 +1,163 @@
+"""The layout contract: how one kind of checkpoint is written and read.
+
+A strategy names its layout (``Strategy.checkpoint_layout``); the Trainer builds the checkpoint
+dict (``format.py``) and hands it to the layout, which writes it, and reads it back for the
+strategy to load. Three layouts exist:
+
+=================  ====================  ================================================  ===========================
+layout             written by            on disk                                           resumed by
+=================  ====================  ================================================  ===========================
+``WholeFile``      xla_native, xla_ddp   one file, ``NAME.ckpt``                           xla_native, xla_ddp, SPMD:
+                                                                                           any world size
+``FsdpShards``     xla_fsdp              a folder: ``trainer.pt``, ``rank-R-of-W.pt``,     xla_fsdp at the same world
+                                         ``manifest.json``                                 size
+``Distributed``    xla_spmd, xla_fsdpv2  a folder: ``trainer.pt``, ``state/`` (torch.     xla_spmd, xla_fsdpv2,
+                                         distributed.checkpoint), ``manifest.json``        xla_native, xla_ddp: any
+=================  ====================  ================================================  ===========================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from xtrainer.checkpoint import safe, storage
+from xtrainer.checkpoint.format import (FORMAT, FORMAT_VERSION, LOOPS, STRATEGY, WORLD_SIZE, CheckpointError,
+                                        UnreadableCheckpointError, check_header)
+
+TRAINER_FILE = "trainer.pt"
+FILE, FSDP, DISTRIBUTED = "file", "fsdp", "distributed"
+
+
+class Replicas(Protocol):
+    """What a layout needs of a strategy: who it is and how replicas agree."""
+
+    global_rank: int
+    world_size: int
+    is_global_zero: bool
+
+    def barrier(self, name: str = ...) -> None: ...
+    def broadcast(self, obj: Any) -> Any: ...
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a checkpoint says about itself, read without loading its tensors."""
+
+    path: str
+    layout: str
+    strategy: str
+    world_size: int
+    global_step: int
+    epoch: int
+    epoch_finished: bool
+
+    def describe(self) -> str:
+        return (f"{self.path} (strategy {self.strategy}, world size {self.world_size}, epoch {self.epoch}, "
+                f"step {self.global_step})")
+
+
+class Layout:
+    """One way of writing checkpoints. ``reads`` maps each layout this one resumes from to
+    ``"any"`` (any world size) or ``"same"`` (only the world size that wrote it)."""
+
+    kind: ClassVar[str]
+    reads: ClassVar[dict[str, str]]
+
+    def save(self, replicas: Replicas, checkpoint: dict[str, Any], path: str) -> None:
+        raise NotImplementedError
+
+    def load(self, replicas: Replicas, path: str) -> dict[str, Any]:
+        """The checkpoint at ``path`` (of a layout in ``reads``), for this replica."""
+        raise NotImplementedError
+
+    def refuses(self, header: Header, world_size: int | None, strategy: str) -> str | None:
+        """Why a run of ``strategy`` at ``world_size`` cannot resume from ``header`` (None: it can).
+        ``world_size`` None: not known before the replicas start (the replicas check it then)."""
+        rule = self.reads.get(header.layout)
+        if rule is None or rule == "same" and world_size is not None and header.world_size != world_size:
+            advice = ("xtrainer consolidate turns it into one state dict to load into the module before fit()"
+                      if header.layout != FILE else "load checkpoint['state_dict'] into the module before fit()")
+            size = f" at world size {header.world_size}" if rule == "same" else ""
+            return (f"it was written by {header.strategy} with {header.world_size} replica(s); {strategy}"
+                    f"{f' at world size {world_size}' if world_size is not None else ''} cannot resume it (resume with {header.strategy}{size}, or start from its "
+                    f"weights: {advice})")
+        return None
+
+
+def layout_of(path: str) -> str:
+    """The layout of the checkpoint at ``path``, from what is on disk."""
+    if os.path.isfile(path):
+        return FILE
+    if not os.path.isdir(path):
+        raise CheckpointError(f"The checkpoint {path!r} does not exist.")
+    manifest = storage.read_manifest(path)
+    layout = manifest.get("layout")
+    if layout not in (FSDP, DISTRIBUTED):
+        raise UnreadableCheckpointError(f"The manifest of {path!r} names an unknown layout {layout!r}.")
+    return layout
+
+
+def verify(path: str) -> Header:
+    """Check the checkpoint at ``path`` completely (every byte against its checksum, the header)
+    and return its header. Raises ``UnreadableCheckpointError`` for damage, ``CheckpointError`` for
+    a file that is not an xtrainer checkpoint (``safe.UnsafeCheckpointError`` for one that asks
+    to run code)."""
+    path = os.fspath(path)
+    layout = layout_of(path)
+    if layout == FILE:
+        storage.verify_zip(path)
+        checkpoint = safe.load(path, "checkpoint", mmap=True)
+        check_header(checkpoint, path)
+        loops = checkpoint.get(LOOPS, {})
+        return Header(path, FILE, checkpoint.get(STRATEGY, "?"), int(checkpoint.get(WORLD_SIZE, 1)),
+                      int(loops.get("global_step", 0)), int(loops.get("epoch", 0)), bool(loops.get("epoch_finished")))
+    manifest = storage.verify_folder(path)
+    check_header(manifest, path)
+    trainer_state = safe.load(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
+    check_header(trainer_state, path)
+    loops = trainer_state.get(LOOPS, {})
+    return Header(path, layout, manifest.get(STRATEGY, "?"), int(manifest.get(WORLD_SIZE, 1)),
+                  int(loops.get("global_step", 0)), int(loops.get("epoch", 0)), bool(loops.get("epoch_finished")))
+
+
+def manifest_header(layout: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "layout": layout,
+            STRATEGY: checkpoint.get(STRATEGY), WORLD_SIZE: checkpoint.get(WORLD_SIZE)}
+
+
+def save_folder(replicas: Replicas, path: str, layout: str, trainer_state: dict[str, Any],
+                write_shards: Any) -> None:
+    """Write a sharded checkpoint folder. Every replica calls ``write_shards(folder)`` into one
+    staging folder (named by rank 0) and returns ``{file name: {"size", "sha256"}}`` for the files
+    it wrote; then rank 0 writes ``trainer.pt`` and, last, ``manifest.json``, and renames the
+    folder into place: a folder under the final name is always complete."""
+    from xtrainer import _xla
+
+    staging = os.path.join(os.path.dirname(path), storage.temp_name(os.path.basename(path)))
+    staging = replicas.broadcast(staging) if replicas.world_size > 1 else staging
+    if replicas.is_global_zero:
+        try:
+            os.makedirs(staging)
+        except OSError as err:
+            raise storage.write_error(err, staging) from err
+    replicas.barrier("xtrainer_sharded_checkpoint_staged")
+    files = write_shards(staging)
+    gathered = replicas.all_gather_object(files) if replicas.world_size > 1 else [files]
+    if replicas.is_global_zero:
+        listing: dict[str, Any] = {}
+        for rank, written in enumerate(gathered):
+            for name, info in written.items():
+                listing[name] = {**info, "rank": info.get("rank", rank)}
+        trainer_state = _xla.to_cpu(trainer_state)  # host sync: written from the host
+        written = storage.write_file(trainer_state, os.path.join(staging, TRAINER_FILE))
+        listing[TRAINER_FILE] = {"size": written.size, "sha256": written.sha256, "rank": None}
+        storage.write_manifest(staging, listing, manifest_header(layout, trainer_state))
+        storage.publish(staging, path)
+    replicas.barrier("xtrainer_save_sharded_checkpoint")
+
+
+def entry(written: storage.Written, rank: int | None) -> dict[str, Any]:
+    return {"size": written.size, "sha256": written.sha256, "rank": rank}

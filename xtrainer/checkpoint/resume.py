@@ -1,0 +1,87 @@
+"""Which checkpoint a run resumes from, and saying so.
+
+``ckpt_path="last"`` looks in the run's own lineage only: the checkpoint folders of the sibling
+``version_N`` runs under the same root and logger name, plus any ``ModelCheckpoint`` ``dirpath``
+the run was given. Candidates are tried newest first (``last.ckpt`` links first); each is checked
+completely (every byte against its checksum) and against the strategy and world size of this
+run (``Layout.refuses``). The first that passes is used; the others are reported with the
+reason. With no checkpoint at all, a warning and a fresh start, as Lightning does.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import warnings
+from typing import Iterable
+
+from xtrainer.checkpoint import layout as layouts
+from xtrainer.checkpoint import storage
+from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointError
+from xtrainer.checkpoint.layout import Header, Layout
+
+
+def lineage_dirs(log_dir: str, extra: Iterable[str] = ()) -> list[str]:
+    """The checkpoint folders of every run in ``log_dir``'s lineage (its parent's ``version_*``)."""
+    dirs = list(extra)
+    dirs += sorted(glob.glob(os.path.join(glob.escape(os.path.dirname(log_dir)), "version_*", "checkpoints")))
+    return list(dict.fromkeys(os.path.abspath(d) for d in dirs))
+
+
+def candidates(dirpaths: Iterable[str]) -> list[str]:
+    """Checkpoints in ``dirpaths``, in order of preference: ``last.ckpt`` links (newest first),
+    then every other checkpoint, newest first. Unfinished saves (temporary names) are not
+    among them."""
+    found = []
+    for dirpath in dict.fromkeys(dirpaths):
+        if os.path.isdir(dirpath):
+            for name in os.listdir(dirpath):
+                path = os.path.join(dirpath, name)
+                if name.endswith(".ckpt") and not name.startswith(".") and os.path.exists(path):
+                    found.append(path)
+    found.sort(key=lambda p: (os.path.basename(p) == storage.LAST, _mtime(p)), reverse=True)
+    return list(dict.fromkeys(os.path.realpath(p) for p in found))
+
+
+def _mtime(path: str) -> float:
+    target = os.path.join(path, storage.MANIFEST) if os.path.isdir(path) else path
+    try:
+        return os.path.getmtime(target)
+    except OSError:
+        return 0.0
+
+
+def resolve(ckpt_path: str, search: list[str], layout: Layout, strategy: str,
+            world_size: int | None, root: str = "") -> Header | None:
+    """The checkpoint to resume from: ``ckpt_path`` itself, verified and checked against this run,
+    or for ``"last"`` the newest in ``search`` that passes (None, with a warning, when there is
+    none at all). Raises ``CheckpointError`` saying what is wrong with each one refused."""
+    if ckpt_path != "last":
+        header = layouts.verify(ckpt_path)
+        reason = layout.refuses(header, world_size, strategy)
+        if reason:
+            raise CheckpointError(f"Cannot resume from {ckpt_path!r}: {reason}.")
+        return header
+    found = candidates(search)
+    if not found:
+        where = ", ".join([os.path.join(root, "version_*", "checkpoints")] * bool(root) + search)
+        warnings.warn(f"ckpt_path='last' found no checkpoint in {where}: training starts from scratch.",
+                      UserWarning, stacklevel=3)
+        return None
+    skipped = []
+    for path in found:
+        try:
+            header = layouts.verify(path)
+        except CheckpointError as err:
+            skipped.append(f"{path}: {err}")
+            continue
+        reason = layout.refuses(header, world_size, strategy)
+        if reason:
+            skipped.append(f"{path}: {reason}")
+            continue
+        if skipped:
+            warnings.warn(f"ckpt_path='last': resuming from {path}, the newest checkpoint that verifies and fits "
+                          "this run; skipped:\n  " + "\n  ".join(skipped), UserWarning, stacklevel=3)
+        return header
+    raise UnreadableCheckpointError("ckpt_path='last': no checkpoint in the run's lineage can be resumed:\n  "
+                                    + "\n  ".join(skipped))

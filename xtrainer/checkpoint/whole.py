@@ -1,0 +1,48 @@
+"""``WholeFile``: one ``torch.save`` file per checkpoint (``xla_native``, ``xla_ddp``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from xtrainer.checkpoint import distributed, safe, storage
+from xtrainer.checkpoint.format import check_header, check_savable
+from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, Layout, Replicas
+
+
+class WholeFile(Layout):
+    """Rank 0 writes the whole checkpoint to one file; every replica reads it whole. Also reads a
+    distributed (SPMD) folder whole, its shards assembled on the host."""
+
+    kind = FILE
+    reads = {FILE: "any", DISTRIBUTED: "any"}
+
+    def save(self, replicas: Replicas, checkpoint: dict[str, Any], path: str) -> None:
+        """Tensors are brought to the host on every replica (a host sync), then rank 0 writes the
+        file atomically and all replicas meet at a barrier, so no one races ahead of the file."""
+        from xtrainer import _xla
+
+        checkpoint = _xla.to_cpu(checkpoint)  # host sync: checkpoints are written from the host
+        check_savable(checkpoint)
+        if replicas.is_global_zero:
+            storage.write_file(checkpoint, path)
+        replicas.barrier("xtrainer_save_checkpoint")
+
+    def load(self, replicas: Replicas, path: str) -> dict[str, Any]:
+        return read(path, verify=False)
+
+
+def read(path: str, verify: bool = True) -> dict[str, Any]:
+    """A whole checkpoint, checked against its checksums first (unless the caller just did)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return distributed.read_whole(path, verify=verify)
+    if not os.path.exists(path):
+        from xtrainer.checkpoint.format import CheckpointError
+
+        raise CheckpointError(f"The checkpoint {path!r} does not exist.")
+    if verify:
+        storage.verify_zip(path)
+    checkpoint = safe.load(path, "checkpoint")
+    check_header(checkpoint, path)
+    return checkpoint
