@@ -1,5 +1,6 @@
 """XlaDDP and XlaFSDP against XlaNative, sharded checkpoints and consolidation."""
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from torch import nn
 
 from xtrainer import Trainer, XModule
 from xtrainer.callbacks import Callback
-from xtrainer.checkpoint import CheckpointError, consolidate, load_file, save_file
+from xtrainer.checkpoint import CheckpointError, consolidate, storage
 from xtrainer.strategies import XlaDDP, XlaFSDP
 
 ZERO3 = lambda: XlaFSDP(reshard_after_forward=True)  # noqa: E731
@@ -73,10 +74,10 @@ def test_ddp_refuses_what_would_break_it():
 def test_ddp_and_native_checkpoints_load_into_each_other(tmp_path):
     native, _ = fit(tmp_path / "n", "xla_native", epochs=1)
     native_ckpt = os.path.join(native.log_dir, "checkpoints", "epoch=0-step=8.ckpt")
-    assert "module.net.0.weight" not in load_file(native_ckpt)["state_dict"]
+    assert "module.net.0.weight" not in torch.load(native_ckpt, weights_only=True)["state_dict"]
     ddp, ddp_model = fit(tmp_path / "d", "xla_ddp", epochs=2, ckpt_path=native_ckpt)
     ddp_ckpt = os.path.join(ddp.log_dir, "checkpoints", "epoch=1-step=16.ckpt")
-    assert set(load_file(ddp_ckpt)["state_dict"]) == set(Regressor().state_dict())
+    assert set(torch.load(ddp_ckpt, weights_only=True)["state_dict"]) == set(Regressor().state_dict())
     back, back_model = fit(tmp_path / "b", "xla_native", epochs=3, ckpt_path=ddp_ckpt)
     straight, straight_model = fit(tmp_path / "s", "xla_native", epochs=3)
     assert back.global_step == 24
@@ -91,11 +92,11 @@ def fsdp_checkpoint(tmp_path, strategy=None, epochs=2):
 
 def test_fsdp_writes_per_rank_files_and_consolidates(tmp_path):
     trainer, model, path = fsdp_checkpoint(tmp_path)
-    assert sorted(os.listdir(path)) == ["rank-00000-of-00001.pt", "trainer.pt"]
-    shard = load_file(os.path.join(path, "rank-00000-of-00001.pt"))
+    assert sorted(os.listdir(path)) == ["manifest.json", "rank-00000-of-00001.pt", "trainer.pt"]
+    shard = torch.load(os.path.join(path, "rank-00000-of-00001.pt"), weights_only=True)  # plain data
     assert set(shard) == {"state_dict", "optimizer_states", "shard_metadata", "rank", "world_size"}
     assert shard["shard_metadata"]["world_size"] == 1
-    assert "state_dict" not in load_file(os.path.join(path, "trainer.pt"))
+    assert "state_dict" not in torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
 
     out = tmp_path / "full.pt"
     cli = os.path.join(os.path.dirname(sys.executable), "xtrainer")
@@ -112,14 +113,24 @@ def test_fsdp_writes_per_rank_files_and_consolidates(tmp_path):
 
 def test_consolidate_reports_missing_shards(tmp_path):
     _, _, path = fsdp_checkpoint(tmp_path, epochs=1)
-    state = load_file(os.path.join(path, "trainer.pt"))
-    save_file({**state, "world_size": 2}, os.path.join(path, "trainer.pt"))
-    with pytest.raises(CheckpointError, match="lacks rank-00000-of-00002.pt, rank-00001-of-00002.pt"):
+    os.remove(os.path.join(path, "rank-00000-of-00001.pt"))
+    with pytest.raises(CheckpointError, match="rank-00000-of-00001.pt' is missing"):
         consolidate(path)
     cli = os.path.join(os.path.dirname(sys.executable), "xtrainer")
-    done = subprocess.run([cli, "consolidate", str(tmp_path), "-o", str(tmp_path / "x.pt")], capture_output=True,
-                          text=True, env={**os.environ, "PJRT_DEVICE": "CPU"})
-    assert done.returncode == 1 and "not a sharded checkpoint folder" in done.stderr
+    done = subprocess.run([cli, "consolidate", str(tmp_path / "nowhere"), "-o", str(tmp_path / "x.pt")],
+                          capture_output=True, text=True, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert done.returncode == 1 and "nowhere' does not exist" in done.stderr
+
+
+def rewrite(folder, name, obj, **manifest):
+    """Replace a file of a checkpoint folder and make its manifest agree, as a checkpoint written
+    that way would have it."""
+    written = storage.write_file(obj, os.path.join(folder, name))
+    with open(os.path.join(folder, "manifest.json")) as f:
+        listing = json.load(f)
+    listing["files"][name].update(size=written.size, sha256=written.sha256)
+    listing.update(manifest)
+    storage.write_bytes(json.dumps(listing).encode(), os.path.join(folder, "manifest.json"))
 
 
 @pytest.mark.parametrize("make", [ZERO3, ZERO2], ids=["zero3", "zero2"])
@@ -134,14 +145,16 @@ def test_fsdp_resume_is_exact(tmp_path, make):
 
 def test_fsdp_refuses_a_checkpoint_from_another_world_size(tmp_path):
     _, _, path = fsdp_checkpoint(tmp_path / "a", epochs=1)
-    state = load_file(os.path.join(path, "trainer.pt"))
-    save_file({**state, "world_size": 4}, os.path.join(path, "trainer.pt"))  # as if 4 replicas wrote it
+    state = torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
+    rewrite(path, "trainer.pt", {**state, "world_size": 4}, world_size=4)  # as if 4 replicas wrote it
     steps = StepLosses()
-    with pytest.raises(CheckpointError, match="written by 4 replicas, but this run has 1.*xtrainer consolidate"):
+    with pytest.raises(CheckpointError, match="written by xla_fsdp with 4 replica.*xla_fsdp at world size 1 cannot "
+                       "resume it.*xtrainer consolidate"):
         fit(tmp_path / "b", XlaFSDP(), epochs=2, ckpt_path=path, callbacks=[steps])
     assert steps.losses == []  # refused before training started
     native, _ = fit(tmp_path / "c", "xla_native", epochs=1)
-    with pytest.raises(CheckpointError, match="full checkpoint .*load_state_dict"):
+    with pytest.raises(CheckpointError, match="written by xla_native.*xla_fsdp at world size 1 cannot resume it.*"
+                       "load checkpoint\\['state_dict'\\] into the module"):
         fit(tmp_path / "d", XlaFSDP(), ckpt_path=os.path.join(native.log_dir, "checkpoints", "epoch=0-step=8.ckpt"))
 
 

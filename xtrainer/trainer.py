@@ -436,9 +436,12 @@ class Trainer:
             skip, self._skip_batches = self._skip_batches, 0
             self._epoch_finished = False
             finished = True
-            for batch_idx, batch in enumerate(train):
-                if batch_idx < skip:  # resuming inside an epoch: these batches were trained on
-                    continue
+            # Resuming inside an epoch starts at the next unseen batch (skipped by index, not
+            # loaded). An epoch whose every batch was trained (saved on its last batch) is not
+            # iterated at all: the original run never drained its loader either, and draining
+            # torch_xla's device loader cuts the graph, which advances the XLA generator.
+            batches = train.resume_at(skip) if skip < self.num_training_batches else ()
+            for batch_idx, batch in batches:
                 self._train_batch(batch, batch_idx)
                 if val and self._validation_due(batch_idx):
                     self._run_validation(val)
@@ -695,7 +698,7 @@ class Trainer:
             "loops": {"global_step": self.global_step, "epoch": self.current_epoch,
                       "batches_in_epoch": self._batches_in_epoch, "epoch_finished": self._epoch_finished,
                       "seed": self._seed},
-            "rng_states": _rng_states(self.strategy),
+            "rng_states": (rng_states := _rng_states(self.strategy)),
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "hyper_parameters": ckpt_format.plain_hparams(module.hparams),
         }
@@ -704,6 +707,10 @@ class Trainer:
             cb.on_save_checkpoint(self, module, checkpoint)
         compiles = _xla.compile_count()
         self.strategy.checkpoint_layout.save(self.strategy, checkpoint, os.fspath(path))
+        # Every graph cut advances the XLA generator, and a save's host reads and rendezvous may cut
+        # the graph (they do with several replicas on the CPU runtime): go on from the state the
+        # checkpoint recorded, as a run resumed from it does.
+        _xla.set_rng_state(rng_states["xla"][self.global_rank])
         # A save that computes anything on the device (gathering shards, say) compiles graphs of
         # its own; those are not the training step's, and XlaHealth does not count them as
         # recompilations.

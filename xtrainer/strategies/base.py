@@ -27,6 +27,7 @@ import abc
 import contextlib
 import copy
 import inspect
+import itertools
 import os
 import pickle
 import sys
@@ -449,6 +450,56 @@ class DeviceData:
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._device_loader)
+
+    def resume_at(self, skip: int) -> Iterable[tuple[int, Any]]:
+        """``(batch_idx, batch)`` from batch ``skip`` on: resuming inside an epoch.
+
+        A map-style ``DataLoader`` skips at its batch sampler, by index: the skipped batches are
+        neither loaded nor sent, so resuming late in an epoch costs what resuming at its start
+        does. Any other loader (an ``IterableDataset``, a custom iterable) has no index to skip to:
+        its first ``skip`` batches are read on the host and dropped (not sent to the device).
+        """
+        if skip == 0:
+            return enumerate(self)
+        loader = _skipping_loader(self.loader, skip)
+        device_loader = _xla.DeviceBatches(loader, self._device_loader.device, self._device_loader.input_sharding)
+        return enumerate(device_loader, start=skip)
+
+
+class _SkipBatches:
+    """A batch sampler without its first ``skip`` batches (their indices are drawn, and dropped)."""
+
+    def __init__(self, batch_sampler: Iterable[list[int]], skip: int) -> None:
+        self.batch_sampler, self.skip = batch_sampler, skip
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return itertools.islice(iter(self.batch_sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_sampler) - self.skip)  # type: ignore[arg-type]
+
+
+class _DropFirst:
+    """An iterable without its first ``skip`` items, read and dropped on the host."""
+
+    def __init__(self, loader: Iterable, skip: int) -> None:
+        self.loader, self.skip = loader, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.loader), self.skip, None)
+
+
+def _skipping_loader(loader: Iterable, skip: int) -> Iterable:
+    if (isinstance(loader, DataLoader) and type(loader) is DataLoader and loader.batch_sampler is not None
+            and not isinstance(loader.dataset, torch.utils.data.IterableDataset)):
+        kwargs = {name: getattr(loader, name) for name in _DATALOADER_ARGS if hasattr(loader, name)}
+        for name in ("batch_size", "drop_last"):  # they belong to the batch sampler
+            kwargs.pop(name, None)
+        if kwargs.get("num_workers", 0) == 0:
+            kwargs.pop("prefetch_factor", None)
+            kwargs.pop("persistent_workers", None)
+        return DataLoader(loader.dataset, batch_sampler=_SkipBatches(loader.batch_sampler, skip), **kwargs)
+    return _DropFirst(loader, skip)
 
 
 _DATALOADER_ARGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
