@@ -6,7 +6,8 @@ import sys
 
 import pytest
 import torch
-from conftest import Regressor, make_loader
+from conftest import Regressor, make_data, make_loader
+from torch.utils.data import DataLoader
 from torch import nn
 
 import killable_run
@@ -65,6 +66,31 @@ def test_resume_inside_an_epoch(tmp_path):
         assert torch.allclose(a, b, atol=1e-6)
 
 
+class CountingData(torch.utils.data.Dataset):
+    """make_data's samples, remembering which were loaded."""
+
+    def __init__(self):
+        self.data, self.loaded = make_data(), []
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        self.loaded.append(i)
+        return self.data[i]
+
+
+def test_resuming_inside_an_epoch_skips_the_trained_batches_without_loading_them(tmp_path):
+    saver = ModelCheckpoint(every_n_train_steps=5, save_top_k=-1)
+    fit(tmp_path, 1, callbacks=[saver], max_steps=5)
+    data = CountingData()
+    model = Regressor(optimizer="adam", lr=0.01)
+    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False)
+    trainer.fit(model, DataLoader(data, batch_size=8, shuffle=True), ckpt_path=saver.best_model_path)
+    assert trainer.global_step == 8
+    assert len(data.loaded) == 3 * 8  # the three batches left of the epoch: nothing else was read
+
+
 def test_top_k_by_monitored_metric_and_the_last_link(tmp_path):
     saver = ModelCheckpoint(monitor="val_loss", mode="min", save_top_k=2, filename="{epoch}-{val_loss:.4f}")
     trainer, _ = fit(tmp_path, 4, callbacks=[saver])
@@ -96,17 +122,48 @@ def test_train_time_interval(tmp_path):
     assert len([n for n in os.listdir(saver.dirpath) if n.startswith("epoch=")]) == 8
 
 
-@pytest.mark.parametrize("strategy", ["xla_native", "xla_ddp", "xla_fsdp"])
-def test_killed_mid_epoch_and_resumed_from_last_equals_an_uninterrupted_run(tmp_path, strategy):
+_STRAIGHT = {}
+
+
+def _straight(strategy, devices, tmp_path_factory):
+    """The uninterrupted run of ``killable_run`` (computed once per strategy and device count)."""
+    if (strategy, devices) not in _STRAIGHT:
+        root = str(tmp_path_factory.mktemp(f"straight-{strategy}-{devices}"))
+        _STRAIGHT[strategy, devices] = killable_run.run(strategy, root, devices)[1].state_dict()
+    return _STRAIGHT[strategy, devices]
+
+
+def _multi(devices):
+    return [pytest.mark.multi_device] if devices > 1 else []
+
+
+# Where a preempted machine can die: mid-epoch, on an epoch's last batch (8 batches per epoch),
+# right after validation, and in the middle of writing a checkpoint.
+KILLS = [pytest.param(strategy, devices, when, step, marks=_multi(devices), id=f"{strategy}-x{devices}-{when}-{step}")
+         for strategy, devices, when, step in [
+             ("xla_native", 1, "step", 7), ("xla_native", 1, "step", 8), ("xla_native", 2, "save", 10),
+             ("xla_ddp", 1, "validation", 8), ("xla_ddp", 2, "step", 8), ("xla_fsdp", 1, "save", 6),
+             ("xla_fsdp", 2, "step", 11), ("xla_fsdp", 2, "validation", 16), ("xla_spmd", 4, "step", 9),
+             ("xla_fsdpv2", 4, "save", 8)]]
+
+
+@pytest.mark.parametrize("strategy, devices, when, step", KILLS)
+def test_killed_and_resumed_from_last_equals_an_uninterrupted_run(tmp_path, tmp_path_factory, strategy, devices,
+                                                                  when, step):
     root = str(tmp_path / "killed")
-    killed = subprocess.run([sys.executable, killable_run.__file__, strategy, root, "10"], capture_output=True,
-                            text=True, cwd=os.path.dirname(killable_run.__file__))
-    assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL at step 10; the last save was at step 9
-    trainer, resumed = killable_run.run(strategy, root, ckpt_path="last")
+    killed = subprocess.run([sys.executable, killable_run.__file__, strategy, root, str(devices), when, str(step)],
+                            capture_output=True, text=True, cwd=os.path.dirname(killable_run.__file__))
+    # SIGKILL: of this process, or of the replicas' process (then the caller reports it and fails)
+    assert killed.returncode == -9 or "ended with signal 9" in killed.stderr, killed.stderr[-3000:]
+    trainer, resumed = killable_run.run(strategy, root, devices, ckpt_path="last")
     assert trainer.global_step == 24
-    _, straight = killable_run.run(strategy, str(tmp_path / "straight"))
-    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name  # bitwise: same batches, same dropout masks, same updates
+    expected = step - (step % killable_run.SAVE_EVERY if when != "save" else killable_run.SAVE_EVERY)
+    assert f"step={expected}.ckpt" in trainer.ckpt_path  # the newest complete checkpoint before the kill
+    folder = os.path.dirname(trainer.ckpt_path)
+    assert not [n for n in os.listdir(folder) if n.startswith(".")]  # the interrupted save was cleared away
+    straight = _straight(strategy, devices, tmp_path_factory)
+    for name, tensor in straight.items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name  # bitwise: same batches, masks, updates
 
 
 def test_last_falls_back_to_the_newest_readable_checkpoint(tmp_path):

@@ -200,13 +200,15 @@ def test_a_failing_replica_stops_the_others_and_its_error_is_raised(tmp_path):
 def test_fsdp_replicas_write_one_shard_each_that_consolidate_and_resume_only_at_their_size(tmp_path):
     trainer, model, _ = train(tmp_path / "two", "xla_fsdp", 2, max_epochs=1, logger=False)
     path = os.path.join(trainer.log_dir, "checkpoints", "epoch=0-step=8.ckpt")
-    assert sorted(os.listdir(path)) == ["rank-00000-of-00002.pt", "rank-00001-of-00002.pt", "trainer.pt"]
+    assert sorted(os.listdir(path)) == ["manifest.json", "rank-00000-of-00002.pt", "rank-00001-of-00002.pt",
+                                        "trainer.pt"]
     full = consolidate(path)
     assert set(full) == set(model.state_dict())
     for name, tensor in model.state_dict().items():
         assert torch.equal(full[name], tensor), name
     for devices in (1, 4):
-        with pytest.raises(CheckpointError, match=f"written by 2 replicas, but this run has {devices}"):
+        with pytest.raises(CheckpointError, match=f"written by xla_fsdp with 2 replica.*xla_fsdp at world size "
+                           f"{devices} cannot resume it.*consolidate"):
             Trainer(strategy=XlaFSDP(), devices=devices, max_epochs=2, default_root_dir=str(tmp_path / "again"),
                     enable_progress_bar=False, logger=False).fit(
                 Regressor(), make_loader(batch_size=GLOBAL_BATCH // devices), ckpt_path=path)

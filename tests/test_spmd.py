@@ -11,8 +11,7 @@ from conftest import Regressor, make_loader
 
 from xtrainer import Trainer, _xla
 from xtrainer.callbacks import Callback, ModelCheckpoint, XlaHealth
-from xtrainer.checkpoint import (CheckpointError, UnreadableCheckpointError, consolidate, load_checkpoint,
-                                 load_sharded_checkpoint)
+from xtrainer.checkpoint import CheckpointError, UnreadableCheckpointError, consolidate, load_checkpoint
 from xtrainer.strategies import XlaFSDPv2, XlaSPMD
 
 pytestmark = pytest.mark.multi_device
@@ -85,7 +84,7 @@ def test_fsdpv2_saves_shards_and_resumes_exactly_on_any_mesh(tmp_path):
     _, first_model, _ = fit(tmp_path / "run", XlaFSDPv2(), epochs=1, callbacks=[saver, compilations])
     path = os.path.realpath(os.path.join(saver.dirpath, "last.ckpt"))
     # a folder of torch.distributed.checkpoint shards and the trainer state; nothing was gathered
-    assert sorted(os.listdir(path)) == ["state", "trainer.pt"]
+    assert sorted(os.listdir(path)) == ["manifest.json", "state", "trainer.pt"]
     assert sorted(os.listdir(os.path.join(path, "state"))) == [".metadata", "__0_0.distcp"]
     assert "state_dict" not in torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
     assert compilations.count == 0
@@ -140,15 +139,16 @@ def test_broken_distributed_checkpoints_are_named(tmp_path, capfd):
     shard = os.path.join(newest, "state", "__0_0.distcp")
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    with pytest.raises(UnreadableCheckpointError, match="__0_0.distcp' is truncated"):
+    with pytest.raises(UnreadableCheckpointError, match="__0_0.distcp' has .* bytes, but its manifest says"):
         load_checkpoint(newest)
-    with pytest.raises(CheckpointError, match="distributed checkpoint of an SPMD strategy.*xtrainer consolidate"):
-        load_sharded_checkpoint(older, 0, 1)
-    # "last" falls back to the newest checkpoint that reads, with a warning (from the SPMD process)
-    capfd.readouterr()
-    trainer, _, _ = fit(tmp_path, XlaFSDPv2(), epochs=3, ckpt_path="last")
+    with pytest.raises(CheckpointError, match="written by xla_fsdpv2 .*xla_fsdp at world size 1 cannot resume it.*"
+                       "xtrainer consolidate"):
+        Trainer(strategy="xla_fsdp", logger=False, enable_progress_bar=False,
+                default_root_dir=str(tmp_path / "fsdp")).fit(Regressor(), make_loader(), ckpt_path=older)
+    # "last" falls back to the newest checkpoint that verifies, and says which it skipped and why
+    with pytest.warns(UserWarning, match=f"resuming from {older}.*skipped:\n  {newest}: .*__0_0.distcp' has"):
+        trainer, _, _ = fit(tmp_path, XlaFSDPv2(), epochs=3, ckpt_path="last")
     assert trainer.global_step == 24
-    assert f"resuming from {older!r}" in capfd.readouterr().err
     # another model's checkpoint is refused before any step, saying what does not fit
     wider = Trainer(strategy=XlaFSDPv2(), devices=4, max_epochs=3, logger=False, enable_progress_bar=False,
                     default_root_dir=str(tmp_path / "wider"))

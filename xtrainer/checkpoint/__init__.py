@@ -48,14 +48,14 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def consolidate(path: str | os.PathLike) -> dict[str, Any]:
-    """One plain state dict (as the unwrapped module names it) from a sharded checkpoint folder,
-    checked against its manifest first."""
+    """One plain state dict (as the unwrapped module names it) from a checkpoint of any layout,
+    checked against its checksums first: an FSDP folder's shards stitched, an SPMD folder's
+    shards assembled, a whole file's ``state_dict`` as it is."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"{path!r} does not exist.")
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path!r} is a whole checkpoint file, not a sharded folder: its weights are "
-                              "torch.load(path, weights_only=True)['state_dict'] already.")
+        return whole.read(path, verify=True)["state_dict"]  # a whole file holds them whole already
     storage.verify_folder(path)
     kind = layout.layout_of(path)
     check_header(distributed.trainer_state(path), path)

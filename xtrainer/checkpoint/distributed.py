@@ -127,17 +127,19 @@ def load_into(target: dict[str, Any], path: str) -> None:
 
     from xtrainer import _xla
 
+    folder = os.path.join(path, STATE_DIR)
+    reader = safe.dcp_reader(folder)
+    reader.read_metadata()  # refused here, with its own message, if it is not plain metadata
     _, planner = _xla.spmd_checkpoint_planners()
     # The load planner finds each shard's place from the tensors' device data: tensors that are
     # still pending computations (new zeros) have none until they are executed.
     _xla.sync()
     _xla.wait_device_ops()  # host sync: before reading the checkpoint, not in a training step
     try:
-        dcp.load(target, storage_reader=safe.dcp_reader(os.path.join(path, STATE_DIR)),
-                 planner=safe.safe_load_planner(planner), no_dist=not dist.is_initialized())
-    except safe.UnsafeCheckpointError:
-        raise
+        dcp.load(target, storage_reader=reader, planner=safe.safe_load_planner(planner),
+                 no_dist=not dist.is_initialized())
     except Exception as err:
+        _raise_refusal(err)
         raise UnreadableCheckpointError(f"The distributed checkpoint {path!r} could not be read "
                                         f"({type(err).__name__}: {err}).") from err
 
@@ -152,19 +154,27 @@ def read_state(path: str, only: str | None = None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
+    reader = safe.dcp_reader(os.path.join(path, STATE_DIR))
+    reader.read_metadata()  # refused here, with its own message, if it is not plain metadata
     planner = safe.safe_load_planner(_EmptyStateDictLoadPlanner(keys=None if only is None else [only]))
     try:
-        _load_state_dict(state, storage_reader=safe.dcp_reader(os.path.join(path, STATE_DIR)), planner=planner,
-                         no_dist=True)
-    except safe.UnsafeCheckpointError:
-        raise
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as err:
+        _raise_refusal(err)
         raise UnreadableCheckpointError(f"The distributed checkpoint {path!r} could not be read "
                                         f"({type(err).__name__}: {err}).") from err
     for optimizer_state in state.get(OPTIMIZER_STATES, []):
         # Saving names every entry by a path of strings: the optimizer's parameter ids are ints.
         optimizer_state["state"] = {int(k): v for k, v in optimizer_state.get("state", {}).items()}
     return state
+
+
+def _raise_refusal(err: BaseException) -> None:
+    """Raise the refusal of an unsafe value that ``torch.distributed.checkpoint`` wrapped (it
+    collects each rank's failure into a ``CheckpointException``)."""
+    for cause in (err, *storage.failures_in(err)):
+        if isinstance(cause, safe.UnsafeCheckpointError):
+            raise cause from None
 
 
 def trainer_state(path: str) -> dict[str, Any]:

@@ -5,7 +5,8 @@
 the run was given. Candidates are tried newest first (``last.ckpt`` links first); each is checked
 completely (every byte against its checksum) and against the strategy and world size of this
 run (``Layout.refuses``). The first that passes is used; the others are reported with the
-reason. With no checkpoint at all, a warning and a fresh start, as Lightning does.
+reason. With no checkpoint at all, a warning and a fresh start, as Lightning does. What crashed
+saves left in those folders (temporary files of processes that are gone) is removed on the way.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def resolve(ckpt_path: str, search: list[str], layout: Layout, strategy: str,
         if reason:
             raise CheckpointError(f"Cannot resume from {ckpt_path!r}: {reason}.")
         return header
+    for dirpath in search:  # the next start in these folders: clear what crashed saves left
+        storage.remove_leftovers(dirpath)
     found = candidates(search)
     if not found:
         where = ", ".join([os.path.join(root, "version_*", "checkpoints")] * bool(root) + search)

@@ -31,7 +31,7 @@ def load(source: str | IO[bytes], what: str, mmap: bool = False) -> Any:
     try:
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        if "Unsupported global" in str(err) or "weights_only" in str(err).lower():
+        if "unsupported global" in str(err).lower() or "weights only load failed" in str(err).lower():
             raise UnsafeCheckpointError(
                 f"The {what} {name!r} was refused: it names {_global_in(str(err))}, which loading would run or "
                 "build. xtrainer checkpoints hold plain data only; this file was not written by xtrainer, or "
@@ -54,7 +54,7 @@ def _first_line(err: BaseException) -> str:
 
 def _global_in(message: str) -> str:
     """The global a weights-only load refused, from torch's message."""
-    for marker in ("Unsupported global: GLOBAL ", "Unsupported global "):
+    for marker in ("Unsupported global: GLOBAL ", "unsupported GLOBAL ", "Unsupported global "):
         if marker in message:
             return message.split(marker, 1)[1].split()[0].rstrip(".,")
     return "a type outside the allowlist"

@@ -117,7 +117,7 @@ def write_error(err: BaseException, path: str, needed: int = 0) -> CheckpointErr
     if isinstance(err, CheckpointError):
         return err
     free = _free_bytes(path)
-    causes = [err, *getattr(err, "failures", {}).values(), err.__cause__, err.__context__]
+    causes = [err, *failures_in(err), err.__cause__, err.__context__]
     full = any(isinstance(c, OSError) and c.errno in _DISK_FULL for c in causes) or (
         free is not None and needed and free < needed + (1 << 20))
     if full:
@@ -128,6 +128,17 @@ def write_error(err: BaseException, path: str, needed: int = 0) -> CheckpointErr
         what = f"Could not write {path!r} ({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})"
     return CheckpointError(f"{what}. Training stopped; the checkpoints written before are intact. Free disk space "
                            "or choose a writable dirpath, then resume with fit(..., ckpt_path='last').")
+
+
+def failures_in(err: BaseException) -> list[BaseException]:
+    """The per-rank exceptions that ``torch.distributed.checkpoint`` collected in ``err`` (its
+    ``CheckpointException`` holds ``{rank: (exception, stack)}``)."""
+    found = []
+    for failure in getattr(err, "failures", {}).values():
+        failure = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(failure, BaseException):
+            found.append(failure)
+    return found
 
 
 def _nbytes(obj: Any) -> int:
