@@ -201,6 +201,9 @@ class Trainer:
         self._batches_in_epoch = 0
         self._skip_batches = 0
         self._epoch_finished = True
+        # Between a batch's end (where checkpoints are saved) and the validation it triggers: a
+        # run resumed from such a checkpoint validates first, as the original run went on to do.
+        self._validation_pending = False
         # Set inside a run (per replica).
         self._module: XModule | None = None
         self._wrapped: nn.Module | None = None
@@ -440,10 +443,13 @@ class Trainer:
             # loaded). An epoch whose every batch was trained (saved on its last batch) is not
             # iterated at all: the original run never drained its loader either, and draining
             # torch_xla's device loader cuts the graph, which advances the XLA generator.
+            if self._validation_pending:
+                self._run_validation(val)
             batches = train.resume_at(skip) if skip < self.num_training_batches else ()
             for batch_idx, batch in batches:
+                self._validation_pending = bool(val) and self._validation_due(batch_idx)
                 self._train_batch(batch, batch_idx)
-                if val and self._validation_due(batch_idx):
+                if self._validation_pending:
                     self._run_validation(val)
                 if batch_idx + 1 >= self.num_training_batches:
                     break
@@ -570,6 +576,7 @@ class Trainer:
         train_results = self._results
         self._eval_loop("validate", val)
         self._results = train_results
+        self._validation_pending = False
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _eval_loop(self, stage: str, datas: list) -> Any:
@@ -697,6 +704,7 @@ class Trainer:
             "lr_schedulers": [s.scheduler.state_dict() for s in self._schedulers],
             "loops": {"global_step": self.global_step, "epoch": self.current_epoch,
                       "batches_in_epoch": self._batches_in_epoch, "epoch_finished": self._epoch_finished,
+                      "validation_pending": self._validation_pending,
                       "seed": self._seed},
             "rng_states": (rng_states := _rng_states(self.strategy)),
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
@@ -760,6 +768,7 @@ class Trainer:
             self.current_epoch = loops["epoch"] + (1 if loops["epoch_finished"] else 0)
             self._skip_batches = 0 if loops["epoch_finished"] else loops["batches_in_epoch"]
             self._batches_in_epoch = self._skip_batches
+            self._validation_pending = bool(loops.get("validation_pending")) and not loops["epoch_finished"]
             for cb in self.callbacks:
                 if cb.state_key in checkpoint.get("callbacks", {}):
                     cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
