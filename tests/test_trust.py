@@ -300,3 +300,82 @@ def test_last_takes_only_what_this_run_can_resume(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint in the run's lineage can be resumed:\n  .*xla_native at "
                        "world size 1 cannot resume it"):
         fit(tmp_path / "fsdp-only", epochs=2, ckpt_path="last")
+
+
+def test_a_checkpoint_cannot_make_the_trainer_delete_files(tmp_path):
+    trainer, _ = fit(tmp_path / "a")
+    good = os.path.join(trainer.log_dir, "checkpoints", "epoch=0-step=8.ckpt")
+    victim = tmp_path / "precious"
+    victim.mkdir()
+    (victim / "data.txt").write_text("keep me")
+    ckpt = torch.load(good, weights_only=True)
+    for state in ckpt["callbacks"].values():
+        if "best_k_models" in state:  # bookkeeping that names a folder of the user's, and no dirpath
+            state.update(best_k_models={str(victim): -1.0}, last_model_path=str(victim))
+            state.pop("dirpath")
+    crafted = tmp_path / "crafted.ckpt"
+    torch.save(ckpt, crafted)
+    fit(tmp_path / "b", epochs=3, ckpt_path=str(crafted))
+    assert (victim / "data.txt").read_text() == "keep me"
+
+
+def test_two_checkpoint_callbacks_keep_their_own_files_across_a_resume(tmp_path):
+    dirpath = str(tmp_path / "ckpts")
+
+    def callbacks():
+        return [ModelCheckpoint(dirpath=dirpath, filename="ep{epoch}"),
+                ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, filename="s{step}", save_top_k=-1,
+                                save_last=False)]
+
+    fit(tmp_path, callbacks=callbacks())
+    fit(tmp_path, epochs=2, ckpt_path="last", callbacks=callbacks())
+    assert sorted(os.listdir(dirpath)) == ["ep1.ckpt", "last.ckpt", "s12.ckpt", "s16.ckpt", "s4.ckpt", "s8.ckpt"]
+
+
+def test_malformed_files_are_refused_in_one_line_and_last_falls_back(tmp_path):
+    saver = ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)
+    fit(tmp_path, callbacks=[saver])
+    newest = os.path.join(saver.dirpath, "epoch=0-step=8.ckpt")
+    ckpt = torch.load(newest, weights_only=True)
+    torch.save({**ckpt, "loops": []}, newest)  # well-formed zip, malformed header
+    with pytest.raises(CheckpointError, match="malformed header"):
+        fit(tmp_path / "x", ckpt_path=newest)
+    with pytest.warns(UserWarning, match="resuming from .*step=4.ckpt.*skipped:\n  .*step=8.ckpt.*malformed header"):
+        resumed, _ = fit(tmp_path, epochs=2, ckpt_path="last")
+    assert resumed.global_step == 16
+    with pytest.raises(CheckpointError, match="is a folder, not a checkpoint .* It holds epoch=0-step=4.ckpt"):
+        fit(tmp_path / "y", ckpt_path=saver.dirpath)
+
+
+def test_consolidate_never_overwrites_what_it_reads(tmp_path):
+    trainer, _ = fit(tmp_path)
+    ckpt = os.path.join(trainer.log_dir, "checkpoints", "epoch=0-step=8.ckpt")
+    before = open(ckpt, "rb").read()
+    done = subprocess.run([CLI, "consolidate", ckpt, "-o", ckpt], capture_output=True, text=True,
+                          env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert done.returncode == 1 and "would overwrite the checkpoint it reads" in done.stderr
+    assert open(ckpt, "rb").read() == before
+    out = tmp_path / "weights.pt"  # a whole file consolidates to its state dict
+    done = subprocess.run([CLI, "consolidate", ckpt, "-o", str(out)], capture_output=True, text=True,
+                          env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert done.returncode == 0, done.stderr
+    Regressor().load_state_dict(torch.load(out, weights_only=True), strict=True)
+
+
+def test_numpy_and_circular_values(tmp_path):
+    import numpy as np
+
+    from xtrainer.callbacks import Callback
+    from xtrainer.checkpoint.format import plain_hparams
+
+    assert plain_hparams({"lr": np.float64(0.1), "n": np.int64(3), "b": np.bool_(True)}) == {
+        "lr": 0.1, "n": 3, "b": True}
+
+    class Circular(Callback):
+        def state_dict(self):
+            state = {"history": []}
+            state["history"].append(state)
+            return state
+
+    with pytest.raises(CheckpointError, match=r"Circular'\]\['history'\]\[0\] contains itself"):
+        fit(tmp_path, callbacks=[Circular()])

@@ -67,8 +67,12 @@ def _config_command(args: argparse.Namespace) -> int:
 
 
 def _consolidate_command(args: argparse.Namespace) -> int:
+    source, output = os.path.realpath(args.checkpoint), os.path.realpath(args.output)
+    if output == source or output.startswith(source.rstrip(os.sep) + os.sep):
+        raise ckpt_io.CheckpointError(f"-o {args.output} would overwrite the checkpoint it reads ({args.checkpoint}); "
+                                      "write the consolidated weights somewhere else.")
     state_dict = ckpt_io.consolidate(args.checkpoint)
-    ckpt_io.storage.write_file(state_dict, args.output)
+    ckpt_io.storage.write_file(state_dict, args.output, advice="Nothing was written; the checkpoint is intact.")
     total = sum(t.numel() for t in state_dict.values())
     print(f"wrote {args.output}: {len(state_dict)} tensors, {total:,} values. "
           "Load it with module.load_state_dict(torch.load(path)).")
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     try:
         return args.run(args)
-    except (cfg_io.ConfigError, ckpt_io.CheckpointError) as err:
+    except (cfg_io.ConfigError, ckpt_io.CheckpointError, FileNotFoundError) as err:
         print(f"xtrainer {args.command}: error: {err}", file=sys.stderr)
         return 2 if isinstance(err, cfg_io.ConfigError) else 1
 

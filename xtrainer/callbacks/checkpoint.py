@@ -53,6 +53,7 @@ class ModelCheckpoint(Callback):
         if save_top_k < -1:
             raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k}) must be -1 or more.")
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
+        self._given_dirpath = dirpath is not None
         self.filename = filename or "epoch={epoch}-step={step}"
         self.monitor = monitor
         self._ranking = Monitor(monitor, mode) if monitor is not None else Monitor("step", "max")
@@ -70,7 +71,11 @@ class ModelCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        return f"ModelCheckpoint{{monitor={self.monitor!r}, mode={self.mode!r}}}"
+        """Unique per configuration, as Lightning's: two checkpoint callbacks that differ in what or
+        when they save keep their bookkeeping apart."""
+        return (f"ModelCheckpoint{{monitor={self.monitor!r}, mode={self.mode!r}, every_n_train_steps="
+                f"{self.every_n_train_steps!r}, every_n_epochs={self.every_n_epochs!r}, train_time_interval="
+                f"{self.train_time_interval!r}, filename={self.filename!r}}}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_k_models": dict(self.best_k_models), "best_model_path": self.best_model_path,
@@ -79,14 +84,16 @@ class ModelCheckpoint(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_dir = state_dict.get("dirpath")
-        moved = saved_dir is not None and self.dirpath is not None
-        if moved and os.path.abspath(saved_dir) != os.path.abspath(self.dirpath):
+        moved = self.dirpath is not None and (not isinstance(saved_dir, str)
+                                              or os.path.abspath(saved_dir) != os.path.abspath(self.dirpath))
+        if moved:
             # Resumed into another folder: the files listed belong to the earlier run, which this
             # run must not prune. Only what they were is kept.
             self.best_model_path = state_dict.get("best_model_path", "")
             self.best_model_score = state_dict.get("best_model_score")
             return
-        self.best_k_models = dict(state_dict.get("best_k_models", {}))
+        self.best_k_models = {path: float(score) for path, score in dict(state_dict.get("best_k_models", {})).items()
+                              if self._owns(path)}
         self.best_model_path = state_dict.get("best_model_path", "")
         self.best_model_score = state_dict.get("best_model_score")
         self.last_model_path = state_dict.get("last_model_path", "")
@@ -98,6 +105,10 @@ class ModelCheckpoint(Callback):
         self._last_save_time = time.monotonic()
         if stage == "fit" and trainer.is_global_zero:
             storage.remove_leftovers(self.dirpath)  # of saves that a crash interrupted
+            if self._given_dirpath and trainer.ckpt_path is None and self._foreign_checkpoints():
+                rank_zero_warn(f"ModelCheckpoint: {self.dirpath} already holds checkpoints of another run; a "
+                               "checkpoint of this run with the same name replaces it. Give each run its own "
+                               "dirpath (the default, <run folder>/checkpoints, is).")
 
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -155,6 +166,12 @@ class ModelCheckpoint(Callback):
             storage.link_last(self.dirpath, path)
         self._remove(trainer, stale)
 
+    def _foreign_checkpoints(self) -> bool:
+        known = set(self.best_k_models) | {self.last_model_path}
+        return os.path.isdir(self.dirpath) and any(
+            name.endswith(".ckpt") and name != storage.LAST and os.path.join(self.dirpath, name) not in known
+            for name in os.listdir(self.dirpath))
+
     def _ranked(self) -> list[str]:
         """Kept checkpoints, best first (NaN scores last)."""
         return sorted(self.best_k_models, key=lambda path: self._ranking.sort_key(self.best_k_models[path]))
@@ -174,10 +191,18 @@ class ModelCheckpoint(Callback):
             del self.best_k_models[path]
         return [path for path in stale if path != self.last_model_path]
 
+    def _owns(self, path: Any) -> bool:
+        """Whether ``path`` is a checkpoint of this callback's folder: only those are ever removed
+        (the bookkeeping comes from checkpoint files, which are data, not orders)."""
+        return (isinstance(path, str) and self.dirpath is not None and path.endswith(".ckpt")
+                and not os.path.basename(path).startswith(".") and os.path.basename(path) != storage.LAST
+                and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.dirpath))
+
     def _remove(self, trainer: "Trainer", paths: list[str]) -> None:
         if trainer.is_global_zero:
             for path in paths:
-                storage.remove(path)
+                if self._owns(path):
+                    storage.remove(path)
         trainer.strategy.barrier("xtrainer_checkpoint_cleanup")
 
     def _format(self, trainer: "Trainer", metrics: dict[str, float]) -> str:

@@ -55,7 +55,10 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
     if not os.path.exists(path):
         raise CheckpointError(f"{path!r} does not exist.")
     if not os.path.isdir(path):
-        return whole.read(path, verify=True)["state_dict"]  # a whole file holds them whole already
+        state_dict = whole.read(path, verify=True).get("state_dict")  # a whole file holds them whole already
+        if not isinstance(state_dict, dict):
+            raise UnreadableCheckpointError(f"{path!r} has no state_dict.")
+        return state_dict
     storage.verify_folder(path)
     kind = layout.layout_of(path)
     check_header(distributed.trainer_state(path), path)

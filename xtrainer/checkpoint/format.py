@@ -66,27 +66,38 @@ _CONTAINERS = (dict, collections.OrderedDict, list, tuple, set, torch.Size)
 
 def check_savable(value: Any, where: str = "checkpoint") -> None:
     """Refuse a value that ``torch.load(weights_only=True)`` could not read back: anything but
-    plain containers of numbers, strings, tensors, dtypes and devices. ``where`` names the key."""
-    stack = [(value, where)]
-    while stack:
-        item, path = stack.pop()
+    plain containers of numbers, strings, tensors, dtypes and devices. ``where`` names the key.
+    A container that holds itself is refused too (a checkpoint is a tree)."""
+    done: set[int] = set()
+
+    def check(item: Any, path: str, active: frozenset) -> None:
         kind = type(item)
         if isinstance(item, _LEAVES) and (kind in _LEAVES or isinstance(item, torch.Tensor)):
-            continue
-        if kind in _CONTAINERS:
-            if kind in (dict, collections.OrderedDict):
-                for key, sub in item.items():
-                    if not isinstance(key, (str, int, float, bool, type(None), tuple)):
-                        raise CheckpointError(f"{path} has a key of type {type(key).__name__}; checkpoints hold "
-                                              "plain data only (keys: str, int, float, bool, tuple).")
-                    stack.append((sub, f"{path}[{key!r}]"))
-            else:
-                stack.extend((sub, f"{path}[{i}]") for i, sub in enumerate(item))
-            continue
-        raise CheckpointError(
-            f"{path} is a {kind.__module__}.{kind.__qualname__}: checkpoints hold plain data only (dicts, lists, "
-            "tuples, numbers, strings, tensors), so that loading one never runs code. Convert it in "
-            "state_dict() / on_save_checkpoint (e.g. to a dict, a list or a tensor).")
+            return
+        if kind not in _CONTAINERS:
+            raise CheckpointError(
+                f"{path} is a {kind.__module__}.{kind.__qualname__}: checkpoints hold plain data only (dicts, "
+                "lists, tuples, numbers, strings, tensors), so that loading one never runs code. Convert it in "
+                "state_dict() / on_save_checkpoint (e.g. to a dict, a list or a tensor).")
+        if id(item) in active:
+            raise CheckpointError(f"{path} contains itself: a checkpoint holds a tree of plain data, not a cycle.")
+        if id(item) in done:  # shared by two keys: checked once
+            return
+        if len(active) > 64:
+            raise CheckpointError(f"{path} is nested more than 64 levels deep: is it a cycle?")
+        active = active | {id(item)}
+        if kind in (dict, collections.OrderedDict):
+            for key, sub in item.items():
+                if not isinstance(key, (str, int, float, bool, type(None), tuple)):
+                    raise CheckpointError(f"{path} has a key of type {type(key).__name__}; checkpoints hold "
+                                          "plain data only (keys: str, int, float, bool, tuple).")
+                check(sub, f"{path}[{key!r}]", active)
+        else:
+            for i, sub in enumerate(item):
+                check(sub, f"{path}[{i}]", active)
+        done.add(id(item))
+
+    check(value, where, frozenset())
 
 
 def plain_hparams(hparams: Any) -> Any:
@@ -97,13 +108,18 @@ def plain_hparams(hparams: Any) -> Any:
     except ImportError:  # pragma: no cover - omegaconf is a dependency
         DictConfig = ListConfig = ()  # type: ignore[assignment]
 
-    def convert(value: Any) -> Any:
+    def convert(value: Any, depth: int = 0) -> Any:
+        if depth > 32:  # deeper than any configuration: circular, or not a hyperparameter
+            return repr(value)[:200]
         if DictConfig and isinstance(value, (DictConfig, ListConfig)):
             return OmegaConf.to_container(value, resolve=True)
         if isinstance(value, dict):
-            return {str(k) if not isinstance(k, (str, int)) else k: convert(v) for k, v in value.items()}
+            return {str(k) if not isinstance(k, (str, int)) else k: convert(v, depth + 1) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return type(value)(convert(v) for v in value) if type(value) in (list, tuple) else [convert(v) for v in value]
+            items = [convert(v, depth + 1) for v in value]
+            return tuple(items) if type(value) is tuple else items
+        if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+            return value.item()  # a NumPy scalar: its Python number
         if isinstance(value, enum.Enum):
             return convert(value.value)
         if isinstance(value, (pathlib.PurePath, os.PathLike)):
@@ -111,7 +127,7 @@ def plain_hparams(hparams: Any) -> Any:
         if isinstance(value, _LEAVES) and type(value) in _LEAVES or isinstance(value, torch.Tensor):
             return value
         if hasattr(value, "__dict__") and type(value).__name__ == "Namespace":
-            return convert(vars(value))
+            return convert(vars(value), depth + 1)
         return repr(value)
 
     return convert(dict(hparams))
@@ -123,15 +139,20 @@ def check_header(checkpoint: Any, path: str) -> None:
         raise CheckpointError(
             f"{path!r} is not an xtrainer checkpoint (no 'format': 'xtrainer' entry). To start from "
             "plain weights, load them into your module with module.load_state_dict() before fit().")
-    if checkpoint.get("format_version", 0) > FORMAT_VERSION:
+    version = checkpoint.get("format_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise UnreadableCheckpointError(f"{path!r} has a malformed header (format_version={version!r}).")
+    if version > FORMAT_VERSION:
         raise CheckpointError(
             f"{path!r} has checkpoint format version {checkpoint['format_version']}, newer than this "
             f"xtrainer reads ({FORMAT_VERSION}). Upgrade xtrainer.")
 
 
-def load_weights(module: torch.nn.Module, state_dict: dict[str, Any]) -> None:
+def load_weights(module: torch.nn.Module, state_dict: Any) -> None:
     """``module.load_state_dict(state_dict)``, refusing a state dict of another model with an
     error that lists the missing and unexpected keys and the shape mismatches."""
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(f"its state_dict is a {type(state_dict).__name__}, not a dict of tensors")
     check_fits(module.state_dict(), shapes_of(state_dict))
     module.load_state_dict(state_dict)
 
@@ -144,10 +165,14 @@ def shapes_of(state_dict: dict[str, Any]) -> dict[str, Any]:
 def check_fits(own: dict[str, Any], shapes: dict[str, Any]) -> None:
     """Refuse saved module state, given as ``{name: shape or None}``, that does not fit the module
     whose state dict is ``own``, listing the missing and unexpected keys and the shape mismatches."""
+    if not isinstance(shapes, dict):
+        raise CheckpointError(f"its state_dict is a {type(shapes).__name__}, not a dict of tensors")
     missing = [k for k in own if k not in shapes]
     unexpected = [k for k in shapes if k not in own]
     mismatched = [f"{k} {tuple(shape)} (module: {tuple(own[k].shape)})" for k, shape in shapes.items()
                   if k in own and shape is not None and tuple(shape) != tuple(own[k].shape)]
+    mismatched += [f"{k} is not a tensor" for k, shape in shapes.items()
+                   if k in own and shape is None and isinstance(own[k], torch.Tensor)]
     problems = [f"{label} ({len(keys)}): {', '.join(keys[:8])}{', ...' if len(keys) > 8 else ''}"
                 for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
                                     ("shape mismatches", mismatched)) if keys]

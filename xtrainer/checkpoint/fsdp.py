@@ -37,9 +37,9 @@ class FsdpShards(Layout):
         shard = {STATE_DICT: checkpoint.pop(STATE_DICT), OPTIMIZER_STATES: checkpoint.pop(OPTIMIZER_STATES),
                  "shard_metadata": self._shard_metadata(), "rank": replicas.global_rank,
                  "world_size": replicas.world_size}
-        shard = _xla.to_cpu(shard)  # host sync: the shards are written from the host
         check_savable(shard, "the FSDP shard")
         check_savable(checkpoint)
+        shard = _xla.to_cpu(shard)  # host sync: the shards are written from the host
         name = shard_file_name(replicas.global_rank, replicas.world_size)
 
         def write_shard(folder: str) -> dict[str, Any]:
@@ -83,9 +83,15 @@ def consolidate(path: str) -> dict[str, Any]:
     """One plain state dict, keyed as the user's module names it, from an FSDP folder."""
     trainer_state = safe.load(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
     check_header(trainer_state, path)
-    world_size = trainer_state["world_size"]
+    world_size = trainer_state.get("world_size")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise UnreadableCheckpointError(f"{path!r} has a malformed trainer state (world_size={world_size!r}).")
     shards = [_read_shard_file(path, rank, world_size) for rank in range(world_size)]
-    return consolidate_state_dicts([shard[STATE_DICT] for shard in shards], shards[0]["shard_metadata"])
+    try:
+        return consolidate_state_dicts([shard[STATE_DICT] for shard in shards], shards[0]["shard_metadata"])
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as err:
+        raise UnreadableCheckpointError(f"The shards of {path!r} do not consolidate ({type(err).__name__}: {err}); "
+                                        "they were not written by xla_fsdp as they are.") from err
 
 
 def consolidate_state_dicts(state_dicts: list[dict[str, Any]], shard_metadata: dict[str, Any]) -> dict[str, Any]:

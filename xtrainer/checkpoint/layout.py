@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from xtrainer.checkpoint import safe, storage
-from xtrainer.checkpoint.format import (FORMAT, FORMAT_VERSION, LOOPS, STRATEGY, WORLD_SIZE, CheckpointError,
-                                        UnreadableCheckpointError, check_header)
+from xtrainer.checkpoint.format import (FORMAT, FORMAT_VERSION, LOOPS, STATE_DICT, STRATEGY, WORLD_SIZE,
+                                        CheckpointError, UnreadableCheckpointError, check_header)
 
 TRAINER_FILE = "trainer.pt"
 FILE, FSDP, DISTRIBUTED = "file", "fsdp", "distributed"
@@ -111,16 +111,31 @@ def verify(path: str) -> Header:
         storage.verify_zip(path)
         checkpoint = safe.load(path, "checkpoint", mmap=True)
         check_header(checkpoint, path)
-        loops = checkpoint.get(LOOPS, {})
-        return Header(path, FILE, checkpoint.get(STRATEGY, "?"), int(checkpoint.get(WORLD_SIZE, 1)),
-                      int(loops.get("global_step", 0)), int(loops.get("epoch", 0)), bool(loops.get("epoch_finished")))
+        if not isinstance(checkpoint.get(STATE_DICT), dict):
+            raise UnreadableCheckpointError(f"{path!r} has no state_dict (a dict of tensors).")
+        return _header(path, FILE, checkpoint, checkpoint)
     manifest = storage.verify_folder(path)
     check_header(manifest, path)
     trainer_state = safe.load(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
     check_header(trainer_state, path)
-    loops = trainer_state.get(LOOPS, {})
-    return Header(path, layout, manifest.get(STRATEGY, "?"), int(manifest.get(WORLD_SIZE, 1)),
-                  int(loops.get("global_step", 0)), int(loops.get("epoch", 0)), bool(loops.get("epoch_finished")))
+    if layout == DISTRIBUTED:
+        from xtrainer.checkpoint import distributed
+
+        distributed.entries(path)  # its metadata reads, and is metadata
+    return _header(path, layout, manifest, trainer_state)
+
+
+def _header(path: str, layout: str, who: dict[str, Any], state: dict[str, Any]) -> Header:
+    """The header of a checkpoint whose writer is described by ``who`` and whose loop state is in
+    ``state``; a malformed one is refused as unreadable."""
+    loops = state.get(LOOPS)
+    world_size = who.get(WORLD_SIZE)
+    ints = [world_size] + [loops.get(k) for k in ("global_step", "epoch")] if isinstance(loops, dict) else []
+    if not ints or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints) or world_size < 1:
+        raise UnreadableCheckpointError(f"{path!r} has a malformed header (world_size={world_size!r}, "
+                                        f"loops={loops!r:.200}); it was not written by xtrainer as it is.")
+    return Header(path, layout, str(who.get(STRATEGY, "?")), world_size, loops["global_step"], loops["epoch"],
+                  bool(loops.get("epoch_finished")))
 
 
 def manifest_header(layout: str, checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -78,6 +78,9 @@ def resolve(ckpt_path: str, search: list[str], layout: Layout, strategy: str,
         except CheckpointError as err:
             skipped.append(f"{path}: {err}")
             continue
+        except Exception as err:  # noqa: BLE001 - a malformed file must not stop the search for a good one
+            skipped.append(f"{path}: unreadable ({type(err).__name__}: {err})")
+            continue
         reason = layout.refuses(header, world_size, strategy)
         if reason:
             skipped.append(f"{path}: {reason}")

@@ -61,8 +61,7 @@ def _global_in(message: str) -> str:
 
 
 # ---- torch.distributed.checkpoint's own pickles ------------------------------------------------
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner")
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _DCP_NAMES = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
               ("pathlib", "PureWindowsPath"), ("torch.serialization", "_get_layout")}
@@ -75,7 +74,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module in _DCP_MODULES and not name.startswith("__"):
             value = super().find_class(module, name)
-            if isinstance(value, type):
+            # its own dataclasses and enums only (not what it imports, such as torch.Tensor)
+            if isinstance(value, type) and value.__module__ == module:
                 return value
         elif (module, name) in _DCP_NAMES:
             return super().find_class(module, name)
@@ -87,13 +87,18 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def load_dcp_metadata(stream: IO[bytes], path: str) -> Any:
     """Read a ``torch.distributed.checkpoint`` ``.metadata`` pickle with the restricted unpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
-        return _MetadataUnpickler(stream).load()
+        metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+            raise ValueError(f"it holds a {type(metadata).__name__}, not torch.distributed.checkpoint metadata")
+        return metadata
     except UnsafeCheckpointError as err:
         raise UnsafeCheckpointError(
             f"The checkpoint metadata {path!r} was refused: it names {err}, which loading would run or build. "
             "Nothing in it was executed.") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, ImportError, IndexError) as err:
+    except Exception as err:  # noqa: BLE001 - whatever a malformed pickle raises, it is unreadable
         raise UnreadableCheckpointError(f"The checkpoint metadata {path!r} could not be read ({type(err).__name__}: "
                                         f"{_first_line(err)}); resume from an earlier checkpoint instead.") from err
 

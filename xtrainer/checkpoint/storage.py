@@ -73,18 +73,24 @@ class _HashingWriter:
         pass
 
 
-def write_file(obj: Any, path: str) -> Written:
+TRAINING_ADVICE = ("Training stopped; the checkpoints written before are intact. Free disk space or choose a "
+                   "writable dirpath, then resume with fit(..., ckpt_path='last').")
+
+
+def write_file(obj: Any, path: str, advice: str = TRAINING_ADVICE) -> Written:
     """``torch.save`` ``obj`` to ``path`` atomically: a temporary file in the same folder (created
     with the user's umask), flushed to disk, then renamed over ``path``. A failure leaves the
-    previous file, if any, untouched and is raised as a ``CheckpointError`` naming ``path``."""
-    return write_with(lambda writer: torch.save(obj, writer), path, needed=_nbytes(obj))
+    previous file, if any, untouched and is raised as a ``CheckpointError`` naming ``path`` and
+    ending with ``advice``."""
+    return write_with(lambda writer: torch.save(obj, writer), path, needed=_nbytes(obj), advice=advice)
 
 
 def write_bytes(data: bytes, path: str) -> Written:
     return write_with(lambda writer: writer.write(data), path, needed=len(data))
 
 
-def write_with(produce: Callable[[_HashingWriter], Any], path: str, needed: int = 0) -> Written:
+def write_with(produce: Callable[[_HashingWriter], Any], path: str, needed: int = 0,
+               advice: str = TRAINING_ADVICE) -> Written:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = None
@@ -107,27 +113,29 @@ def write_with(produce: Callable[[_HashingWriter], Any], path: str, needed: int 
         raise
     except Exception as err:  # noqa: BLE001 - every failure to write is reported the same way
         _remove_quietly(tmp)
-        raise write_error(err, path, needed) from err
+        raise write_error(err, path, needed, advice) from err
 
 
-def write_error(err: BaseException, path: str, needed: int = 0) -> CheckpointError:
+def write_error(err: BaseException, path: str, needed: int = 0, advice: str = TRAINING_ADVICE) -> CheckpointError:
     """A ``CheckpointError`` that says why ``path`` could not be written and what to do. A full
     disk shows as ENOSPC, or only as a failed write inside torch's serializer: the free space
     decides."""
     if isinstance(err, CheckpointError):
         return err
     free = _free_bytes(path)
-    causes = [err, *failures_in(err), err.__cause__, err.__context__]
-    full = any(isinstance(c, OSError) and c.errno in _DISK_FULL for c in causes) or (
-        free is not None and needed and free < needed + (1 << 20))
+    causes = [c for c in (err, *failures_in(err), err.__cause__, err.__context__) if c is not None]
+    os_errors = [c for c in causes if isinstance(c, OSError) and c.errno is not None]
+    # A full disk shows as ENOSPC; inside torch's serializer only as a failed write, where the
+    # free space decides. Any other OS error (no such folder, permission, read-only) is itself.
+    full = any(c.errno in _DISK_FULL for c in os_errors) or (
+        not os_errors and free is not None and needed and free < needed + (1 << 20))
     if full:
         need = f"about {_human(needed)} needed, {_human(free)} free" if needed and free is not None else \
             f"{_human(free)} free" if free is not None else "no space left"
         what = f"The disk is full: could not write {path!r} ({need})"
     else:
         what = f"Could not write {path!r} ({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})"
-    return CheckpointError(f"{what}. Training stopped; the checkpoints written before are intact. Free disk space "
-                           "or choose a writable dirpath, then resume with fit(..., ckpt_path='last').")
+    return CheckpointError(f"{what}. {advice}")
 
 
 def failures_in(err: BaseException) -> list[BaseException]:
@@ -232,14 +240,20 @@ def write_manifest(folder: str, files: dict[str, dict[str, Any]], header: dict[s
 def read_manifest(folder: str) -> dict[str, Any]:
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
+        inside = sorted(name for name in os.listdir(folder) if name.endswith(".ckpt")) if os.path.isdir(folder) else []
+        if inside or not os.path.exists(os.path.join(folder, "trainer.pt")):
+            listing = f" It holds {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''}." if inside else ""
+            raise CheckpointError(f"{folder!r} is a folder, not a checkpoint (a checkpoint folder holds "
+                                  f"{MANIFEST}).{listing}")
         raise UnreadableCheckpointError(
             f"{folder!r} has no {MANIFEST}: the save that wrote it did not finish (or an xtrainer older than "
             "0.2 wrote it). Resume from an earlier checkpoint instead.")
     try:
         with open(path, "rb") as f:
             manifest = json.loads(f.read().decode())
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            raise ValueError("no 'files' table")
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not all(
+                isinstance(info, dict) for info in manifest["files"].values()):
+            raise ValueError("no 'files' table of {name: {size, sha256}}")
     except (OSError, ValueError, UnicodeDecodeError) as err:
         raise UnreadableCheckpointError(f"The manifest {path!r} is corrupt ({err}); resume from an earlier "
                                         "checkpoint instead.") from err
@@ -316,12 +330,25 @@ def remove_leftovers(dirpath: str) -> list[str]:
         pid = _pid_of(name, host)
         if pid is None or _alive(pid):
             continue
+        path = os.path.join(dirpath, name)
+        final = os.path.join(dirpath, _final_name(name))
         try:
-            remove(os.path.join(dirpath, name))
+            if os.path.isfile(os.path.join(path, MANIFEST)) and not os.path.lexists(final):
+                # a complete folder, caught between the two renames of publish(): put it in place
+                os.replace(path, final)
+                continue
+            remove(path)
             removed.append(name)
         except OSError:
             pass
     return removed
+
+
+def _final_name(name: str) -> str:
+    """The name a temporary ``.tmp-<host>-<pid>-<tag>-NAME[.old]`` stands for."""
+    rest = name[len(TEMP_PREFIX):].split("-", 3)
+    final = rest[3] if len(rest) == 4 else name
+    return final.removesuffix(".old")
 
 
 def _pid_of(name: str, host: str) -> int | None:

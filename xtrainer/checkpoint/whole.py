@@ -22,8 +22,8 @@ class WholeFile(Layout):
         file atomically and all replicas meet at a barrier, so no one races ahead of the file."""
         from xtrainer import _xla
 
+        check_savable(checkpoint)  # before anything walks it: it may even be circular
         checkpoint = _xla.to_cpu(checkpoint)  # host sync: checkpoints are written from the host
-        check_savable(checkpoint)
         if replicas.is_global_zero:
             storage.write_file(checkpoint, path)
         replicas.barrier("xtrainer_save_checkpoint")
