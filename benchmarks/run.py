@@ -168,7 +168,12 @@ def hand_loop(workload: str, loader: DataLoader, warmup: int, every: int, starte
     net = make_net(workload).to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     marks, first, counts = [], None, {"compiles": 0, "transfers": 0}
-    batches = _xla.device_loader(loader, device) if xla else loader
+    if xla:  # the documented torch_xla loader, as a hand-written loop uses it
+        from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+        batches = MpDeviceLoader(loader, device)
+    else:
+        batches = loader
     for step, batch in enumerate(batches, start=1):
         opt.zero_grad(set_to_none=True)
         loss = loss_of(workload, net, batch)

@@ -97,6 +97,7 @@ def test_hook_order_and_counts(trainer_kwargs):
         "on_validation_start": 2, "on_validation_epoch_start": 2, "on_validation_batch_start": 4,
         "on_validation_batch_end": 4, "on_validation_epoch_end": 2, "on_validation_end": 2,
         "on_train_end": 1, "on_fit_end": 1,
+        "on_metrics": 4,  # each epoch's end and each validation's: the only reads (log_every_n_steps=50)
     }
     first_batch = calls[calls.index("on_train_batch_start"):calls.index("on_train_batch_end") + 1]
     assert first_batch == ["on_train_batch_start", "on_before_backward", "on_after_backward",

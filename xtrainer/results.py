@@ -136,9 +136,6 @@ class Results:
         for entry in self.entries.values():
             entry.total, entry.weight = None, 0.0
 
-    def reset(self) -> None:
-        self.entries.clear()
-
 
 def _combine(reduce_fx: str, total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if reduce_fx in ("mean", "sum"):

@@ -5,45 +5,32 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import random
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
-
-try:
-    import numpy as _numpy
-except ImportError:  # NumPy is optional; its generator is saved when it is installed
-    _numpy = None
 
 from xtrainer import _xla
 from xtrainer import checkpoint as ckpt_io
-from xtrainer.checkpoint import format as ckpt_format
-from xtrainer.checkpoint import resume
+from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
+from xtrainer.checkpoint import resume
 from xtrainer.loggers import Logger, TensorBoardLogger
 from xtrainer.module import MODULE_HOOKS, XModule
+from xtrainer.optim import SchedulerConfig, parse_optimizers, step_schedulers
 from xtrainer.precision import Precision
-from xtrainer.results import Results, batch_size, to_floats
+from xtrainer.publishing import LOSS_KEY, Publisher
+from xtrainer.results import Results, batch_size
+from xtrainer.settings import TrainerSettings
+from xtrainer.state import seed_everything
 from xtrainer.strategies import Strategy, resolve_strategy
+
+__all__ = ["Trainer", "seed_everything"]
 
 _STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
                  "predict": "predict_step"}
 _HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
-_LOSS_KEY = "loss"
-_STOP_KEY = "xtrainer/should_stop"  # rides along with logged values when replicas agree to stop
-_NONFINITE_KEY = "xtrainer/first_nonfinite_step"  # likewise, for detect_nonfinite
-
-
-@dataclass
-class _Scheduler:
-    scheduler: Any
-    interval: str = "epoch"
-    frequency: int = 1
-    monitor: str | None = None
 
 
 class _StepDispatcher(nn.Module):
@@ -118,30 +105,12 @@ class Trainer:
         enable_xla_health: bool = True,
         detect_nonfinite: str = "raise",
     ) -> None:
+        settings = TrainerSettings(**{name: value for name, value in locals().items()
+                                      if name in TrainerSettings.names()}).check()
         self.strategy = resolve_strategy(strategy)
-        self.precision = Precision(precision)
-        self.strategy.connect(_resolve_devices(devices), self.precision)
-        if max_epochs is None and max_steps == -1:
-            max_epochs = 1000
-        _check_positive("max_epochs", max_epochs, allow_none=True)
-        if max_steps != -1:
-            _check_positive("max_steps", max_steps)
-        _check_positive("log_every_n_steps", log_every_n_steps)
-        _check_positive("accumulate_grad_batches", accumulate_grad_batches)
-        _check_positive("check_val_every_n_epoch", check_val_every_n_epoch, allow_none=True)
-        for name, value in (("limit_train_batches", limit_train_batches), ("limit_val_batches", limit_val_batches),
-                            ("limit_test_batches", limit_test_batches),
-                            ("limit_predict_batches", limit_predict_batches),
-                            ("val_check_interval", val_check_interval)):
-            _check_limit(name, value)
-        if detect_nonfinite not in ("raise", "warn", "off"):
-            raise ValueError(f"detect_nonfinite={detect_nonfinite!r}: use 'raise', 'warn' or 'off'.")
-        self.detect_nonfinite = detect_nonfinite
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'.")
-        if gradient_clip_val is not None and gradient_clip_val <= 0:
-            raise ValueError(f"gradient_clip_val={gradient_clip_val} must be positive (or None for no clipping).")
-        self.max_epochs, self.max_steps = max_epochs, max_steps
+        self.precision = Precision(settings.precision)
+        self.strategy.connect(_resolve_devices(settings.devices), self.precision)
+        self.max_epochs, self.max_steps = settings.max_epochs, settings.max_steps
         self.limits = {"train": limit_train_batches, "validate": limit_val_batches, "test": limit_test_batches,
                        "predict": limit_predict_batches}
         self.val_check_interval = val_check_interval
@@ -149,6 +118,8 @@ class Trainer:
         self.log_every_n_steps = log_every_n_steps
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
+        self.detect_nonfinite = detect_nonfinite
+        self._publisher = Publisher(detect_nonfinite)
         self.default_root_dir = os.fspath(default_root_dir or os.path.join(os.getcwd(), "xtrainer_logs"))
         # The run folder: <default_root_dir>[/<logger name>]/version_N, shared by logs, checkpoints
         # and the saved configuration.
@@ -181,14 +152,11 @@ class Trainer:
         self.global_step = 0
         self.current_epoch = 0
         self.should_stop = False
-        self._stop_agreed = False
         self._seed = 0
-        self._nonfinite: _NonFiniteWatch | None = None
         #: Graphs compiled while writing checkpoints, so far in this process.
         self.checkpoint_compilations = 0
         #: The checkpoint the last fit/validate/test/predict started from (None: none).
         self.ckpt_path: str | None = None
-        self._finite_checked_step = -1
         self._resolved_ckpt: tuple[Any, str | None] | None = None
         #: The resolved configuration of ``xtrainer fit`` (flat keys), logged with the module's
         #: hyperparameters.
@@ -208,7 +176,7 @@ class Trainer:
         self._module: XModule | None = None
         self._wrapped: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._schedulers: list[_Scheduler] = []
+        self._schedulers: list[SchedulerConfig] = []
         self._results = Results("train", default_on_step=True)
 
     # ---- the run folder ------------------------------------------------------------------------
@@ -265,6 +233,10 @@ class Trainer:
     @property
     def lr_schedulers(self) -> list[Any]:
         return [s.scheduler for s in self._schedulers]
+
+    @property
+    def lr_scheduler_configs(self) -> list[SchedulerConfig]:
+        return list(self._schedulers)
 
     # ---- entry points (calling process) ------------------------------------------------------
     def fit(self, model: XModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
@@ -372,7 +344,7 @@ class Trainer:
             if own != self.log_dir:
                 _remove_if_empty(own)
         _xla.set_rng_state(self._seed + self.global_rank)
-        self.state, self.should_stop, self._stop_agreed = stage, False, False
+        self.state, self.should_stop, self._publisher.stop_agreed = stage, False, False
         module.trainer = self
         self._module = module
         in_process, failed = self.strategy.runs_in_caller, False
@@ -383,9 +355,6 @@ class Trainer:
             data = {name: [self.strategy.process_dataloader(dl) for dl in dls] for name, dls in loaders.items()}
             if stage == "fit":
                 self._setup_optimizers()
-                if self.is_global_zero:
-                    for logger in self.loggers:
-                        logger.log_hyperparams(self._hyperparameters())
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage)
             if stage == "fit":
@@ -406,8 +375,7 @@ class Trainer:
             failed = True
             raise
         finally:
-            for logger in self.loggers:
-                logger.finalize()  # flush what was logged, also when training failed
+            self._publisher.close(self)  # flush what was logged, also when training failed
             if self._wrapped is not None:
                 self.strategy.teardown(self._wrapped, failed)
             for cb in self.callbacks:
@@ -418,7 +386,7 @@ class Trainer:
     def _setup_optimizers(self) -> None:
         module = self.module
         config = self.strategy.setup_optimizers(self._wrapped, module.configure_optimizers)
-        self._optimizer, self._schedulers = _parse_optimizers(config, type(module).__name__)
+        self._optimizer, self._schedulers = parse_optimizers(config, type(module).__name__)
         self._needs_before_step = self.gradient_clip_val is not None or _overrides(
             module, self.callbacks, "on_before_optimizer_step")
 
@@ -428,8 +396,7 @@ class Trainer:
         if self.num_training_batches == 0:
             raise ValueError("limit_train_batches leaves no training batches to run.")
         self._results = Results("train", default_on_step=True)
-        self._nonfinite = (_NonFiniteWatch(self.strategy.device, self.global_step)
-                           if self.detect_nonfinite != "off" else None)
+        self._publisher.start_fit(self)
         self._call("on_fit_start")
         self._call("on_train_start")
         while not self._fit_done():
@@ -461,18 +428,16 @@ class Trainer:
             self._epoch_finished = finished
             self._end_epoch("train", "on_train_epoch_end")
             if self.world_size > 1:
-                self._publish({})  # a stop asked for in the epoch-end hooks reaches every replica now
+                self._publisher.publish(self, {})  # a stop asked for at the epoch's end reaches every replica
             if self._epoch_finished:
                 self._step_schedulers("epoch")
                 self.current_epoch += 1
                 self._batches_in_epoch = 0
         self._call("on_train_end")
         self._call("on_fit_end")
-        if self.is_global_zero:
-            for logger in self.loggers:
-                logger.log_hyperparams(self._hyperparameters(), dict(self.callback_metrics))
+        self._publisher.end_fit(self)
 
-    def _hyperparameters(self) -> dict[str, Any]:
+    def hyperparameters(self) -> dict[str, Any]:
         """The module's saved hyperparameters, the run's configuration and the Trainer's settings."""
         settings = {"strategy": self.strategy.name, "world_size": self.world_size, "precision": self.precision.name,
                     "max_epochs": self.max_epochs, "max_steps": self.max_steps,
@@ -484,7 +449,7 @@ class Trainer:
         """Whether ``should_stop`` ends the fit. With several replicas, one replica's request is
         shared at the next logging step or epoch end (riding on the values read there), and all
         stop together; stopping on one alone would leave the others waiting in a collective."""
-        return self._stop_agreed if self.world_size > 1 else self.should_stop
+        return self._publisher.stop_agreed if self.world_size > 1 else self.should_stop
 
     def _fit_done(self) -> bool:
         return (self._stopping() or (self.max_steps != -1 and self.global_step >= self.max_steps)
@@ -499,9 +464,8 @@ class Trainer:
         with self.strategy.no_backward_sync(self._wrapped, enabled=not steps):
             outputs = self._wrapped("train", batch, batch_idx)
             loss = _training_loss(outputs)
-            if self._nonfinite is not None:
-                self._nonfinite.observe(loss)
-            results.log(_LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
+            self._publisher.observe_loss(loss)
+            results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
                         reduce_fx="mean", batch_size=None)
             if self.accumulate_grad_batches > 1:
                 loss = loss / self.accumulate_grad_batches
@@ -520,7 +484,8 @@ class Trainer:
         self._call("on_train_batch_end", outputs, batch, batch_idx)
 
     def _publish_step_values(self) -> None:
-        self._publish(self._results.step_tensors(self.strategy.reduce, self.world_size), check_loss=True)
+        self._publisher.publish(self, self._results.step_tensors(self.strategy.reduce, self.world_size),
+                                check_loss=True)
 
     def _optimizer_step(self) -> None:
         optimizer = self._optimizer
@@ -529,8 +494,7 @@ class Trainer:
         self._call("on_before_zero_grad", optimizer)
         optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        if self._nonfinite is not None:
-            self._nonfinite.stepped()
+        self._publisher.stepped()
         self._step_schedulers("step")
 
     def _before_optimizer_step(self) -> None:
@@ -541,16 +505,7 @@ class Trainer:
 
     def _step_schedulers(self, interval: str) -> None:
         count = self.global_step if interval == "step" else self.current_epoch + 1
-        for config in self._schedulers:
-            if config.interval != interval or count % config.frequency:
-                continue
-            if config.monitor is None:
-                config.scheduler.step()
-                continue
-            if config.monitor not in self.callback_metrics:
-                raise KeyError(f"The scheduler monitors {config.monitor!r}, which was not logged. "
-                               f"Logged: {sorted(self.callback_metrics)}.")
-            config.scheduler.step(self.callback_metrics[config.monitor])
+        step_schedulers(self._schedulers, interval, count, self.callback_metrics)
 
     def _validation_epoch(self) -> bool:
         every = self.check_val_every_n_epoch
@@ -629,58 +584,10 @@ class Trainer:
         tensors = self._results.epoch_tensors(self.strategy.reduce, self.world_size)
         if stage == "train":  # the latest per-step values ride along in the same transfer
             tensors.update(self._results.step_tensors(self.strategy.reduce, self.world_size))
-        metrics = self._publish(tensors, check_loss=stage == "train")
+        metrics = self._publisher.publish(self, tensors, check_loss=stage == "train")
         for cb in self.callbacks:
             getattr(cb, hook)(self, self.module)
         return metrics
-
-    def _publish(self, tensors: dict[str, torch.Tensor], check_loss: bool = False) -> dict[str, float]:
-        """Read logged values to the host (one batched transfer) and hand them out."""
-        shares_stop = self.world_size > 1 and self.state == "fit"
-        watched = check_loss and self._nonfinite is not None
-        if watched:
-            tensors = {**tensors, _NONFINITE_KEY: self.strategy.reduce(self._nonfinite.first, "min")}
-        if shares_stop:
-            flag = torch.tensor([1.0 if self.should_stop else 0.0]).to(self.strategy.device)
-            tensors = {**tensors, _STOP_KEY: self.strategy.reduce(flag, "max")}
-        if not tensors:
-            return {}
-        values = to_floats(tensors)  # host sync: the only place logged values reach the host
-        if shares_stop and values.pop(_STOP_KEY) > 0:
-            self.should_stop = self._stop_agreed = True
-        if watched:
-            self._report_nonfinite(values.pop(_NONFINITE_KEY))
-        prog = self._results.prog_bar_names()
-        self.progress_bar_metrics.update({k: v for k, v in values.items() if k in prog})
-        public = {k: v for k, v in values.items() if k != _LOSS_KEY}
-        self.callback_metrics.update(public)
-        self.logged_metrics.update(public)
-        if public and self.is_global_zero and self.state != "predict":
-            logged = dict(public)
-            if self.state == "fit":  # the epoch and every param group's learning rate ride along
-                logged["epoch"] = float(self.current_epoch)
-                for optimizer in self.optimizers:
-                    for i, group in enumerate(optimizer.param_groups):
-                        lr = group["lr"]
-                        if not _xla.is_xla_tensor(lr):  # an lr kept on the device is not read here
-                            logged[f"lr-{type(optimizer).__name__}/pg{i}"] = float(lr)
-            for logger in self.loggers:
-                logger.log_metrics(logged, self.global_step)
-        return public
-
-    def _report_nonfinite(self, first: float) -> None:
-        if first >= _NonFiniteWatch.NEVER or self._nonfinite.reported:
-            return
-        message = (f"The training loss became NaN or infinite at global step {int(first)} (epoch "
-                   f"{self.current_epoch} is running, step {self.global_step} now)")
-        if self.detect_nonfinite == "warn":
-            self._nonfinite.reported = True
-            rank_zero_warn(message + "; training goes on (detect_nonfinite='warn').")
-            return
-        raise FloatingPointError(
-            message + f"; training stopped. Checkpoints saved before this point are intact under {self.log_dir}. "
-            "Lower the learning rate, set gradient_clip_val, or check the data; detect_nonfinite='warn' "
-            "goes on instead.")
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike) -> None:
@@ -696,20 +603,8 @@ class Trainer:
                 f"Not writing {os.fspath(path)!r}: the training loss became NaN or infinite at global step {bad}, so "
                 "the weights are not good any more. The checkpoints written before are intact.")
         module = self.module
-        checkpoint = {
-            "format": ckpt_format.FORMAT, "format_version": ckpt_format.FORMAT_VERSION,
-            "xtrainer_version": _version(), "strategy": self.strategy.name, "world_size": self.world_size,
-            "state_dict": self.strategy.module_state_dict(self._wrapped),
-            "optimizer_states": [self.strategy.optimizer_state_dict(opt) for opt in self.optimizers],
-            "lr_schedulers": [s.scheduler.state_dict() for s in self._schedulers],
-            "loops": {"global_step": self.global_step, "epoch": self.current_epoch,
-                      "batches_in_epoch": self._batches_in_epoch, "epoch_finished": self._epoch_finished,
-                      "validation_pending": self._validation_pending,
-                      "seed": self._seed},
-            "rng_states": (rng_states := _rng_states(self.strategy)),
-            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
-            "hyper_parameters": ckpt_format.plain_hparams(module.hparams),
-        }
+        checkpoint = run_state.build_checkpoint(self)
+        rng_states = checkpoint["rng_states"]
         module.on_save_checkpoint(checkpoint)
         for cb in self.callbacks:
             cb.on_save_checkpoint(self, module, checkpoint)
@@ -725,56 +620,14 @@ class Trainer:
         self.checkpoint_compilations += _xla.compile_count() - compiles
 
     def nonfinite_step(self) -> int | None:
-        """The global step whose training loss was first NaN or infinite, if the weights have
-        been updated since (None: all good so far, or ``detect_nonfinite="off"``). Reads one number
-        from every replica: a host sync, made only before a checkpoint is written (which syncs
-        anyway), and once per step at most."""
-        if self._nonfinite is None:
-            return None
-        if self._finite_checked_step != self.global_step:
-            first = int(_xla.to_cpu(self._nonfinite.first)[0])  # host sync: before a save only
-            if self.world_size > 1:
-                first = min(self.strategy.all_gather_object(first))
-            self._finite_checked_step, self._first_nonfinite = self.global_step, first
-        first = self._first_nonfinite
-        return first if first < self.global_step else None
+        """The global step whose training loss was first NaN or infinite, if the weights have been
+        updated since (None: all good so far, or ``detect_nonfinite="off"``). A host sync: for
+        deciding whether a checkpoint may be written, which syncs anyway."""
+        return self._publisher.nonfinite_step(self)
 
     def _restore(self, path: str, stage: str) -> None:
         """Load the checkpoint at ``path`` (checked in the calling process) into this replica."""
-        checkpoint = self.strategy.checkpoint_layout.load(self.strategy, path)
-        try:
-            self.strategy.load_module_state_dict(self._wrapped, checkpoint)
-        except ckpt_io.CheckpointError as err:
-            raise ckpt_io.CheckpointError(f"Cannot resume from {path!r}: {err}") from None
-        if stage == "fit":
-            states = checkpoint.get("optimizer_states", [])
-            if len(states) != len(self.optimizers):
-                raise ckpt_io.CheckpointError(f"{path!r} holds {len(states)} optimizer states; this module "
-                                              f"configures {len(self.optimizers)} optimizers.")
-            for optimizer, state in zip(self.optimizers, states):
-                self.strategy.load_optimizer_state_dict(optimizer, state)
-            for config, state in zip(self._schedulers, checkpoint.get("lr_schedulers", [])):
-                config.scheduler.load_state_dict(state)
-            loops = checkpoint["loops"]
-            if checkpoint.get("world_size", self.world_size) != self.world_size and not loops["epoch_finished"]:
-                rank_zero_warn(
-                    f"Resuming inside an epoch with {self.world_size} replicas from a checkpoint of "
-                    f"{checkpoint['world_size']}: the data is sharded differently, so the rest of this epoch "
-                    "is not exactly the batches the original run would have seen.")
-            self.global_step = loops["global_step"]
-            self._seed = loops.get("seed", self._seed)
-            _set_rng_states(checkpoint.get("rng_states"), self.global_rank, self.world_size)
-            self._epoch_finished = loops["epoch_finished"]
-            self.current_epoch = loops["epoch"] + (1 if loops["epoch_finished"] else 0)
-            self._skip_batches = 0 if loops["epoch_finished"] else loops["batches_in_epoch"]
-            self._batches_in_epoch = self._skip_batches
-            self._validation_pending = bool(loops.get("validation_pending")) and not loops["epoch_finished"]
-            for cb in self.callbacks:
-                if cb.state_key in checkpoint.get("callbacks", {}):
-                    cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
-        self.module.on_load_checkpoint(checkpoint)
-        for cb in self.callbacks:
-            cb.on_load_checkpoint(self, self.module, checkpoint)
+        run_state.restore(self, self.strategy.checkpoint_layout.load(self.strategy, path), path, stage)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> None:
@@ -805,74 +658,6 @@ class Trainer:
         return state
 
 
-def seed_everything(seed: int) -> int:
-    """Seed Python's, NumPy's and torch's random generators. A fit then derives its shuffling
-    order and each replica's XLA generator from this seed, so runs repeat exactly."""
-    random.seed(seed)
-    if _numpy is not None:
-        _numpy.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    return seed
-
-
-# ---- module-level helpers --------------------------------------------------------------------
-class _NonFiniteWatch:
-    """The global step of the first non-finite training loss, tracked on the device.
-
-    Updated inside every step's graph (no host sync); read with the logged values. Its numbers
-    are device tensors of shape (1,), uploaded once, so the step's graph never changes.
-    """
-
-    NEVER = 2**62
-
-    def __init__(self, device: torch.device, global_step: int) -> None:
-        self.first = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
-        self.never = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
-        self.step = torch.tensor([global_step], dtype=torch.int64).to(device)
-        self.one = torch.tensor([1], dtype=torch.int64).to(device)
-        self.reported = False
-
-    def observe(self, loss: torch.Tensor) -> None:
-        bad = ~torch.isfinite(loss.detach().reshape(1))
-        self.first = torch.minimum(self.first, torch.where(bad, self.step, self.never))
-
-    def stepped(self) -> None:
-        self.step = self.step + self.one
-
-
-def _rng_states(strategy: Any) -> dict[str, Any]:
-    """Every random generator's state, to continue a resumed run with the same random numbers:
-    Python's, NumPy's and torch's CPU generators (shared by a process) and each replica's XLA
-    generator (a host rendezvous with several replicas, as all of a save is)."""
-    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if _numpy is not None:  # as plain lists: the checkpoint stays loadable with torch.load(weights_only=True)
-        name, keys, pos, has_gauss, cached = _numpy.random.get_state()
-        states["numpy"] = [name, keys.tolist(), pos, has_gauss, cached]  # a NumPy array: no device involved
-    xla = _xla.rng_state()
-    states["xla"] = strategy.all_gather_object(xla) if strategy.world_size > 1 else [xla]
-    return states
-
-
-def _set_rng_states(states: dict[str, Any] | None, rank: int, world_size: int) -> None:
-    if not states:
-        return
-    # Saving turns tuples into lists (xm's device-to-host copy); the generators want tuples.
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(states["torch"])
-    if _numpy is not None and "numpy" in states:
-        name, keys, pos, has_gauss, cached = states["numpy"]
-        _numpy.random.set_state((name, _numpy.array(keys, dtype=_numpy.uint32), pos, has_gauss, cached))
-    xla = states["xla"]
-    _xla.set_rng_state(xla[rank] if len(xla) == world_size else xla[0] + rank)
-
-
-def _version() -> str:
-    from xtrainer import __version__
-
-    return __version__
-
-
 def _resolve_devices(devices: int | str) -> int | None:
     if devices == "auto":
         if _xla.requested_device_type() == "CPU":
@@ -881,24 +666,6 @@ def _resolve_devices(devices: int | str) -> int | None:
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices={devices!r}: give a positive int or 'auto'.")
     return devices
-
-
-def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int.")
-
-
-def _check_limit(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}={value!r}: give a fraction (float) or a number of batches (int).")
-    if isinstance(value, float) and not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name}={value} as a fraction must lie in [0.0, 1.0]; give an int for a batch count.")
-    if isinstance(value, int) and value < 0:
-        raise ValueError(f"{name}={value} must not be negative.")
-    if name == "val_check_interval" and value == 0:
-        raise ValueError("val_check_interval must be positive.")
 
 
 def _check_module(model: Any, stage: str) -> None:
@@ -956,40 +723,6 @@ def _training_loss(outputs: Any) -> torch.Tensor:
         raise ValueError("training_step returned a loss that does not require grad: it is detached from the "
                          "model's parameters (was it computed under torch.no_grad(), or with .detach()?).")
     return loss.reshape(())
-
-
-def _parse_optimizers(config: Any, name: str) -> tuple[torch.optim.Optimizer, list[_Scheduler]]:
-    optimizers, schedulers = config, []
-    if isinstance(config, dict):
-        if "optimizer" not in config:
-            raise ValueError(f"{name}.configure_optimizers() returned a dict without an 'optimizer' key.")
-        optimizers, schedulers = config["optimizer"], config.get("lr_scheduler")
-    elif isinstance(config, (tuple, list)) and len(config) == 2 and isinstance(config[0], (list, tuple)):
-        optimizers, schedulers = config
-    optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
-        raise ValueError(f"{name}.configure_optimizers() must give exactly one torch.optim.Optimizer "
-                         f"(got {[type(o).__name__ for o in optimizers]}).")
-    if schedulers is None:
-        schedulers = []
-    schedulers = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
-    parsed = []
-    for item in schedulers:
-        if isinstance(item, dict):
-            unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "name"}
-            if "scheduler" not in item or unknown:
-                raise ValueError(f"A lr_scheduler dict needs 'scheduler' and may have 'interval', 'frequency', "
-                                 f"'monitor' (unknown keys: {sorted(unknown)}).")
-            config_item = _Scheduler(item["scheduler"], item.get("interval", "epoch"), item.get("frequency", 1),
-                                     item.get("monitor"))
-        else:
-            config_item = _Scheduler(item)
-        if config_item.interval not in ("step", "epoch"):
-            raise ValueError(f"lr_scheduler interval={config_item.interval!r}: use 'step' or 'epoch'.")
-        if isinstance(config_item.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not config_item.monitor:
-            raise ValueError("ReduceLROnPlateau needs {'scheduler': ..., 'monitor': 'metric_name'}.")
-        parsed.append(config_item)
-    return optimizers[0], parsed
 
 
 def claim_version_dir(root: str) -> str:

@@ -68,20 +68,20 @@ class XlaHealth(Callback):
                 "transfers": _xla.transfer_from_device_count()}
 
     # ---- every batch: recompilations (host counters only) ------------------------------------
+    def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
+        samples = batch_size(batch) * trainer.world_size  # counted before the step's values are read
+        self._samples += samples
+        self._interval_samples += samples
+
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         shapes = _shapes(batch)
-        samples = batch_size(batch) * trainer.world_size
-        self._samples += samples
-        self._interval_samples += samples
         if self._warming_last_step:  # the first step after the first epoch (and its validation)
             self._warming_last_step, self._warm = False, True
             self._compiles_seen = _xla.compile_count() - trainer.checkpoint_compilations
         if not self._warm:
             self._first_epoch_shapes.add(shapes)
         self._check(trainer, f"training batch {batch_idx}", shapes)
-        if trainer.global_step % trainer.log_every_n_steps == 0 and trainer.global_step != self._interval["step"]:
-            self._log_interval(trainer)
 
     def on_validation_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                                 batch_idx: int, *args: Any) -> None:
@@ -119,7 +119,12 @@ class XlaHealth(Callback):
             rank_zero_warn(message)
 
     # ---- every logging interval ------------------------------------------------------------
-    def _log_interval(self, trainer: "Trainer") -> None:
+    def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
+        """The interval's figures join the logged values on their way to the loggers."""
+        if trainer.state == "fit" and step != self._interval["step"]:
+            metrics.update(self._interval_figures(trainer))
+
+    def _interval_figures(self, trainer: "Trainer") -> dict[str, float]:
         now, before = self._mark(trainer), self._interval
         seconds = max(now["time"] - before["time"], 1e-9)
         figures = {
@@ -135,9 +140,7 @@ class XlaHealth(Callback):
             figures.update({"xla/memory_bytes_used": memory["bytes_used"],
                             "xla/memory_bytes_limit": memory["bytes_limit"]})
         self._interval, self._interval_samples = now, 0
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics({k: float(v) for k, v in figures.items()}, trainer.global_step)
+        return {k: float(v) for k, v in figures.items()}
 
     def on_fit_end(self, trainer: "Trainer", module: "XModule") -> None:
         end, start = self._mark(trainer), self._fit

@@ -30,7 +30,7 @@ class ProgressBar(Callback):
         self.stream, self.rich = stream, rich
         self._progress: Any = None
         self._task: Any = None
-        self._start, self._start_step, self._shown_step = 0.0, 0, -1
+        self._start, self._start_step, self._due = 0.0, 0, False
 
     def _out(self) -> TextIO:
         return self.stream or sys.stdout
@@ -62,12 +62,15 @@ class ProgressBar(Callback):
             self._task = self._progress.add_task("train", total=None if total == float("inf") else int(total),
                                                  epoch=trainer.current_epoch, rate="", values="")
 
+    def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
+        if trainer.state == "fit":
+            self._due = True  # fresh values: shown once the batch ends (no read of our own)
+
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step = trainer.global_step
-        if step % trainer.log_every_n_steps or step == self._shown_step or not trainer.is_global_zero:
+        if not self._due or not trainer.is_global_zero:
             return
-        self._shown_step = step
+        self._due = False
         self._show(trainer, batch_idx + 1, f"batch {batch_idx + 1}/{_fmt_total(trainer.num_training_batches)}")
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:

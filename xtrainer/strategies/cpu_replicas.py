@@ -168,9 +168,7 @@ def _install(devices: int) -> None:
     convert = xm._maybe_convert_to_cpu
     xm._maybe_convert_to_cpu = functools.partial(_read_after_cut, convert)
     # Collectives with channel ids; installed before any FSDP module binds xm.all_gather.
-    xm.all_reduce = functools.partial(_all_reduce, xm.all_reduce)
-    xm.all_gather = functools.partial(_all_gather, xm.all_gather)
-    xm.reduce_scatter = functools.partial(_reduce_scatter, xm.reduce_scatter)
+    xm.all_reduce, xm.all_gather, xm.reduce_scatter = _all_reduce, _all_gather, _reduce_scatter
     xm.xla_rendezvous = _rendezvous
     # One torch.distributed world per thread (private torch API, as in torch's own threaded tests).
     import torch.distributed as dist
@@ -258,7 +256,7 @@ def _groups(groups: Any) -> list[list[int]]:
     return groups or [list(range(_xla.world_size()))]
 
 
-def _all_reduce(original: Callable, reduce_type: str, inputs: Any, scale: float = 1.0, groups: Any = None,
+def _all_reduce(reduce_type: str, inputs: Any, scale: float = 1.0, groups: Any = None,
                 pin_layout: bool = True) -> Any:
     xlac = _xla.private_internals().XLAC
     groups = _groups(groups)
@@ -274,12 +272,12 @@ def _all_reduce(original: Callable, reduce_type: str, inputs: Any, scale: float 
     return inputs
 
 
-def _all_gather(original: Callable, value: Any, dim: int = 0, groups: Any = None, output: Any = None,
+def _all_gather(value: Any, dim: int = 0, groups: Any = None, output: Any = None,
                 pin_layout: bool = True, channel_id: Any = None, use_global_device_ids: Any = None) -> Any:
     xlac = _xla.private_internals().XLAC
     groups = _groups(groups)
     if isinstance(value, (list, tuple)):
-        return _into(output, [_all_gather(original, v, dim, groups) for v in value])
+        return _into(output, [_all_gather(v, dim, groups) for v in value])
     dim = dim % value.dim() if value.dim() else 0
     count = len(groups[0])
     moved = value.reshape(1) if value.dim() == 0 else value.movedim(dim, 0).contiguous()
@@ -288,14 +286,14 @@ def _all_gather(original: Callable, value: Any, dim: int = 0, groups: Any = None
     return _into(output, gathered)
 
 
-def _reduce_scatter(original: Callable, reduce_type: str, input: Any, scale: float, scatter_dim: int,
+def _reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int,
                     shard_count: int, groups: Any = None, output: Any = None, pin_layout: bool = True,
                     channel_id: Any = None, use_global_device_ids: Any = None) -> Any:
     internals = _xla.private_internals()
     xlac, xm = internals.XLAC, internals.xla_model
     groups = _groups(groups)
     if isinstance(input, (list, tuple)):
-        return _into(output, [_reduce_scatter(original, reduce_type, t, scale, scatter_dim, shard_count, groups)
+        return _into(output, [_reduce_scatter(reduce_type, t, scale, scatter_dim, shard_count, groups)
                               for t in input])
     # Scattering dim d is scattering contiguous chunks of the tensor with d moved to the front.
     moved = input.movedim(scatter_dim, 0).contiguous()

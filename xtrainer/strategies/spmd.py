@@ -279,12 +279,6 @@ class XlaFSDPv2(XlaSPMD):
     def setup_module(self, module: nn.Module) -> nn.Module:
         from xtrainer.strategies.fsdp import wrap_policy
 
-        # FSDPv2 hooks an optimization barrier into backward on every unit, the root included; the
-        # root is xtrainer's step dispatcher, whose output is a loss or nothing, and torch warns
-        # about such hooks on every call. The barrier works all the same.
-        for message in ("Full backward hook is firing", "For backward hooks to be called"):
-            warnings.filterwarnings("ignore", message=message, category=UserWarning)
-
         module = super().setup_module(module)  # configure_model(), to the device, user shardings
         fsdpv2 = _xla.fsdpv2_class()
         kwargs: dict[str, Any] = {"mesh": self.mesh, "shard_output": _leave_output}
@@ -337,6 +331,12 @@ def _leave_output(output: Any, mesh: Any) -> None:
 
 def _spmd_main(job: Callable[[], None]) -> None:
     faulthandler.enable()  # a crash in native code still shows the Python stack
+    # This process is the SPMD run's own. FSDPv2 hooks an optimization barrier into backward on
+    # every unit, the root included; the root is xtrainer's step dispatcher, whose output is a
+    # loss or nothing, and torch warns about such hooks on every call. The barrier works all the
+    # same.
+    for message in ("Full backward hook is firing", "For backward hooks to be called"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     if not _xla.is_spmd():
         _xla.use_spmd()
     try:

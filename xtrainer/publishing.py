@@ -1,0 +1,167 @@
+"""Publishing logged values: the one place they reach the host, and everything that rides along.
+
+Values logged with ``self.log`` stay on the device; every ``log_every_n_steps`` optimizer steps
+and at the end of each epoch the Trainer hands them here. ``Publisher.publish`` reads them in one
+batched transfer (the interval's one host sync), together with two numbers that ride along:
+
+- whether any replica asked to stop (``trainer.should_stop``): all replicas then stop together,
+  at the same step, since stopping one alone would leave the others waiting in a collective;
+- the global step of the first non-finite training loss (``NonFiniteWatch``), tracked inside each
+  step's graph, so that ``detect_nonfinite`` costs no extra host sync.
+
+Then it hands the values out: ``trainer.callback_metrics``, ``progress_bar_metrics`` and
+``logged_metrics``; the ``on_metrics`` hook of every callback (the progress bar and ``XlaHealth``
+listen there; a listener may add host-side figures of its own); and last the loggers, on rank 0.
+Nothing else calls a logger's ``log_metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
+from xtrainer import _xla
+from xtrainer.results import to_floats
+
+if TYPE_CHECKING:
+    from xtrainer.trainer import Trainer
+
+LOSS_KEY = "loss"
+_STOP_KEY = "xtrainer/should_stop"
+_NONFINITE_KEY = "xtrainer/first_nonfinite_step"
+
+
+class NonFiniteWatch:
+    """The global step of the first non-finite training loss, tracked on the device.
+
+    Updated inside every step's graph (no host sync); read with the logged values. Its numbers
+    are device tensors of shape (1,), uploaded once, so the step's graph never changes.
+    """
+
+    NEVER = 2**62
+
+    def __init__(self, device: torch.device, global_step: int) -> None:
+        self.first = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
+        self.never = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
+        self.step = torch.tensor([global_step], dtype=torch.int64).to(device)
+        self.one = torch.tensor([1], dtype=torch.int64).to(device)
+        self.reported = False
+
+    def observe(self, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach().reshape(1))
+        self.first = torch.minimum(self.first, torch.where(bad, self.step, self.never))
+
+    def stepped(self) -> None:
+        self.step = self.step + self.one
+
+
+class Publisher:
+    """Reads logged values to the host and hands them out (see the module's docstring)."""
+
+    def __init__(self, detect_nonfinite: str) -> None:
+        self.detect_nonfinite = detect_nonfinite
+        self.watch: NonFiniteWatch | None = None
+        self.stop_agreed = False
+        self._checked_step, self._first_bad = -1, NonFiniteWatch.NEVER
+
+    # ---- a fit's beginning and end ---------------------------------------------------------
+    def start_fit(self, trainer: "Trainer") -> None:
+        self.watch = (NonFiniteWatch(trainer.strategy.device, trainer.global_step)
+                      if self.detect_nonfinite != "off" else None)
+        self._checked_step = -1
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_hyperparams(trainer.hyperparameters())
+
+    def end_fit(self, trainer: "Trainer") -> None:
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_hyperparams(trainer.hyperparameters(), dict(trainer.callback_metrics))
+
+    def close(self, trainer: "Trainer") -> None:
+        """Flush what was logged; at the end of every run, also one that failed."""
+        for logger in trainer.loggers:
+            logger.finalize()
+
+    # ---- the step ------------------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        if self.watch is not None:
+            self.watch.observe(loss)
+
+    def stepped(self) -> None:
+        if self.watch is not None:
+            self.watch.stepped()
+
+    # ---- reading and handing out -------------------------------------------------------------
+    def publish(self, trainer: "Trainer", tensors: dict[str, torch.Tensor], check_loss: bool = False
+                ) -> dict[str, float]:
+        """Read ``tensors`` (and what rides along) in one transfer; hand the values out."""
+        shares_stop = trainer.world_size > 1 and trainer.state == "fit"
+        watched = check_loss and self.watch is not None
+        if watched:
+            tensors = {**tensors, _NONFINITE_KEY: trainer.strategy.reduce(self.watch.first, "min")}
+        if shares_stop:
+            flag = torch.tensor([1.0 if trainer.should_stop else 0.0]).to(trainer.strategy.device)
+            tensors = {**tensors, _STOP_KEY: trainer.strategy.reduce(flag, "max")}
+        if not tensors:
+            return {}
+        values = to_floats(tensors)  # host sync: the only place logged values reach the host
+        if shares_stop and values.pop(_STOP_KEY) > 0:
+            trainer.should_stop = self.stop_agreed = True
+        if watched:
+            self._report_nonfinite(trainer, values.pop(_NONFINITE_KEY))
+        prog = trainer._results.prog_bar_names()
+        trainer.progress_bar_metrics.update({k: v for k, v in values.items() if k in prog})
+        public = {k: v for k, v in values.items() if k != LOSS_KEY}
+        trainer.callback_metrics.update(public)
+        trainer.logged_metrics.update(public)
+        if public and trainer.state != "predict":
+            self._hand_out(trainer, dict(public))
+        return public
+
+    def _hand_out(self, trainer: "Trainer", logged: dict[str, float]) -> None:
+        if trainer.state == "fit":  # the epoch and every param group's learning rate ride along
+            logged["epoch"] = float(trainer.current_epoch)
+            for optimizer in trainer.optimizers:
+                for i, group in enumerate(optimizer.param_groups):
+                    lr = group["lr"]
+                    if not _xla.is_xla_tensor(lr):  # an lr kept on the device is not read here
+                        logged[f"lr-{type(optimizer).__name__}/pg{i}"] = float(lr)
+        module = trainer.module
+        for cb in trainer.callbacks:
+            cb.on_metrics(trainer, module, logged, trainer.global_step)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(logged, trainer.global_step)
+
+    # ---- non-finite losses -------------------------------------------------------------------
+    def _report_nonfinite(self, trainer: "Trainer", first: float) -> None:
+        if first >= NonFiniteWatch.NEVER or self.watch.reported:
+            return
+        message = (f"The training loss became NaN or infinite at global step {int(first)} (epoch "
+                   f"{trainer.current_epoch} is running, step {trainer.global_step} now)")
+        if self.detect_nonfinite == "warn":
+            self.watch.reported = True
+            rank_zero_warn(message + "; training goes on (detect_nonfinite='warn').")
+            return
+        raise FloatingPointError(
+            message + f"; training stopped. Checkpoints saved before this point are intact under {trainer.log_dir}. "
+            "Lower the learning rate, set gradient_clip_val, or check the data; detect_nonfinite='warn' "
+            "goes on instead.")
+
+    def nonfinite_step(self, trainer: "Trainer") -> int | None:
+        """The global step whose training loss was first NaN or infinite, if the weights have been
+        updated since (None: all good so far, or ``detect_nonfinite="off"``). Reads one number
+        from every replica: a host sync, made only before a checkpoint is written (which syncs
+        anyway), and once per step at most."""
+        if self.watch is None:
+            return None
+        if self._checked_step != trainer.global_step:
+            first = int(_xla.to_cpu(self.watch.first)[0])  # host sync: before a save only
+            if trainer.world_size > 1:
+                first = min(trainer.strategy.all_gather_object(first))
+            self._checked_step, self._first_bad = trainer.global_step, first
+        return self._first_bad if self._first_bad < trainer.global_step else None
+

@@ -1,0 +1,79 @@
+"""The Trainer's settings: one dataclass, read by ``Trainer.__init__`` and by the configuration
+schema (``xtrainer.config.TrainerConfig`` adds only what YAML spells differently), so a new
+setting appears in both with one edit. ``check()`` refuses a bad value with a message that names
+it and says what to give instead."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+
+@dataclass
+class TrainerSettings:
+    """Every ``Trainer`` argument but ``strategy``, ``callbacks`` and ``logger`` (objects)."""
+
+    devices: Any = "auto"
+    max_epochs: Optional[int] = None
+    max_steps: int = -1
+    limit_train_batches: Union[int, float] = 1.0
+    limit_val_batches: Union[int, float] = 1.0
+    limit_test_batches: Union[int, float] = 1.0
+    limit_predict_batches: Union[int, float] = 1.0
+    val_check_interval: Union[int, float] = 1.0
+    check_val_every_n_epoch: Optional[int] = 1
+    log_every_n_steps: int = 50
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = None
+    gradient_clip_algorithm: str = "norm"
+    precision: str = "32"
+    default_root_dir: Optional[str] = None
+    enable_progress_bar: bool = True
+    enable_checkpointing: bool = True
+    enable_xla_health: bool = True
+    detect_nonfinite: str = "raise"
+
+    def check(self) -> "TrainerSettings":
+        """Refuse bad values (``ValueError``/``TypeError`` naming the argument); fill defaults that
+        depend on others. Returns ``self``."""
+        if self.max_epochs is None and self.max_steps == -1:
+            self.max_epochs = 1000
+        _check_positive("max_epochs", self.max_epochs, allow_none=True)
+        if self.max_steps != -1:
+            _check_positive("max_steps", self.max_steps)
+        _check_positive("log_every_n_steps", self.log_every_n_steps)
+        _check_positive("accumulate_grad_batches", self.accumulate_grad_batches)
+        _check_positive("check_val_every_n_epoch", self.check_val_every_n_epoch, allow_none=True)
+        for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                     "val_check_interval"):
+            _check_limit(name, getattr(self, name))
+        if self.detect_nonfinite not in ("raise", "warn", "off"):
+            raise ValueError(f"detect_nonfinite={self.detect_nonfinite!r}: use 'raise', 'warn' or 'off'.")
+        if self.gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={self.gradient_clip_algorithm!r}: use 'norm' or 'value'.")
+        if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
+            raise ValueError(f"gradient_clip_val={self.gradient_clip_val} must be positive (or None for no clipping).")
+        return self
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int.")
+
+
+def _check_limit(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r}: give a fraction (float) or a number of batches (int).")
+    if isinstance(value, float) and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value} as a fraction must lie in [0.0, 1.0]; give an int for a batch count.")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name}={value} must not be negative.")
+    if name == "val_check_interval" and value == 0:
+        raise ValueError("val_check_interval must be positive.")
