@@ -10,19 +10,6 @@ from torch import nn
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
 
-#: Hooks an ``XModule`` may override, besides the ``*_step`` methods and ``configure_*``.
-MODULE_HOOKS = frozenset({
-    "on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
-    "on_train_epoch_start", "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end",
-    "on_validation_start", "on_validation_end", "on_validation_epoch_start",
-    "on_validation_epoch_end", "on_validation_batch_start", "on_validation_batch_end",
-    "on_test_start", "on_test_end", "on_test_epoch_start", "on_test_epoch_end",
-    "on_test_batch_start", "on_test_batch_end",
-    "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
-    "on_predict_batch_start", "on_predict_batch_end",
-    "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
-    "on_save_checkpoint", "on_load_checkpoint",
-})
 
 
 class XModule(nn.Module):
@@ -158,3 +145,8 @@ class XModule(nn.Module):
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+
+
+#: Hooks an ``XModule`` may override, besides the ``*_step`` methods and ``configure_*``: its
+#: ``on_*`` methods, each also a ``Callback`` hook of the same name (the module's runs first).
+MODULE_HOOKS = frozenset(name for name in vars(XModule) if name.startswith("on_"))

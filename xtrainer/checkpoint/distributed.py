@@ -109,7 +109,13 @@ def entries(path: str) -> dict[str, list[DistributedEntry]]:
     metadata = safe.dcp_reader(os.path.join(path, STATE_DIR)).read_metadata()
     parts: dict[str, list[DistributedEntry]] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
-        where = metadata.planner_data[fqn]
+        where = tuple(metadata.planner_data[fqn])
+        if where == (OPTIMIZER_STATES,):  # optimizers without tensor state are saved whole, as one value
+            parts.setdefault(OPTIMIZER_STATES, []).append(DistributedEntry((), None, None))
+            continue
+        if len(where) < 2 or (where[0] == OPTIMIZER_STATES and len(where) < 3):
+            raise UnreadableCheckpointError(f"The metadata of {path!r} places {fqn!r} at {where!r}, which is not "
+                                            "where xtrainer saves anything.")
         part, below = (where[0], where[1:]) if where[0] != OPTIMIZER_STATES else (f"{where[0]}.{where[1]}", where[2:])
         if isinstance(meta, TensorStorageMetadata):
             parts.setdefault(part, []).append(DistributedEntry(tuple(below), tuple(meta.size), meta.properties.dtype))
@@ -195,6 +201,10 @@ def read_lazily(path: str) -> dict[str, Any]:
     and optimizer state, which ``load_into`` reads into the live, sharded objects."""
     state = trainer_state(path)
     parts = entries(path)
+    if OPTIMIZER_STATES in parts:  # saved whole (no tensors in them): small, read now
+        optimizer_states = read_state(path, only=OPTIMIZER_STATES)[OPTIMIZER_STATES]
+        return {**state, STATE_DICT: DistributedPart(path, STATE_DICT, tuple(parts.get(STATE_DICT, ()))),
+                OPTIMIZER_STATES: optimizer_states}
     optimizers = sorted(int(part.split(".")[1]) for part in parts if part.startswith(f"{OPTIMIZER_STATES}."))
     keys = [STATE_DICT] + [f"{OPTIMIZER_STATES}.{i}" for i in optimizers]
     lazy = {key: DistributedPart(path, key, tuple(parts.get(key, ()))) for key in keys}
