@@ -62,6 +62,10 @@ def test_defaults_then_files_in_order_then_overrides(base, tmp_path, monkeypatch
                                                            "'reshard_after_forward'?"),
     (["callbacks=[{_target_: xtrainer.callbacks.EarlyStopping}]"], "callbacks[0].monitor is required"),
     (["trainer.detect_nonfinite=skip"], "detect_nonfinite='skip': use 'raise', 'warn' or 'off'"),
+    (["data.batch_size=0"], "data: RegressionData.train_dataloader() failed: batch_size should be a positive"),
+    (["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 leaves no batches to fit"),
+    (["model._target_=os.system", "model.command=true"], "model._target_='os.system' is refused: a _target_ names "
+                                                         "a class"),
     (["--epochs", "3"], "Unexpected argument '--epochs'"),
 ])
 def test_mistakes_are_one_line_messages_and_exit_code_2(base, capsys, items, message):

@@ -46,6 +46,10 @@ def test_a_custom_schema_gets_the_same_checks(tmp_path):
         load_config(Config, ["--epochs", "3"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(Config, ["--config", str(tmp_path / "nope.yaml")])
+    tagged = tmp_path / "tagged.yaml"
+    tagged.write_text("model:\n  hidden: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ConfigError, match="tagged.yaml', line 2, column 11: the YAML tag '!!python/object/apply"):
+        load_config(Config, ["--config", str(tagged)])
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

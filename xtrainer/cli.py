@@ -25,10 +25,11 @@ _EXAMPLE = "examples: --config run.yaml   --config base.yaml --config small.yaml
 
 def run_stage(stage: str, config: cfg_io.RunConfig) -> tuple[Any, Any]:
     """Build the run ``config`` describes and run ``stage``; returns (trainer, what it returned)."""
-    run = cfg_io.build(config)
+    run = cfg_io.build(config, stage)
     trainer, data = run.trainer, run.data
-    loaders = {name: getattr(data, f"{name}_dataloader")() if hasattr(data, f"{name}_dataloader") else None
-               for name in ("train", "val", "test", "predict")}
+    loaders = {name: _dataloader(data, name) for name in ("train", "val", "test", "predict")}
+    if stage == "fit":
+        _check_train_batches(config, loaders["train"])
     # The saved configuration names the checkpoint actually used (not "last"), so running it
     # again starts from the same state.
     config.ckpt_path = trainer.resolve_ckpt_path(run.ckpt_path)
@@ -41,6 +42,31 @@ def run_stage(stage: str, config: cfg_io.RunConfig) -> tuple[Any, Any]:
     if stage == "test":
         return trainer, trainer.test(run.model, loaders["test"], ckpt_path=run.ckpt_path)
     return trainer, trainer.predict(run.model, loaders["predict"], ckpt_path=run.ckpt_path)
+
+
+def _dataloader(data: Any, name: str) -> Any:
+    """``data.<name>_dataloader()`` (None without one); a ``ValueError`` or ``TypeError`` from it, such
+    as a DataLoader refusing ``batch_size=0``, is a mistake in ``data``'s arguments."""
+    method = getattr(data, f"{name}_dataloader", None)
+    if method is None:
+        return None
+    try:
+        return method()
+    except (TypeError, ValueError) as err:
+        raise cfg_io.ConfigError(f"data: {type(data).__name__}.{name}_dataloader() failed: "
+                                 f"{' '.join(str(err).split())}") from None
+
+
+def _check_train_batches(config: cfg_io.RunConfig, loader: Any) -> None:
+    """Refuse a ``trainer.limit_train_batches`` fraction that leaves none of the loader's batches."""
+    limit = getattr(config.trainer, "limit_train_batches", 1.0)
+    try:
+        length = len(loader)
+    except TypeError:
+        return
+    if isinstance(limit, float) and 0.0 < limit < 1.0 and length > 0 and int(length * limit) == 0:
+        raise cfg_io.ConfigError(f"trainer.limit_train_batches={limit} leaves none of the {length} training batches: "
+                                 "give a larger fraction or a number of batches.")
 
 
 def _stage_command(args: argparse.Namespace) -> int:
@@ -113,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (cfg_io.ConfigError, ckpt_io.CheckpointError, FileNotFoundError) as err:
-        print(f"xtrainer {args.command}: error: {err}", file=sys.stderr)
+        message = " ".join(str(err).split()) if isinstance(err, cfg_io.ConfigError) else err
+        print(f"xtrainer {args.command}: error: {message}", file=sys.stderr)
         return 2 if isinstance(err, cfg_io.ConfigError) else 1
 
 

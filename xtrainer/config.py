@@ -19,7 +19,10 @@ one) before anything trains.
 
 ``_target_`` is instantiated by a few lines over ``importlib`` (``instantiate``), not Hydra:
 import a dotted name, check the keyword arguments against the signature, call it. That is all
-a run needs, and it keeps the errors ours.
+a run needs, and it keeps the errors ours. A ``_target_`` names a class, never a function, a
+method or a builtin, nor anything from ``os``, ``subprocess``, ``sys`` and the other modules of
+``REFUSED_MODULES``; ``build`` checks every ``_target_`` in the configuration before it
+instantiates any, so neither a config file nor a run's saved ``config.yaml`` can run a command.
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ import dataclasses
 import importlib
 import inspect
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, TypeVar, Union
 
+import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
+from xtrainer.settings import TrainerSettings
 from xtrainer.suggest import did_you_mean
 
 T = TypeVar("T")
@@ -47,30 +53,12 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class TrainerConfig:
-    """The ``Trainer``'s constructor arguments that a config file can set (``strategy`` and
+class TrainerConfig(TrainerSettings):
+    """The ``Trainer``'s settings as a config file sets them: ``TrainerSettings`` (the same
+    dataclass ``Trainer.__init__`` reads), plus ``logger`` as a switch (``strategy`` and
     ``callbacks`` are top-level keys of ``RunConfig``)."""
 
-    devices: Any = "auto"
-    max_epochs: Optional[int] = None
-    max_steps: int = -1
-    limit_train_batches: Union[int, float] = 1.0
-    limit_val_batches: Union[int, float] = 1.0
-    limit_test_batches: Union[int, float] = 1.0
-    limit_predict_batches: Union[int, float] = 1.0
-    val_check_interval: Union[int, float] = 1.0
-    check_val_every_n_epoch: Optional[int] = 1
-    log_every_n_steps: int = 50
-    accumulate_grad_batches: int = 1
-    gradient_clip_val: Optional[float] = None
-    gradient_clip_algorithm: str = "norm"
-    precision: str = "32"
     logger: bool = True
-    default_root_dir: Optional[str] = None
-    enable_progress_bar: bool = True
-    enable_checkpointing: bool = True
-    enable_xla_health: bool = True
-    detect_nonfinite: str = "raise"
 
 
 @dataclass
@@ -136,10 +124,57 @@ def _merged(schema: Any, files: list[str], overrides: list[str]) -> DictConfig:
         for path in files:
             if not os.path.exists(path):
                 raise ConfigError(f"Config file {path!r} does not exist.")
-            config = OmegaConf.merge(config, OmegaConf.load(path))
-        return OmegaConf.merge(config, OmegaConf.from_dotlist(overrides))
+            config = OmegaConf.merge(config, _read_yaml(path))
+        return OmegaConf.merge(config, _parse_overrides(overrides))
     except OmegaConfBaseException as err:
         raise _explain(err, schema) from None
+    except TypeError as err:  # e.g. a file that holds a list where the schema is a mapping
+        raise ConfigError(f"Invalid configuration: {_one_line(err)} (a config file holds a mapping of keys, "
+                          f"e.g. model: {{{TARGET}: ...}}).") from None
+
+
+def _read_yaml(path: str) -> Any:
+    """``OmegaConf.load(path)`` (a safe YAML loader), with its errors as one-line ``ConfigError``s."""
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"Config file {path!r}{_yaml_position(err)}: {_yaml_problem(err)}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"Config file {path!r} cannot be read: {getattr(err, 'strerror', None) or err}.") from None
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    try:
+        return OmegaConf.from_dotlist(overrides)
+    except yaml.YAMLError as err:
+        for item in overrides:  # name the item that does not parse
+            try:
+                OmegaConf.from_dotlist([item])
+            except yaml.YAMLError as item_err:
+                err = item_err
+                break
+        else:
+            item = " ".join(overrides)
+        raise ConfigError(f"{item!r}: {_yaml_problem(err)}") from None
+
+
+def _yaml_position(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    return f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    problem = getattr(err, "problem", None) or str(err)
+    tag = re.search(r"constructor for the tag '(?:tag:yaml\.org,2002:)?([^']*)'", problem)
+    if tag:
+        return (f"the YAML tag '!!{tag.group(1)}' is not allowed: a config holds plain values (numbers, strings, "
+                f"lists, mappings) and names classes with {TARGET}.")
+    context = getattr(err, "context", None)
+    return _one_line(f"invalid YAML: {problem}" + (f" ({context})" if context else "") + ".")
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())
 
 
 def _to_object(schema: Any, config: DictConfig) -> Any:
@@ -231,32 +266,98 @@ def flatten(config: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Building the run
 # --------------------------------------------------------------------------------------------
-def locate(dotted: str, where: str) -> Any:
-    """The object a dotted name (``package.module.Name``) refers to."""
-    if not isinstance(dotted, str) or "." not in dotted:
-        raise ConfigError(f"{where}.{TARGET}={dotted!r}: give a dotted name, e.g. mypackage.models.Classifier.")
+# A `_target_` names a class, never a function, and never anything from these modules (nor
+# their submodules; a leading underscore is ignored: `_io` is `io`, `_posixsubprocess` is
+# `posixsubprocess`): a configuration, and the config.yaml a run saves, can then neither run a
+# command nor touch files by naming a callable.
+REFUSED_MODULES = frozenset({
+    "os", "posix", "nt", "posixpath", "ntpath", "genericpath", "subprocess", "posixsubprocess", "winapi",
+    "builtins", "builtin", "sys", "shutil", "importlib", "imp", "zipimport", "pkgutil", "runpy", "code",
+    "codeop", "pickle", "cPickle", "copyreg", "shelve", "marshal", "dill", "cloudpickle", "joblib", "ctypes",
+    "cffi", "socket", "socketserver", "ssl", "select", "selectors", "asyncio", "http", "urllib", "urllib3",
+    "requests", "ftplib", "smtplib", "poplib", "imaplib", "telnetlib", "xmlrpc", "webbrowser", "pty", "tty",
+    "termios", "fcntl", "resource", "mmap", "multiprocessing", "concurrent", "threading", "thread", "signal",
+    "io", "pathlib", "tempfile", "glob", "fileinput", "filecmp", "zipfile", "tarfile", "gzip", "bz2", "lzma",
+    "dbm", "sqlite3", "logging", "atexit", "gc", "inspect", "types", "functools", "operator", "ast", "dis",
+    "pdb", "bdb", "trace", "tracemalloc", "faulthandler", "cProfile", "profile", "timeit", "platform",
+    "sysconfig", "site", "venv", "ensurepip", "distutils", "setuptools", "pip", "pkg_resources", "shlex",
+    "getpass", "pwd", "grp", "syslog", "codecs",
+})
+_ALLOWED = (f"a {TARGET} names a class (a model, data, callback or logger class, e.g. mypackage.models.Classifier), "
+            "never a function, method or builtin, nor anything from os, subprocess, sys, shutil, importlib, pickle "
+            "or another system module, so that a config cannot run commands")
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def refused_module(module_name: Any) -> bool:
+    """Whether ``module_name`` (or the package it belongs to) is one a ``_target_`` may not name."""
+    if not isinstance(module_name, str):
+        return True
+    return module_name.split(".")[0].strip("_") in REFUSED_MODULES
+
+
+def _kind(obj: Any) -> str:
+    if inspect.ismodule(obj):
+        return "a module"
+    if inspect.isbuiltin(obj):
+        return "a builtin function"
+    if inspect.ismethod(obj) or inspect.ismethoddescriptor(obj):
+        return "a method"
+    if inspect.isfunction(obj):
+        return "a function"
+    return f"a {type(obj).__name__} object"
+
+
+def locate(dotted: str, where: str) -> type:
+    """The class a dotted name (``package.module.Name``) refers to. Anything else (a function, a
+    builtin, a method, a module, an object) and any class from ``REFUSED_MODULES`` is a
+    ``ConfigError``; a refused module is not even imported."""
+    key = f"{where}.{TARGET}"
+    if not isinstance(dotted, str) or not _DOTTED.fullmatch(dotted):
+        raise ConfigError(f"{key}={dotted!r} is not a dotted class name: {_ALLOWED}.")
     parts = dotted.split(".")
+    if any(part.startswith("__") for part in parts):
+        raise ConfigError(f"{key}={dotted!r}: names with '__' parts are refused: {_ALLOWED}.")
+    if refused_module(dotted):
+        raise ConfigError(f"{key}={dotted!r} is refused: {_ALLOWED}.")
     for cut in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:cut])
         try:
             obj = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
             if err.name is not None and not module_name.startswith(err.name) and err.name != module_name:
-                raise ConfigError(f"{where}.{TARGET}={dotted!r}: importing {module_name} failed, because it "
+                raise ConfigError(f"{key}={dotted!r}: importing {module_name} failed, because it "
                                   f"imports {err.name!r}, which is not installed.") from None
             continue
+        except ImportError as err:
+            raise ConfigError(f"{key}={dotted!r}: importing {module_name} failed: {_one_line(err)}") from None
         for i, attr in enumerate(parts[cut:]):
+            if not (inspect.ismodule(obj) or inspect.isclass(obj)):
+                raise ConfigError(f"{key}={dotted!r}: {'.'.join(parts[:cut + i])} is {_kind(obj)}, not a module "
+                                  f"or class: {_ALLOWED}.")
             if not hasattr(obj, attr):
-                raise ConfigError(f"{where}.{TARGET}={dotted!r}: module {'.'.join(parts[:cut + i])} has no "
+                raise ConfigError(f"{key}={dotted!r}: module {'.'.join(parts[:cut + i])} has no "
                                   f"attribute {attr!r}.")
             obj = getattr(obj, attr)
+            if inspect.ismodule(obj) and refused_module(obj.__name__):
+                raise ConfigError(f"{key}={dotted!r} reaches the module {obj.__name__}: {_ALLOWED}.")
+        check_class(obj, key, dotted)
         return obj
-    raise ConfigError(f"{where}.{TARGET}={dotted!r}: no module {parts[0]!r} can be imported (run from the "
+    raise ConfigError(f"{key}={dotted!r}: no module {parts[0]!r} can be imported (run from the "
                       "folder that holds it, or install its package).")
 
 
+def check_class(obj: Any, key: str, dotted: Any = None) -> None:
+    """Refuse ``obj`` unless it is a class from a module that is not refused."""
+    shown = f"{key}={dotted!r}" if dotted is not None else key
+    if not inspect.isclass(obj):
+        raise ConfigError(f"{shown} is {_kind(obj)}, not a class: {_ALLOWED}.")
+    if refused_module(getattr(obj, "__module__", None)):
+        raise ConfigError(f"{shown} is a class from {getattr(obj, '__module__', '?')}, which is refused: {_ALLOWED}.")
+
+
 def instantiate(spec: Any, where: str) -> Any:
-    """``{_target_: dotted.Name, **kwargs}`` called with its keyword arguments, checked first."""
+    """``{_target_: dotted.Class, **kwargs}`` constructed with its keyword arguments, checked first."""
     if not isinstance(spec, dict) or TARGET not in spec:
         raise ConfigError(f"{where} needs a {TARGET} (e.g. {where}: {{{TARGET}: mypackage.Thing, ...}}).")
     kwargs = {k: v for k, v in spec.items() if k != TARGET}
@@ -264,12 +365,14 @@ def instantiate(spec: Any, where: str) -> Any:
 
 
 def call_checked(target: Any, kwargs: dict[str, Any], where: str) -> Any:
-    """``target(**kwargs)`` after checking the names, the required arguments and simple types
-    against its signature, so that a mistake is a message naming the key."""
+    """``target(**kwargs)`` for a class ``target``, after checking the names, the required
+    arguments and simple types against its signature, so that a mistake is a message naming the
+    key; a ``ValueError`` or ``TypeError`` from the constructor becomes a ``ConfigError`` too."""
+    check_class(target, where)
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):
-        return target(**kwargs)
+        return _construct(target, kwargs, where)
     params = signature.parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -286,7 +389,47 @@ def call_checked(target: Any, kwargs: dict[str, Any], where: str) -> Any:
         if expected is not None and not _fits(value, expected):
             raise ConfigError(f"{where}.{key}={value!r} is not a valid {_type_name(expected)} "
                               f"(an argument of {_name(target)}).")
-    return target(**kwargs)
+    return _construct(target, kwargs, where)
+
+
+def _construct(target: type, kwargs: dict[str, Any], where: str) -> Any:
+    try:
+        return target(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {_one_line(err)}") from None
+
+
+def _targets(node: Any, where: str) -> Any:
+    """``(key, value)`` of every ``_target_`` in ``node``, however deep."""
+    if isinstance(node, dict):
+        if TARGET in node:
+            yield where, node[TARGET]
+        for k, v in node.items():
+            if k != TARGET:
+                yield from _targets(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _targets(v, f"{where}[{i}]")
+
+
+_STAGE_LIMITS = {"fit": "limit_train_batches", "validate": "limit_val_batches", "test": "limit_test_batches",
+                 "predict": "limit_predict_batches"}
+
+
+def check(config: RunConfig, stage: Optional[str] = None) -> None:
+    """Refuse ``config`` before anything is built: every ``_target_`` in it, however deep, must
+    name a class ``locate`` accepts, and the batch limit of ``stage`` (``fit``: ``limit_train_batches``)
+    must not be 0."""
+    tree = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    for where, dotted in _targets(tree, ""):
+        locate(dotted, where)
+    name = _STAGE_LIMITS.get(stage or "")
+    value = getattr(getattr(config, "trainer", None), name, None) if name else None
+    if value is not None and not isinstance(value, bool) and value == 0:
+        raise ConfigError(f"trainer.{name}={value!r} leaves no batches to {stage}: give a number of batches (>= 1) "
+                          "or a fraction in (0.0, 1.0].")
 
 
 def _name(target: Any) -> str:
@@ -328,13 +471,15 @@ class Run:
     ckpt_path: Optional[str]
 
 
-def build(config: RunConfig) -> Run:
-    """Seed, then instantiate the strategy, callbacks, Trainer, model and data of ``config``."""
+def build(config: RunConfig, stage: Optional[str] = None) -> Run:
+    """Seed, ``check(config, stage)``, then instantiate the strategy, callbacks, Trainer, model and
+    data of ``config``."""
     from xtrainer import Trainer, seed_everything
     from xtrainer.strategies import STRATEGIES, resolve_strategy
 
     if config.seed is not None:
         seed_everything(config.seed)
+    check(config, stage)  # after seeding: importing a target's module may draw random numbers
     strategy = config.strategy
     try:
         if isinstance(strategy, dict):
@@ -348,13 +493,15 @@ def build(config: RunConfig) -> Run:
     except (TypeError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(f"strategy: {err}") from None
+        raise ConfigError(f"strategy: {_one_line(err)}") from None
     callbacks = [instantiate(spec, f"callbacks[{i}]") for i, spec in enumerate(config.callbacks)]
     kwargs = trainer_kwargs(config.trainer)
     try:
         trainer = Trainer(strategy=strategy, callbacks=callbacks, **kwargs)
-    except ValueError as err:
-        raise ConfigError(f"trainer: {err}") from None
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"trainer: {_one_line(err)}") from None
     model = instantiate(config.model, "model")
     data = instantiate(config.data, "data") if config.data is not None else None
     trainer.run_config = flatten(config)
