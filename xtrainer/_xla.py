@@ -186,28 +186,70 @@ def to_cpu(data: Any) -> Any:
     return xm._maybe_convert_to_cpu(data)
 
 
-def device_loader(loader: Iterable, dev: torch.device) -> Iterable:
-    """torch_xla's documented ``MpDeviceLoader``: batches arrive on ``dev``, loaded in background
-    threads, and the graph is cut (``torch_xla.sync()``) each time a batch is taken."""
-    return _parallel_loader.MpDeviceLoader(loader, dev)
+class _HostBatches:
+    """The host loader as ``ParallelLoader``'s background thread reads it.
+
+    That thread drops any exception the loader raises (a dataset's ``__getitem__``, a
+    ``collate_fn``, a sampler) and just ends the stream, so the consumer would see a short epoch.
+    Here the exception is kept, and the stream ends where it was raised; ``DeviceBatches`` raises
+    it in the consuming thread once the batches before it have been used. Host-side only.
+    """
+
+    def __init__(self, loader: Iterable) -> None:
+        self.loader, self.count, self.error = loader, 0, None
+        self._iterator: Iterator[Any] = iter(())
+
+    def __iter__(self) -> _HostBatches:
+        try:
+            self._iterator = iter(self.loader)
+        except Exception as err:  # noqa: BLE001 - raised again in the consuming thread
+            self.error = err
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            raise
+        except Exception as err:  # noqa: BLE001 - raised again in the consuming thread
+            self.error, self._iterator = err, iter(())
+            raise StopIteration from None
+        self.count += 1
+        return batch
+
+
+def _describe_loader(loader: Iterable) -> str:
+    dataset = getattr(loader, "dataset", None)
+    name = type(loader).__name__
+    return f"{name} over {type(dataset).__name__}" if dataset is not None else name
 
 
 class DeviceBatches:
     """Like ``MpDeviceLoader``, but it leaves graph cuts to the caller (the strategy's
     ``sync()``), so that each step costs one cut, not two; and it stops its loader threads when
     iteration ends early (``break`` after ``limit_*_batches``) instead of leaving them blocked.
+
+    An exception raised by the host loader reaches the consumer: after the batches loaded before
+    it, as the same exception, with a note naming the batch and the loader. ``start`` is the
+    index of the loader's first batch in its epoch (a loader that resumes inside an epoch).
     """
 
-    def __init__(self, loader: Iterable, dev: torch.device, input_sharding: Any = None) -> None:
-        self.loader, self.device, self.input_sharding = loader, dev, input_sharding
+    def __init__(self, loader: Iterable, dev: torch.device, input_sharding: Any = None, start: int = 0) -> None:
+        self.loader, self.device, self.input_sharding, self.start = loader, dev, input_sharding, start
 
     def __iter__(self) -> Iterator[Any]:
-        parallel = _parallel_loader.ParallelLoader(self.loader, [self.device], batches_per_execution=sys.maxsize,
+        host = _HostBatches(self.loader)
+        parallel = _parallel_loader.ParallelLoader(host, [self.device], batches_per_execution=sys.maxsize,
                                                    input_sharding=self.input_sharding)
         try:
             yield from parallel.per_device_loader(self.device)
         finally:
             parallel.close()
+        if host.error is not None:
+            error, host.error = host.error, None
+            where = f"batch index {self.start + host.count} of {_describe_loader(self.loader)}"
+            error.add_note(f"(raised while loading {where}; the batches before it were used)")
+            raise error
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,11 +259,6 @@ def metric_count(name: str) -> int:
     """How many times the XLA metric ``name`` was recorded (0 if never)."""
     data = _metrics.metric_data(name)
     return int(data[0]) if data else 0
-
-
-def counter_value(name: str) -> int:
-    value = _metrics.counter_value(name)
-    return int(value) if value else 0
 
 
 def compile_count() -> int:
@@ -265,10 +302,6 @@ def wait_device_ops() -> None:
 
 def clear_metrics() -> None:
     _metrics.clear_all()
-
-
-def metrics_report() -> str:
-    return _metrics.metrics_report()
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from xtrainer import checkpoint as ckpt_io
+from xtrainer import interrupts
 from xtrainer import config as cfg_io
 
 _STAGES = ("fit", "validate", "test", "predict")
@@ -138,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     try:
         return args.run(args)
-    except (cfg_io.ConfigError, ckpt_io.CheckpointError, FileNotFoundError) as err:
+    except interrupts.TrainingInterrupted as err:
+        print(f"xtrainer {args.command}: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except (cfg_io.ConfigError, ckpt_io.CheckpointError) as err:
         message = " ".join(str(err).split()) if isinstance(err, cfg_io.ConfigError) else err
         print(f"xtrainer {args.command}: error: {message}", file=sys.stderr)
         return 2 if isinstance(err, cfg_io.ConfigError) else 1

@@ -5,12 +5,13 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import signal
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from xtrainer import _xla
+from xtrainer import _xla, interrupts
 from xtrainer import checkpoint as ckpt_io
 from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
@@ -252,7 +253,8 @@ class Trainer:
         val = _as_list(val_dataloaders) or _as_list(_module_loader(model, "val_dataloader"))
         if val and type(model).validation_step is XModule.validation_step:
             raise ValueError(f"Validation data was given but {type(model).__name__} has no validation_step.")
-        self._launch("fit", model, {"train": train, "validate": val}, ckpt_path)
+        with interrupts.graceful():  # SIGTERM/SIGINT: finish the step, write a checkpoint, raise
+            self._launch("fit", model, {"train": train, "validate": val}, ckpt_path)
 
     def resolve_ckpt_path(self, ckpt_path: str | os.PathLike | None) -> str | None:
         """The checkpoint ``ckpt_path`` means for this run, checked completely (every byte against
@@ -271,7 +273,7 @@ class Trainer:
             return resolved
         ckpt_path = os.fspath(ckpt_path)
         if ckpt_path != "last" and not os.path.exists(ckpt_path):
-            raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (or pass ckpt_path='last').")
+            raise ckpt_io.CheckpointNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (or pass ckpt_path='last').")
         extra = [cb.dirpath for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
         search = resume.lineage_dirs(os.path.join(self._runs_root, "version_0"), extra)
         header = resume.resolve(ckpt_path, search, self.strategy.checkpoint_layout, self.strategy.name,
@@ -371,8 +373,10 @@ class Trainer:
                     callback_metrics=dict(self.callback_metrics),
                     callbacks={cb.state_key: cb.state_dict() for cb in self.callbacks})
             return result
-        except BaseException:
+        except BaseException as err:
             failed = True
+            if not isinstance(err, interrupts.TrainingInterrupted):  # that one called the hook already
+                self._call_on_exception(err)
             raise
         finally:
             self._publisher.close(self)  # flush what was logged, also when training failed
@@ -394,6 +398,9 @@ class Trainer:
     def _fit_loop(self, train: Any, val: list) -> None:
         self.num_training_batches = self._num_batches(train, "train")
         if self.num_training_batches == 0:
+            if len(train) == 0:
+                raise ValueError("The training dataloader is empty: it yields no batches (an empty dataset, or "
+                                 "drop_last=True with fewer samples than one batch per replica).")
             raise ValueError("limit_train_batches leaves no training batches to run.")
         self._results = Results("train", default_on_step=True)
         self._publisher.start_fit(self)
@@ -418,11 +425,16 @@ class Trainer:
                 self._train_batch(batch, batch_idx)
                 if self._validation_pending:
                     self._run_validation(val)
+                if interrupts.requested() is not None:
+                    self.should_stop = True  # a signal: stop as should_stop does (all replicas at one step)
                 if batch_idx + 1 >= self.num_training_batches:
                     break
                 if self._stopping() or (self.max_steps != -1 and self.global_step >= self.max_steps):
                     finished = False
                     break
+            signum = interrupts.requested()
+            if signum is not None and not finished and self._stopping():
+                self._stop_on_signal(signum)  # the epoch is cut short: no epoch-end hooks
             if val and finished and math.isinf(self.num_training_batches) and self._validation_epoch():
                 self._run_validation(val)  # a loader without a length: validate when it runs out
             self._epoch_finished = finished
@@ -436,6 +448,40 @@ class Trainer:
         self._call("on_train_end")
         self._call("on_fit_end")
         self._publisher.end_fit(self)
+
+    def _stop_on_signal(self, signum: int) -> None:
+        """Stopped by a signal: ``on_exception``, a checkpoint (every replica), then raise."""
+        name = signal.Signals(signum).name
+        self._call_on_exception(interrupts.TrainingInterrupted(f"Stopped by {name}.", signum))
+        saver = next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+        if saver is not None:
+            path = saver.save_now(self)
+        elif self.nonfinite_step() is None:
+            path = os.path.join(ckpt_io.default_dirpath(self.log_dir),
+                                f"interrupted-epoch={self.current_epoch}-step={self.global_step}.ckpt")
+            self.save_checkpoint(path)
+        else:
+            path = None
+        where = f"step {self.global_step}, epoch {self.current_epoch}"
+        if path is None:
+            message = (f"Stopped by {name} at {where}; the training loss had become non-finite, so no checkpoint "
+                       "was written (the good ones written before are intact).")
+        else:
+            message = (f"Stopped by {name} at {where}; checkpoint: {path}. Resume with fit(..., ckpt_path='last') "
+                       "(xtrainer fit --config <run folder>/config.yaml ckpt_path=last).")
+        raise interrupts.TrainingInterrupted(message, signum, path)
+
+    def _call_on_exception(self, err: BaseException) -> None:
+        """Every ``on_exception`` hook, each given its chance: one that fails does not hide ``err``."""
+        if self._module is None:
+            return
+        hooks = [lambda: self._module.on_exception(err)] + [
+            (lambda cb=cb: cb.on_exception(self, self._module, err)) for cb in self.callbacks]
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as hook_err:  # noqa: BLE001 - reported, and the original error goes on
+                err.add_note(f"(an on_exception hook failed too: {type(hook_err).__name__}: {hook_err})")
 
     def hyperparameters(self) -> dict[str, Any]:
         """The module's saved hyperparameters, the run's configuration and the Trainer's settings."""

@@ -103,6 +103,11 @@ class Callback:
     def on_before_zero_grad(self, trainer: "Trainer", module: "XModule", optimizer: Any) -> None: ...
     def on_save_checkpoint(self, trainer: "Trainer", module: "XModule", checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, trainer: "Trainer", module: "XModule", checkpoint: dict[str, Any]) -> None: ...
+    def on_exception(self, trainer: "Trainer", module: "XModule", exception: BaseException) -> None:
+        """A run is ending with ``exception``: a replica's error, or ``TrainingInterrupted`` on
+        SIGTERM/SIGINT, in which case a checkpoint is written right after this hook (so state a
+        callback changes here is saved with it)."""
+
     def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
         """Logged values just read back to the host (floats), every ``log_every_n_steps``
         steps and at the end of each epoch. Loggers and progress bars listen here."""

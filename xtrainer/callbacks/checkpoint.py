@@ -131,24 +131,33 @@ class ModelCheckpoint(Callback):
                 and (trainer.current_epoch + 1) % n == 0 and trainer.global_step != self._last_saved_step):
             self._save(trainer)
 
-    def _save(self, trainer: "Trainer") -> None:
+    def save_now(self, trainer: "Trainer") -> str | None:
+        """Write a checkpoint now, whatever the schedule (a graceful stop on a signal does); the
+        path of the newest checkpoint, or None if none could be written (non-finite loss)."""
+        if trainer.global_step == self._last_saved_step:
+            return self.last_model_path or None
+        return self._save(trainer, force=True)
+
+    def _save(self, trainer: "Trainer", force: bool = False) -> str | None:
         bad = trainer.nonfinite_step()
         if bad is not None:
             self._last_saved_step = trainer.global_step
             rank_zero_warn(f"ModelCheckpoint: no checkpoint at step {trainer.global_step}: the training loss became "
                            f"NaN or infinite at step {bad}. The newest good checkpoint stays "
                            f"{self.last_model_path or 'none (none was written before)'}.")
-            return
+            return None
         metrics = dict(trainer.callback_metrics)
         if self.monitor is None:
             score = float(trainer.global_step)  # unmonitored: the newest is the best
+        elif force and self.monitor not in metrics:
+            score = math.nan  # written all the same, never counted among the best
         else:
             score = self._ranking.read(metrics, "ModelCheckpoint")
         path = os.path.join(self.dirpath, self._format(trainer, metrics) + ".ckpt")
         self._last_saved_step, self._last_save_time = trainer.global_step, time.monotonic()
         keep = self.save_top_k == -1 or (self.save_top_k > 0 and self._in_top_k(score))
-        if not keep and not self.save_last:
-            return
+        if not keep and not self.save_last and not force:
+            return None
         # The bookkeeping is updated before the write, so that the checkpoint carries it.
         previous_last = self.last_model_path
         if keep:
@@ -165,6 +174,7 @@ class ModelCheckpoint(Callback):
         if self.save_last and trainer.is_global_zero:
             storage.link_last(self.dirpath, path)
         self._remove(trainer, stale)
+        return path
 
     def _foreign_checkpoints(self) -> bool:
         known = set(self.best_k_models) | {self.last_model_path}

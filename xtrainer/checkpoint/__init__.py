@@ -13,12 +13,13 @@ import os
 from typing import Any
 
 from xtrainer.checkpoint import distributed, fsdp, layout, storage, whole
-from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointError, check_header
+from xtrainer.checkpoint.format import (CheckpointError, CheckpointNotFoundError, UnreadableCheckpointError,
+                                        check_header)
 from xtrainer.checkpoint.layout import TRAINER_FILE
 from xtrainer.checkpoint.safe import UnsafeCheckpointError
 from xtrainer.checkpoint.storage import LAST
 
-__all__ = ["CheckpointError", "UnreadableCheckpointError", "UnsafeCheckpointError", "LAST", "TRAINER_FILE",
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "UnreadableCheckpointError", "UnsafeCheckpointError", "LAST", "TRAINER_FILE",
            "load_checkpoint", "consolidate", "verify", "default_dirpath"]
 
 

@@ -55,6 +55,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, unsafe, or does not fit this run."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint asked for does not exist."""
+
+
 class UnreadableCheckpointError(CheckpointError):
     """A checkpoint file is truncated or corrupt, or a sharded checkpoint lacks shards: another,
     older checkpoint may still be good."""

@@ -30,6 +30,7 @@ import inspect
 import itertools
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import threading
@@ -44,6 +45,8 @@ from xtrainer import _xla
 from xtrainer.checkpoint import layout as ckpt_layout
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.whole import WholeFile
+from xtrainer import interrupts
+from xtrainer.interrupts import TrainingInterrupted
 from xtrainer.precision import Precision
 from xtrainer.strategies import cpu_replicas
 from xtrainer.suggest import did_you_mean
@@ -96,6 +99,10 @@ class Strategy(abc.ABC):
                 job.raise_failure(cause=err)
                 raise
             job.raise_failure()
+            signum = interrupts.requested()
+            if exitcode != 0 and signum is not None:  # stopped before it could stop gracefully
+                raise TrainingInterrupted(f"Stopped by {signal.Signals(signum).name} while the replicas were "
+                                          "starting; nothing was trained, no checkpoint was written.", signum)
             if exitcode != 0:
                 how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
                 when = "after rank 0 had finished" if os.path.exists(job.result_path) else "before rank 0 finished"
@@ -395,7 +402,9 @@ class _ReplicaJob:
             record = pickle.load(f)
         where = f"replica {record['rank']} of {record['world_size']}"
         err = record["exception"] or RuntimeError(f"{record['type']}: {record['message']}")
-        err.add_note(f"(raised in {where}; the other replicas were stopped)")
+        others = "; the other replicas were stopped" if record["world_size"] > 1 else ""
+        if not isinstance(err, TrainingInterrupted):
+            err.add_note(f"(raised in {where}{others})")
         remote = ReplicaFailure(f"{where} failed:\n\n{record['traceback']}")
         remote.__cause__ = cause
         raise err from remote
@@ -413,7 +422,8 @@ def _replica_main(index: int, job: _ReplicaJob) -> None:
     them (torch_xla's launcher then terminates the remaining replica processes)."""
     del index  # the rank comes from the runtime
     try:
-        job()
+        with interrupts.graceful():  # each replica process receives the platform's SIGTERM (untested: no TPU)
+            job()
     except BaseException:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -462,7 +472,8 @@ class DeviceData:
         if skip == 0:
             return enumerate(self)
         loader = _skipping_loader(self.loader, skip)
-        device_loader = _xla.DeviceBatches(loader, self._device_loader.device, self._device_loader.input_sharding)
+        device_loader = _xla.DeviceBatches(loader, self._device_loader.device, self._device_loader.input_sharding,
+                                           start=skip)
         return enumerate(device_loader, start=skip)
 
 

@@ -14,6 +14,8 @@ import tempfile
 import threading
 from typing import Callable, Iterator
 
+from xtrainer import interrupts
+
 _environ_lock = threading.Lock()
 #: Set in a started process: where to leave word that it was asked to start one of its own while
 #: it imported the caller's script (the script starts training at import time).
@@ -50,7 +52,7 @@ def run_in_new_process(target: Callable[..., None], args: tuple, env: dict[str, 
     inherited_marker = os.environ.get(_UNGUARDED_MARKER)  # set if this is a started process itself
     marker = os.path.join(tempfile.gettempdir(), f"xtrainer-unguarded-{os.getpid()}-{id(args)}")
     with _environ({**env, _UNGUARDED_MARKER: marker}):
-        process = context.Process(target=target, args=args, name="xtrainer-replicas")
+        process = context.Process(target=_child_main, args=(target, args, os.getpid()), name="xtrainer-replicas")
         try:
             process.start()  # pickles the job: trainer, module, callbacks, dataloaders
         except RuntimeError as err:
@@ -67,8 +69,9 @@ def run_in_new_process(target: Callable[..., None], args: tuple, env: dict[str, 
                 "module (not inside a function or a notebook cell's function), and start the script's work "
                 "under `if __name__ == '__main__':`.") from err
     try:
-        process.join()
-    except BaseException:  # KeyboardInterrupt: do not leave the replicas running
+        with interrupts.forwarding_to(process.pid):  # SIGTERM/SIGINT reach the replicas through here
+            process.join()
+    except BaseException:  # a second Ctrl-C: do not leave the replicas running
         process.terminate()
         process.join()
         raise
@@ -76,6 +79,14 @@ def run_in_new_process(target: Callable[..., None], args: tuple, env: dict[str, 
         os.remove(marker)
         raise RuntimeError(_UNGUARDED_MESSAGE)
     return process.exitcode
+
+
+def _child_main(target: Callable[..., None], args: tuple, parent: int) -> None:
+    """A started replicas' process: it ends with its caller, and stops gracefully on the stop
+    signals its caller forwards."""
+    interrupts.become_child(parent)
+    with interrupts.graceful():
+        target(*args)
 
 
 def free_port() -> int:

@@ -1,0 +1,102 @@
+"""Graceful stops on real signals, resumed bitwise; no orphaned replicas, ever."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import signal_run
+from xtrainer.checkpoint import load_checkpoint
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ENV = {**os.environ, "PJRT_DEVICE": "CPU"}
+
+
+def start(root, devices, when, out=None):
+    args = [sys.executable, signal_run.__file__, str(root), str(devices), when] + ([str(out)] if out else [])
+    return subprocess.Popen(args, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def finish(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def straight(tmp_path, devices):
+    code, err = finish(start(tmp_path / "straight", devices, "none", tmp_path / "straight.pt"))
+    assert code == 0, err[-2000:]
+    return torch.load(tmp_path / "straight.pt", weights_only=True)
+
+
+def resume_and_compare(tmp_path, root, devices):
+    code, err = finish(start(root, devices, "resume", tmp_path / "resumed.pt"))
+    assert code == 0, err[-2000:]
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    for name, tensor in straight(tmp_path, devices).items():
+        assert torch.equal(resumed[name], tensor), name
+
+
+def test_sigterm_finishes_the_step_writes_a_checkpoint_exits_143_and_resumes_bitwise(tmp_path):
+    root = tmp_path / "run"
+    code, err = finish(start(root, 1, "self-term:5"))
+    assert code == 143, err[-3000:]
+    lines = [line for line in err.splitlines() if "Stopped by SIGTERM" in line]
+    assert len(lines) == 1 and "at step 5, epoch 0; checkpoint: " in lines[0] and "ckpt_path='last'" in lines[0]
+    path = lines[0].split("checkpoint: ")[1].split(". Resume")[0]
+    saved = load_checkpoint(path)
+    assert saved["loops"]["global_step"] == 5 and not saved["loops"]["epoch_finished"]
+    assert saved["callbacks"]["SignalAt"]["noted"] == "TrainingInterrupted"  # on_exception ran before the save
+    resume_and_compare(tmp_path, root, 1)
+
+
+def test_a_second_sigint_stops_at_once(tmp_path):
+    code, err = finish(start(tmp_path / "run", 1, "self-int2:3"))
+    assert code != 0 and "KeyboardInterrupt" in err
+    assert "Stopped by" not in err  # no graceful stop, no checkpoint of step 3
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    assert not checkpoints.exists() or not [n for n in os.listdir(checkpoints) if "step=3" in n]
+
+
+@pytest.mark.multi_device
+def test_sigterm_to_the_caller_stops_every_replica_together_and_resumes_bitwise(tmp_path):
+    root = tmp_path / "run"
+    proc = start(root, 2, "wait")
+    deadline = time.monotonic() + 240
+    while not (root / "pid").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # to the calling process only, as a supervisor does
+    code, err = finish(proc)
+    took = time.monotonic() - sent
+    assert code == 143, err[-3000:]
+    assert "Stopped by SIGTERM" in err and "checkpoint: " in err
+    assert took < 30  # within Kubernetes' default grace period
+    resume_and_compare(tmp_path, root, 2)
+
+
+@pytest.mark.multi_device
+def test_the_replicas_never_outlive_their_caller(tmp_path):
+    root = tmp_path / "run"
+    proc = start(root, 2, "wait")
+    deadline = time.monotonic() + 240
+    while not (root / "pid").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    replicas = int((root / "pid").read_text())
+    assert replicas != proc.pid  # the replicas' own process
+    proc.kill()  # SIGKILL: no clean-up of any kind in the caller
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(replicas, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(replicas, signal.SIGKILL)
+    pytest.fail("the replicas' process outlived its caller by 5 s")

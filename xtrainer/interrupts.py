@@ -1,0 +1,123 @@
+"""Stopping gracefully on SIGTERM and SIGINT, and never leaving replicas behind.
+
+Preemptible machines and Kubernetes send SIGTERM and allow a grace period (30 s by default)
+before SIGKILL. While a ``fit`` runs, the first SIGTERM or SIGINT only sets a request
+(``requested()``): the loop finishes the step it is in, every replica agrees to stop (the way
+``trainer.should_stop`` is shared), a checkpoint is written, the callbacks' ``on_exception`` hook
+runs, and ``fit`` raises ``TrainingInterrupted`` (the ``xtrainer`` command exits with 128 + the
+signal's number: 143 for SIGTERM, 130 for SIGINT), after one line saying where the checkpoint is
+and how to resume. A second SIGINT stops at once (``KeyboardInterrupt``).
+
+A calling process forwards the signal to the replicas' process it started; that process runs in a
+process group of its own (so a terminal's Ctrl-C reaches it once, through the caller) and ends
+within a second when its caller dies, SIGKILL included (Linux's parent-death signal, and a
+thread that watches the parent as a fallback elsewhere).
+
+On a TPU pod every replica process receives the platform's SIGTERM itself; torch_xla's own
+preemption notice (``torch_xla.distributed.xla_multiprocessing``'s preemption sync, on TPU VMs)
+is not used: it needs the TPU metadata service, which cannot be tested here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Iterator
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_requested: int | None = None
+_children: set[int] = set()
+
+
+class TrainingInterrupted(Exception):
+    """``fit`` stopped on a signal after writing a checkpoint. ``signal``: its number;
+    ``checkpoint``: the checkpoint written (None if none could be); ``exit_code``: 128 + signal."""
+
+    def __init__(self, message: str, signum: int, checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.signal, self.checkpoint = signum, checkpoint
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signal
+
+    def __reduce__(self):  # travels from a replica to the caller as it is
+        return (TrainingInterrupted, (str(self), self.signal, self.checkpoint))
+
+
+def requested() -> int | None:
+    """The signal that asked this process to stop, if one did."""
+    return _requested
+
+
+def _handle(signum: int, frame: object) -> None:
+    global _requested
+    if _requested is not None and signum == signal.SIGINT:
+        raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+    first = _requested is None
+    _requested = signum
+    for pid in list(_children):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signum)
+    if first:
+        name = signal.Signals(signum).name
+        print(f"xtrainer: {name} received: finishing the current step, then writing a checkpoint"
+              f"{' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''}.", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def graceful() -> Iterator[None]:
+    """While a run lasts: SIGTERM and SIGINT request a graceful stop (main thread only; elsewhere,
+    a notebook's worker thread say, signals keep their handlers)."""
+    global _requested
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
+    _requested = None
+    for signum in _SIGNALS:
+        signal.signal(signum, _handle)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def forwarding_to(pid: int) -> Iterator[None]:
+    """Forward the stop signals this process receives to the process ``pid`` (the replicas')."""
+    _children.add(pid)
+    try:
+        if _requested is not None:  # it came while the process was starting
+            with contextlib.suppress(OSError):
+                os.kill(pid, _requested)
+        yield
+    finally:
+        _children.discard(pid)
+
+
+def become_child(parent: int) -> None:
+    """In a started replicas' process, first thing: a process group of its own, and an end within
+    a second of its parent's, however the parent ends."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the caller, which forwards it once
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent is gone already
+        os._exit(1)
+
+    def watch() -> None:  # the fallback where there is no parent-death signal
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="xtrainer-parent-watch", daemon=True).start()
