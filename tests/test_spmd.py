@@ -113,15 +113,6 @@ def test_fsdpv2_saves_shards_and_resumes_exactly_on_any_mesh(tmp_path):
         assert torch.allclose(from_fsdpv2.state_dict()[name], tensor, atol=1e-5), name
 
 
-def test_spmd_resumes_its_replicated_checkpoint(tmp_path, native):
-    saver = ModelCheckpoint()
-    fit(tmp_path, "xla_spmd", epochs=1, callbacks=[saver])
-    trainer, model, _ = fit(tmp_path, "xla_spmd", epochs=2, ckpt_path="last")
-    assert trainer.global_step == 16
-    for name, tensor in native[1].state_dict().items():
-        assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name
-
-
 def test_fsdpv2_resumes_a_whole_checkpoint_of_another_strategy(tmp_path, native):
     saver = ModelCheckpoint()
     fit(tmp_path, "xla_native", devices=1, epochs=1, callbacks=[saver])
