@@ -32,6 +32,7 @@ from typing import Iterator
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _requested: int | None = None
 _children: set[int] = set()
+_announce = True
 
 
 class TrainingInterrupted(Exception):
@@ -64,22 +65,23 @@ def _handle(signum: int, frame: object) -> None:
     for pid in list(_children):
         with contextlib.suppress(OSError):
             os.kill(pid, signum)
-    if first:
+    if first and _announce:
         name = signal.Signals(signum).name
         print(f"xtrainer: {name} received: finishing the current step, then writing a checkpoint"
               f"{' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''}.", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
-def graceful() -> Iterator[None]:
+def graceful(announce: bool = True) -> Iterator[None]:
     """While a run lasts: SIGTERM and SIGINT request a graceful stop (main thread only; elsewhere,
-    a notebook's worker thread say, signals keep their handlers)."""
-    global _requested
+    a notebook's worker thread say, signals keep their handlers). ``announce``: say so on stderr
+    (a replicas' process leaves that to its caller)."""
+    global _requested, _announce
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
-    _requested = None
+    _requested, _announce = None, announce
     for signum in _SIGNALS:
         signal.signal(signum, _handle)
     try:

@@ -51,7 +51,8 @@ class Trainer:
     """Trains an ``XModule`` on XLA devices.
 
     Args:
-        strategy: ``"xla_native"``, ``"xla_ddp"``, ``"xla_fsdp"`` or a ``Strategy`` instance.
+        strategy: ``"xla_native"``, ``"xla_ddp"``, ``"xla_fsdp"``, ``"xla_spmd"``, ``"xla_fsdpv2"``
+            (``xtrainer.strategies.STRATEGIES``) or a ``Strategy`` instance.
         devices: replicas to run: an int, or ``"auto"`` (every local device; 1 on the CPU runtime,
             where ``devices=N`` runs N replicas on N virtual devices).
         max_epochs: stop after this many epochs (default 1000 when ``max_steps`` is not set).
@@ -111,17 +112,19 @@ class Trainer:
         self.strategy = resolve_strategy(strategy)
         self.precision = Precision(settings.precision)
         self.strategy.connect(_resolve_devices(settings.devices), self.precision)
+        self.settings = settings
         self.max_epochs, self.max_steps = settings.max_epochs, settings.max_steps
-        self.limits = {"train": limit_train_batches, "validate": limit_val_batches, "test": limit_test_batches,
-                       "predict": limit_predict_batches}
-        self.val_check_interval = val_check_interval
-        self.check_val_every_n_epoch = check_val_every_n_epoch
-        self.log_every_n_steps = log_every_n_steps
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
-        self.detect_nonfinite = detect_nonfinite
-        self._publisher = Publisher(detect_nonfinite)
-        self.default_root_dir = os.fspath(default_root_dir or os.path.join(os.getcwd(), "xtrainer_logs"))
+        self.limits = {"train": settings.limit_train_batches, "validate": settings.limit_val_batches,
+                       "test": settings.limit_test_batches, "predict": settings.limit_predict_batches}
+        self.val_check_interval = settings.val_check_interval
+        self.check_val_every_n_epoch = settings.check_val_every_n_epoch
+        self.log_every_n_steps = settings.log_every_n_steps
+        self.accumulate_grad_batches = settings.accumulate_grad_batches
+        self.gradient_clip_val = settings.gradient_clip_val
+        self.gradient_clip_algorithm = settings.gradient_clip_algorithm
+        self.detect_nonfinite = settings.detect_nonfinite
+        self._publisher = Publisher(settings.detect_nonfinite)
+        self.default_root_dir = os.fspath(settings.default_root_dir or os.path.join(os.getcwd(), "xtrainer_logs"))
         # The run folder: <default_root_dir>[/<logger name>]/version_N, shared by logs, checkpoints
         # and the saved configuration.
         name = logger.name if isinstance(logger, TensorBoardLogger) and logger.log_dir is None else ""
@@ -135,13 +138,13 @@ class Trainer:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}.")
             check_hook_names(cb, CALLBACK_HOOKS, Callback)
-        if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
+        if settings.enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
             self.callbacks.append(ModelCheckpoint())
-        if not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
+        if not settings.enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
             raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is among the callbacks.")
-        if enable_xla_health and not any(isinstance(cb, XlaHealth) for cb in self.callbacks):
+        if settings.enable_xla_health and not any(isinstance(cb, XlaHealth) for cb in self.callbacks):
             self.callbacks.append(XlaHealth())
-        if enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in self.callbacks):
+        if settings.enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in self.callbacks):
             self.callbacks.append(ProgressBar())
         if logger is True:
             logger = TensorBoardLogger()

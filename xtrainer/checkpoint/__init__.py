@@ -19,7 +19,8 @@ from xtrainer.checkpoint.layout import TRAINER_FILE
 from xtrainer.checkpoint.safe import UnsafeCheckpointError
 from xtrainer.checkpoint.storage import LAST
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "UnreadableCheckpointError", "UnsafeCheckpointError", "LAST", "TRAINER_FILE",
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "UnreadableCheckpointError", "UnsafeCheckpointError",
+           "LAST", "TRAINER_FILE",
            "load_checkpoint", "consolidate", "verify", "default_dirpath"]
 
 

@@ -81,9 +81,9 @@ class Layout:
             advice = ("xtrainer consolidate turns it into one state dict to load into the module before fit()"
                       if header.layout != FILE else "load checkpoint['state_dict'] into the module before fit()")
             size = f" at world size {header.world_size}" if rule == "same" else ""
-            return (f"it was written by {header.strategy} with {header.world_size} replica(s); {strategy}"
-                    f"{f' at world size {world_size}' if world_size is not None else ''} cannot resume it (resume with {header.strategy}{size}, or start from its "
-                    f"weights: {advice})")
+            at = f" at world size {world_size}" if world_size is not None else ""
+            return (f"it was written by {header.strategy} with {header.world_size} replica(s); {strategy}{at} cannot "
+                    f"resume it (resume with {header.strategy}{size}, or start from its weights: {advice})")
         return None
 
 

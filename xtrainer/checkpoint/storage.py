@@ -134,7 +134,8 @@ def write_error(err: BaseException, path: str, needed: int = 0, advice: str = TR
             f"{_human(free)} free" if free is not None else "no space left"
         what = f"The disk is full: could not write {path!r} ({need})"
     else:
-        what = f"Could not write {path!r} ({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        what = f"Could not write {path!r} ({type(err).__name__}: {first})"
     return CheckpointError(f"{what}. {advice}")
 
 

@@ -420,9 +420,10 @@ def _replica_main(index: int, job: _ReplicaJob) -> None:
     """A replica process started by ``torch_xla.launch``. On failure the process ends at once:
     its peers may be waiting for it inside a collective, and only ending the process pool stops
     them (torch_xla's launcher then terminates the remaining replica processes)."""
-    del index  # the rank comes from the runtime
     try:
-        with interrupts.graceful():  # each replica process receives the platform's SIGTERM (untested: no TPU)
+        # Each replica process gets the platform's SIGTERM itself (untested here: no TPU); the first
+        # of each host says so. (The rank comes from the runtime; ``index`` is the local one.)
+        with interrupts.graceful(announce=index == 0):
             job()
     except BaseException:
         sys.stdout.flush()

@@ -85,7 +85,7 @@ def _child_main(target: Callable[..., None], args: tuple, parent: int) -> None:
     """A started replicas' process: it ends with its caller, and stops gracefully on the stop
     signals its caller forwards."""
     interrupts.become_child(parent)
-    with interrupts.graceful():
+    with interrupts.graceful(announce=False):
         target(*args)
 
 
