@@ -26,6 +26,16 @@ def finish(proc, timeout=300):
     return proc.returncode, err
 
 
+def start_training_with_two_replicas(root):
+    """A 2-replica fit, returned once its replicas train (they wrote their process id)."""
+    proc = start(root, 2, "wait")
+    deadline = time.monotonic() + 240
+    while not (root / "pid").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    return proc
+
+
 def straight(tmp_path, devices):
     return signal_run.run(str(tmp_path / "straight"), devices, "none")[1].state_dict()
 
@@ -62,11 +72,7 @@ def test_a_second_sigint_stops_at_once(tmp_path):
 @pytest.mark.multi_device
 def test_sigterm_to_the_caller_stops_every_replica_together_and_resumes_bitwise(tmp_path):
     root = tmp_path / "run"
-    proc = start(root, 2, "wait")
-    deadline = time.monotonic() + 240
-    while not (root / "pid").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
+    proc = start_training_with_two_replicas(root)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)  # to the calling process only, as a supervisor does
     code, err = finish(proc)
@@ -80,11 +86,7 @@ def test_sigterm_to_the_caller_stops_every_replica_together_and_resumes_bitwise(
 @pytest.mark.multi_device
 def test_the_replicas_never_outlive_their_caller(tmp_path):
     root = tmp_path / "run"
-    proc = start(root, 2, "wait")
-    deadline = time.monotonic() + 240
-    while not (root / "pid").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
+    proc = start_training_with_two_replicas(root)
     replicas = int((root / "pid").read_text())
     assert replicas != proc.pid  # the replicas' own process
     proc.kill()  # SIGKILL: no clean-up of any kind in the caller

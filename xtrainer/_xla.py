@@ -13,6 +13,7 @@ on the CPU runtime patches them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -156,6 +157,19 @@ def rng_state() -> int:
 
 def set_rng_state(seed: int) -> None:
     xm.set_rng_state(int(seed), torch_xla.device())
+
+
+@contextlib.contextmanager
+def rng_state_kept() -> Iterator[None]:
+    """Leave this replica's XLA generator as it was found. Every graph cut advances it, and host
+    reads and rendezvous may cut the graph (with several replicas on the CPU runtime they do): work
+    that a run does or not (a save, a check before one) must not change the random numbers it
+    draws afterwards, or a resumed run would differ from an uninterrupted one."""
+    seed = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(seed)
 
 
 def all_gather_object(obj: Any) -> list[Any]:

@@ -159,14 +159,10 @@ class Publisher:
         if self.watch is None:
             return None
         if self._checked_step != trainer.global_step:
-            # The read and the rendezvous may cut the graph (with several replicas on the CPU
-            # runtime they do), and a cut advances the XLA generator: a run must draw the same
-            # random numbers whether or not it checked, so the generator is put back.
-            seed = _xla.rng_state()
-            first = int(_xla.to_cpu(self.watch.first)[0])  # host sync: before a save only
-            if trainer.world_size > 1:
-                first = min(trainer.strategy.all_gather_object(first))
-            _xla.set_rng_state(seed)
+            with _xla.rng_state_kept():  # whether a run checks or not, it draws the same numbers
+                first = int(_xla.to_cpu(self.watch.first)[0])  # host sync: before a save only
+                if trainer.world_size > 1:
+                    first = min(trainer.strategy.all_gather_object(first))
             self._checked_step, self._first_bad = trainer.global_step, first
         return self._first_bad if self._first_bad < trainer.global_step else None
 

@@ -195,13 +195,10 @@ class Trainer:
 
     @log_dir.setter
     def log_dir(self, value: str) -> None:
-        self._log_dir = value
-        for logger in self.loggers:
-            if isinstance(logger, TensorBoardLogger) and (logger.log_dir is None or logger.log_dir == self._claimed):
+        previous, self._log_dir = self._log_dir, value
+        for logger in self.loggers:  # a logger without a folder of its own writes into the run's
+            if isinstance(logger, TensorBoardLogger) and logger.log_dir in (None, previous):
                 logger.log_dir = value
-        self._claimed = value
-
-    _claimed: str | None = None
 
     # ---- where we are (valid inside a run) -------------------------------------------------
     @property
@@ -416,12 +413,12 @@ class Trainer:
             skip, self._skip_batches = self._skip_batches, 0
             self._epoch_finished = False
             finished = True
+            if self._validation_pending:  # resumed between a batch and the validation it triggered
+                self._run_validation(val)
             # Resuming inside an epoch starts at the next unseen batch (skipped by index, not
             # loaded). An epoch whose every batch was trained (saved on its last batch) is not
             # iterated at all: the original run never drained its loader either, and draining
             # torch_xla's device loader cuts the graph, which advances the XLA generator.
-            if self._validation_pending:
-                self._run_validation(val)
             batches = train.resume_at(skip) if skip < self.num_training_batches else ()
             for batch_idx, batch in batches:
                 self._validation_pending = bool(val) and self._validation_due(batch_idx)
@@ -652,21 +649,17 @@ class Trainer:
                 f"Not writing {os.fspath(path)!r}: the training loss became NaN or infinite at global step {bad}, so "
                 "the weights are not good any more. The checkpoints written before are intact.")
         module = self.module
-        checkpoint = run_state.build_checkpoint(self)
-        rng_states = checkpoint["rng_states"]
-        module.on_save_checkpoint(checkpoint)
-        for cb in self.callbacks:
-            cb.on_save_checkpoint(self, module, checkpoint)
-        compiles = _xla.compile_count()
-        self.strategy.checkpoint_layout.save(self.strategy, checkpoint, os.fspath(path))
-        # Every graph cut advances the XLA generator, and a save's host reads and rendezvous may cut
-        # the graph (they do with several replicas on the CPU runtime): go on from the state the
-        # checkpoint recorded, as a run resumed from it does.
-        _xla.set_rng_state(rng_states["xla"][self.global_rank])
-        # A save that computes anything on the device (gathering shards, say) compiles graphs of
-        # its own; those are not the training step's, and XlaHealth does not count them as
-        # recompilations.
-        self.checkpoint_compilations += _xla.compile_count() - compiles
+        with _xla.rng_state_kept():  # the run goes on from the state the checkpoint records, as a resumed one does
+            checkpoint = run_state.build_checkpoint(self)
+            module.on_save_checkpoint(checkpoint)
+            for cb in self.callbacks:
+                cb.on_save_checkpoint(self, module, checkpoint)
+            compiles = _xla.compile_count()
+            self.strategy.checkpoint_layout.save(self.strategy, checkpoint, os.fspath(path))
+            # A save that computes anything on the device (gathering shards, say) compiles graphs
+            # of its own; those are not the training step's, and XlaHealth does not count them as
+            # recompilations.
+            self.checkpoint_compilations += _xla.compile_count() - compiles
 
     def nonfinite_step(self) -> int | None:
         """The global step whose training loss was first NaN or infinite, if the weights have been

@@ -13,8 +13,7 @@ import os
 from typing import Any
 
 from xtrainer.checkpoint import distributed, fsdp, layout, storage, whole
-from xtrainer.checkpoint.format import (CheckpointError, CheckpointNotFoundError, UnreadableCheckpointError,
-                                        check_header)
+from xtrainer.checkpoint.format import CheckpointError, CheckpointNotFoundError, UnreadableCheckpointError
 from xtrainer.checkpoint.layout import TRAINER_FILE
 from xtrainer.checkpoint.safe import UnsafeCheckpointError
 from xtrainer.checkpoint.storage import LAST
@@ -41,7 +40,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = os.fspath(path)
     kind = layout.layout_of(path)
     if kind == layout.FSDP:
-        state = distributed.trainer_state(path)
+        state = layout.trainer_state(path)
         raise CheckpointError(
             f"{path!r} is a sharded checkpoint written by {state.get('strategy')!r} with world size "
             f"{state.get('world_size')}. Resume it with strategy='xla_fsdp' at that world size, or consolidate it "
@@ -63,5 +62,5 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
         return state_dict
     storage.verify_folder(path)
     kind = layout.layout_of(path)
-    check_header(distributed.trainer_state(path), path)
+    layout.trainer_state(path)
     return fsdp.consolidate(path) if kind == layout.FSDP else distributed.consolidate(path)

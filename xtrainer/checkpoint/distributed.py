@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from xtrainer.checkpoint import safe, storage
-from xtrainer.checkpoint.format import (OPTIMIZER_STATES, STATE_DICT, UnreadableCheckpointError, check_header,
-                                        check_savable)
-from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, TRAINER_FILE, Layout, Replicas, entry, save_folder
+from xtrainer.checkpoint.format import OPTIMIZER_STATES, STATE_DICT, UnreadableCheckpointError, check_savable
+from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, Layout, Replicas, entry, save_folder, trainer_state
 
 #: The ``torch.distributed.checkpoint`` folder inside an SPMD checkpoint folder.
 STATE_DIR = "state"
@@ -181,12 +180,6 @@ def _raise_refusal(err: BaseException) -> None:
     for cause in (err, *storage.failures_in(err)):
         if isinstance(cause, safe.UnsafeCheckpointError):
             raise cause from None
-
-
-def trainer_state(path: str) -> dict[str, Any]:
-    state = safe.load(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
-    check_header(state, path)
-    return state
 
 
 def read_whole(path: str, verify: bool = True) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from typing import Any
 
 from xtrainer.checkpoint import safe, storage
 from xtrainer.checkpoint.format import (DISPATCHER_PREFIX, OPTIMIZER_STATES, STATE_DICT, CheckpointError,
-                                        UnreadableCheckpointError, check_header, check_savable)
-from xtrainer.checkpoint.layout import FSDP, TRAINER_FILE, Layout, Replicas, entry, save_folder
+                                        UnreadableCheckpointError, check_savable)
+from xtrainer.checkpoint.layout import FSDP, Layout, Replicas, entry, save_folder, trainer_state
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
@@ -53,16 +53,15 @@ class FsdpShards(Layout):
 
 def read_shard(path: str, rank: int, world_size: int) -> dict[str, Any]:
     """The trainer state of an FSDP folder merged with ``rank``'s shard."""
-    trainer_state = safe.load(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
-    check_header(trainer_state, path)
-    saved = trainer_state.get("world_size")
+    state = trainer_state(path)
+    saved = state.get("world_size")
     if saved != world_size:
         raise CheckpointError(
             f"{path!r} was written by {saved} replicas, but this run has {world_size}. A sharded checkpoint "
             f"resumes at the world size that wrote it only. Run with {saved} replicas, or consolidate it into "
             f"one state dict (xtrainer consolidate {path} -o full.pt) and load that into your module before fit().")
     shard = _read_shard_file(path, rank, world_size)
-    return {**trainer_state, STATE_DICT: shard[STATE_DICT], OPTIMIZER_STATES: shard[OPTIMIZER_STATES]}
+    return {**state, STATE_DICT: shard[STATE_DICT], OPTIMIZER_STATES: shard[OPTIMIZER_STATES]}
 
 
 def _read_shard_file(path: str, rank: int, world_size: int) -> dict[str, Any]:
@@ -81,9 +80,7 @@ def _read_shard_file(path: str, rank: int, world_size: int) -> dict[str, Any]:
 
 def consolidate(path: str) -> dict[str, Any]:
     """One plain state dict, keyed as the user's module names it, from an FSDP folder."""
-    trainer_state = safe.load(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
-    check_header(trainer_state, path)
-    world_size = trainer_state.get("world_size")
+    world_size = trainer_state(path).get("world_size")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise UnreadableCheckpointError(f"{path!r} has a malformed trainer state (world_size={world_size!r}).")
     shards = [_read_shard_file(path, rank, world_size) for rank in range(world_size)]

@@ -116,13 +116,20 @@ def verify(path: str) -> Header:
         return _header(path, FILE, checkpoint, checkpoint)
     manifest = storage.verify_folder(path)
     check_header(manifest, path)
-    trainer_state = safe.load(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
-    check_header(trainer_state, path)
+    state = trainer_state(path)
     if layout == DISTRIBUTED:
         from xtrainer.checkpoint import distributed
 
         distributed.entries(path)  # its metadata reads, and is metadata
-    return _header(path, layout, manifest, trainer_state)
+    return _header(path, layout, manifest, state)
+
+
+def trainer_state(path: str) -> dict[str, Any]:
+    """The ``trainer.pt`` of a sharded checkpoint folder (everything but module and optimizer
+    state), read weights-only and checked to be xtrainer's."""
+    state = safe.load(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
+    check_header(state, path)
+    return state
 
 
 def _header(path: str, layout: str, who: dict[str, Any], state: dict[str, Any]) -> Header:

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from xtrainer.checkpoint import distributed, safe, storage
-from xtrainer.checkpoint.format import check_header, check_savable
+from xtrainer.checkpoint.format import CheckpointError, check_header, check_savable
 from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, Layout, Replicas
 
 
@@ -38,8 +38,6 @@ def read(path: str, verify: bool = True) -> dict[str, Any]:
     if os.path.isdir(path):
         return distributed.read_whole(path, verify=verify)
     if not os.path.exists(path):
-        from xtrainer.checkpoint.format import CheckpointError
-
         raise CheckpointError(f"The checkpoint {path!r} does not exist.")
     if verify:
         storage.verify_zip(path)

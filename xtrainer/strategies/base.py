@@ -398,7 +398,7 @@ class _ReplicaJob:
         """Raise the first failed replica's error here, if one failed."""
         if not os.path.exists(self.error_path):
             return
-        with open(self.error_path, "rb") as f:
+        with open(self.error_path, "rb") as f:  # the launch's own private folder, not a user's file
             record = pickle.load(f)
         where = f"replica {record['rank']} of {record['world_size']}"
         err = record["exception"] or RuntimeError(f"{record['type']}: {record['message']}")
