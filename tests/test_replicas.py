@@ -45,6 +45,16 @@ class SyncedRegressor(Regressor):
         self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
 
 
+class UnevenStart(Callback):
+    """Replicas other than rank 0 start from other weights: DDP must give them rank 0's."""
+
+    def setup(self, trainer, module, stage):
+        if trainer.global_rank:
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.add_(1.0)
+
+
 class Recorder(Callback):
     """Each replica writes ``rank-R.pt``: the samples it trained on in the first epoch, its whole
     weights at the end, its step count and metrics."""
@@ -83,7 +93,8 @@ def run(tmp_path_factory, strategy, devices):
     """One fit per (strategy, devices), shared by the tests that read it."""
     key = (strategy, devices)
     if key not in _runs:
-        _runs[key] = train(tmp_path_factory.mktemp(f"{strategy}-{devices}"), strategy, devices)
+        callbacks = [UnevenStart()] if strategy == "xla_ddp" else []
+        _runs[key] = train(tmp_path_factory.mktemp(f"{strategy}-{devices}"), strategy, devices, callbacks=callbacks)
     return _runs[key]
 
 

@@ -41,6 +41,7 @@ import contextlib
 import faulthandler
 import functools
 import os
+import pickle
 import sys
 import threading
 from typing import Any, Callable
@@ -250,6 +251,25 @@ def _rendezvous(payload: bytes = b"", ordinals: Any = None, tag: str | None = No
     except threading.BrokenBarrierError:
         raise PeerReplicaFailed("Another replica of this run failed during a rendezvous.") from None
     return payloads
+
+
+def start_ddp(tensors: list[torch.Tensor]) -> None:
+    """What ``DistributedDataParallel`` does when it starts (check that every replica holds the same
+    shapes, then give everyone rank 0's values), done through this module's rendezvous and
+    serialised cut. DDP's own check reads the gathered shapes with ``.item()`` from C++, which
+    compiles and runs a graph outside the serialised cut, in every replica at once: a process
+    crashed there (signal 11) in one run of many."""
+    run = _run
+    mine = pickle.dumps([(tuple(t.shape), str(t.dtype)) for t in tensors])
+    for rank, theirs in enumerate(_rendezvous(mine)):
+        if theirs != mine:
+            raise RuntimeError(
+                f"DistributedDataParallel: replica {rank} holds parameters or buffers of other shapes or "
+                f"dtypes than replica {_xla.global_rank()}; every replica must build the same module.")
+    if tensors:
+        run.check_peers()
+        _xla.private_internals().xla_model.collective_broadcast(tensors, 0)
+        _sync()
 
 
 def _groups(groups: Any) -> list[list[int]]:

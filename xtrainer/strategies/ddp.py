@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from xtrainer import _xla
+from xtrainer.strategies import cpu_replicas
 from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
 from xtrainer.strategies.process import free_port
 
@@ -63,7 +64,16 @@ class XlaDDP(Strategy):
         kwargs = dict(self.ddp_kwargs)
         if _xla.device_type() == "CPU":
             kwargs.setdefault("bucket_cap_mb", _PER_PARAMETER_BUCKETS_MB)
-        return DistributedDataParallel(super().setup_module(module), **kwargs)
+        module = super().setup_module(module)
+        if not (cpu_replicas.installed() and kwargs.get("init_sync", True)):
+            return DistributedDataParallel(module, **kwargs)
+        # Thread replicas: DDP's start-up reads XLA tensors outside the serialised graph cut.
+        wrapped = DistributedDataParallel(module, **kwargs, init_sync=False)
+        states = [p for name, p in module.named_parameters() if name not in wrapped.parameters_to_ignore]
+        if wrapped.broadcast_buffers:
+            states += [b for name, b in module.named_buffers() if name not in wrapped.parameters_to_ignore]
+        cpu_replicas.start_ddp(states)
+        return wrapped
 
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
         return wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
