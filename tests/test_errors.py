@@ -20,7 +20,7 @@ def test_unknown_strategy_lists_valid_names():
 
 def test_bad_trainer_arguments():
     with pytest.raises(ValueError, match="precision"):
-        Trainer(precision="16")
+        Trainer(precision="64")
     with pytest.raises(ValueError, match="devices"):
         Trainer(devices=0)
     with pytest.raises(ValueError, match="gradient_clip_algorithm"):

@@ -94,8 +94,10 @@ def test_hook_order_and_counts(trainer_kwargs):
         "on_fit_start": 1, "on_train_start": 1, "on_train_epoch_start": 2, "on_train_epoch_end": 2,
         "on_train_batch_start": 6, "on_train_batch_end": 6, "on_before_backward": 6, "on_after_backward": 6,
         "on_before_optimizer_step": 6, "on_before_zero_grad": 6,
-        "on_validation_start": 2, "on_validation_epoch_start": 2, "on_validation_batch_start": 4,
-        "on_validation_batch_end": 4, "on_validation_epoch_end": 2, "on_validation_end": 2,
+        # the sanity check (num_sanity_val_steps=2, Lightning's default) is one more validation
+        "on_sanity_check_start": 1, "on_sanity_check_end": 1,
+        "on_validation_start": 3, "on_validation_epoch_start": 3, "on_validation_batch_start": 6,
+        "on_validation_batch_end": 6, "on_validation_epoch_end": 3, "on_validation_end": 3,
         "on_train_end": 1, "on_fit_end": 1,
         "on_metrics": 4,  # each epoch's end and each validation's: the only reads (log_every_n_steps=50)
     }
@@ -104,7 +106,10 @@ def test_hook_order_and_counts(trainer_kwargs):
                            "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end"]
     # validation at the end of an epoch runs before on_train_epoch_end
     assert calls.index("on_validation_end") < calls.index("on_train_epoch_end")
-    assert calls[:3] == ["on_fit_start", "on_train_start", "on_train_epoch_start"]
+    assert calls[:5] == ["on_fit_start", "on_sanity_check_start", "on_validation_start",
+                         "on_validation_epoch_start", "on_validation_batch_start"]
+    after_sanity = calls[calls.index("on_sanity_check_end"):][:3]
+    assert after_sanity == ["on_sanity_check_end", "on_train_start", "on_train_epoch_start"]
     assert calls[-2:] == ["on_train_end", "on_fit_end"]
     assert model.module_calls.count("on_train_epoch_end") == 2
     assert model.module_calls.count("on_before_optimizer_step") == 6
@@ -125,7 +130,7 @@ def test_limit_train_batches(trainer_kwargs, limit, batches):
 
 def test_val_check_interval_and_every_n_epochs(trainer_kwargs):
     rec = Recorder()
-    trainer = Trainer(max_epochs=4, val_check_interval=4, check_val_every_n_epoch=2, callbacks=[rec],
+    trainer = Trainer(max_epochs=4, val_check_interval=4, check_val_every_n_epoch=2, callbacks=[rec], num_sanity_val_steps=0,
                       **trainer_kwargs)
     trainer.fit(Regressor(), make_loader(), make_loader(n=16))
     assert rec.calls.count("on_validation_start") == 4  # twice in each of epochs 1 and 3

@@ -2,17 +2,135 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+import argparse
+import copy
+import inspect
+import os
+import types
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
 
 
+class AttributeDict(dict):
+    """``hparams``: a dict whose keys read as attributes too (``self.hparams.lr``)."""
 
-class XModule(nn.Module):
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"hparams has no {key!r} (it holds {sorted(self)}).") from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    def __delattr__(self, key: str) -> None:
+        del self[key]
+
+
+class HyperparametersMixin:
+    """``save_hyperparameters`` and ``hparams``, shared by ``XModule`` and ``XDataModule``."""
+
+    _hparams: AttributeDict
+    _hparams_name: str | None = None  # the __init__ argument that held them whole, if one did
+    _log_hyperparams: bool = True
+
+    @property
+    def hparams(self) -> AttributeDict:
+        if "_hparams" not in self.__dict__:
+            object.__setattr__(self, "_hparams", AttributeDict())
+        return self._hparams
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """The hyperparameters as they were when saved (later edits of ``hparams`` not included)."""
+        return copy.deepcopy(self.__dict__.get("_hparams_initial", AttributeDict()))
+
+    def save_hyperparameters(self, *args: Any, ignore: Sequence[str] | str | None = None,
+                             frame: types.FrameType | None = None, logger: bool = True, **hparams: Any) -> None:
+        """Record hyperparameters: written into checkpoints (``load_from_checkpoint`` rebuilds
+        the module from them) and to the loggers (unless ``logger=False``).
+
+        As in Lightning: with no arguments, every argument of the calling ``__init__`` (and of
+        the ``__init__`` methods of subclasses that called it); with names, those arguments only; with
+        one dict, ``Namespace`` or OmegaConf config, that object. ``ignore`` leaves names out.
+        Keyword arguments record those values directly (``save_hyperparameters(lr=0.1)``).
+        Modules passed to ``__init__`` are left out with a warning: their weights are in the
+        checkpoint already, and a checkpoint holds data, never objects.
+        """
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+        if frame is None:
+            frame = inspect.currentframe().f_back
+        init_args = _init_arguments(frame, self)
+        chosen: dict[str, Any] = {}
+        if not args and not hparams:
+            chosen = init_args
+        for arg in args:
+            if isinstance(arg, str):
+                if arg not in init_args:
+                    raise ValueError(f"save_hyperparameters({arg!r}): {arg!r} is not an argument of "
+                                     f"{type(self).__name__}.__init__ (its arguments: {sorted(init_args)}).")
+                chosen[arg] = init_args[arg]
+            elif isinstance(arg, (Mapping, argparse.Namespace)) or _is_omegaconf(arg):
+                whole = vars(arg) if isinstance(arg, argparse.Namespace) else arg
+                if len(args) == 1 and not hparams:
+                    self._hparams_name = next((n for n, v in init_args.items() if v is arg), None)
+                if _is_omegaconf(whole):
+                    from omegaconf import OmegaConf
+
+                    whole = OmegaConf.to_container(whole, resolve=True)
+                chosen.update(whole)
+            else:
+                raise TypeError(f"save_hyperparameters() takes argument names, a dict, a Namespace or an OmegaConf "
+                                f"config; got {type(arg).__name__}.")
+        chosen.update(hparams)
+        for name in sorted(chosen):
+            if name in ignored:
+                del chosen[name]
+            elif isinstance(chosen[name], nn.Module):
+                rank_zero_warn(f"save_hyperparameters: {name!r} is a {type(chosen[name]).__name__} module and is left "
+                               f"out (its weights are in the checkpoint); pass ignore=[{name!r}] to say so.")
+                del chosen[name]
+        self.hparams.update(chosen)
+        object.__setattr__(self, "_hparams_initial", copy.deepcopy(AttributeDict(self.hparams)))
+        self._log_hyperparams = logger
+
+
+def _is_omegaconf(value: Any) -> bool:
+    try:
+        from omegaconf import Container
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return False
+    return isinstance(value, Container)
+
+
+def _init_arguments(frame: types.FrameType | None, obj: Any) -> dict[str, Any]:
+    """The arguments of the ``__init__`` running in ``frame`` for ``obj``, with those of the
+    ``__init__`` methods that called it through ``super().__init__`` (the innermost's values win)."""
+    chain = []
+    while frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is obj:
+        chain.append(frame)
+        frame = frame.f_back
+    collected: dict[str, Any] = {}
+    for init in reversed(chain):
+        code, local = init.f_code, init.f_locals
+        count = code.co_argcount + code.co_kwonlyargcount
+        names = list(code.co_varnames[1:count])
+        varargs = bool(code.co_flags & inspect.CO_VARARGS)
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            collected.update(local.get(code.co_varnames[count + varargs], {}))
+        collected.update({name: local[name] for name in names if name in local})
+    collected.pop("__class__", None)
+    return collected
+
+
+
+class XModule(HyperparametersMixin, nn.Module):
     """Subclass this instead of ``lightning.LightningModule``; the hook names are the same.
 
     Required: ``training_step`` and ``configure_optimizers``. Everything else is optional.
@@ -23,7 +141,6 @@ class XModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
-        self.hparams: dict[str, Any] = {}
 
     # ---- what the Trainer provides -------------------------------------------------------
     @property
@@ -52,9 +169,61 @@ class XModule(nn.Module):
     def current_epoch(self) -> int:
         return self._trainer.current_epoch if self._trainer is not None else 0
 
-    def save_hyperparameters(self, **hparams: Any) -> None:
-        """Record hyper-parameters: written to checkpoints and to the logger."""
-        self.hparams.update(hparams)
+    @property
+    def global_rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self._trainer.local_rank if self._trainer is not None else 0
+
+    @property
+    def logger(self) -> Any:
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        return self._trainer.loggers if self._trainer is not None else []
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        if self.global_rank == 0:
+            print(*args, **kwargs)
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every replica's ``data`` (tensors, or a collection of them), stacked on a new first
+        dimension of size ``world_size``, inside the graph (no host sync). One replica: the data
+        with that dimension added (size 1), as in Lightning."""
+        if group is not None:
+            raise ValueError("self.all_gather(group=...) is not supported: it gathers over every replica.")
+        if sync_grads:
+            raise ValueError("self.all_gather(sync_grads=True) is not supported on XLA; gather outside autograd.")
+        return self.trainer.strategy.all_gather_tensors(data)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: Any = None,
+                             hparams_file: str | os.PathLike | None = None, strict: bool = True,
+                             **kwargs: Any) -> "XModule":
+        """A new module built from the hyperparameters a checkpoint recorded (``kwargs``
+        override them), holding its weights. Any layout: a whole file, or a sharded folder
+        (``xla_fsdp``, ``xla_fsdp2``/SPMD), whose shards are assembled. The file is read
+        weights-only and checked against its checksums: nothing in it runs."""
+        from xtrainer.checkpoint import read_module
+
+        hparams, name, state_dict = read_module(checkpoint_path)
+        if hparams_file is not None:
+            from omegaconf import OmegaConf
+
+            hparams = OmegaConf.to_container(OmegaConf.load(os.fspath(hparams_file)), resolve=True)
+        hparams = {**hparams, **kwargs}
+        model = cls(**{name: hparams}) if name else cls(**hparams)
+        missing, unexpected = model.load_state_dict(state_dict, strict=strict)
+        if missing or unexpected:
+            rank_zero_warn(f"load_from_checkpoint({os.fspath(checkpoint_path)!r}, strict=False): missing keys "
+                           f"{missing}, unexpected keys {unexpected}.")
+        if isinstance(map_location, (str, torch.device)):
+            model = model.to(map_location)
+        return model
 
     def __getstate__(self) -> dict[str, Any]:
         # The Trainer is not part of the module: a module pickled for a replica, or deep-copied,
@@ -64,17 +233,28 @@ class XModule(nn.Module):
         return state
 
     # ---- logging ---------------------------------------------------------------------------
-    def log(self, name: str, value: Any, on_step: bool | None = None, on_epoch: bool | None = None,
-            prog_bar: bool = False, sync_dist: bool = False, reduce_fx: str = "mean",
-            batch_size: int | None = None) -> None:
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
+            on_epoch: bool | None = None, reduce_fx: str | Callable = "mean", enable_graph: bool = False,
+            sync_dist: bool = False, sync_dist_group: Any = None, add_dataloader_idx: bool = True,
+            batch_size: int | None = None, metric_attribute: str | None = None, rank_zero_only: bool = False
+            ) -> None:
         """Record a scalar. Defaults: per step in ``training_step``, per epoch elsewhere.
 
         ``value`` stays on the device. ``reduce_fx`` (``"mean"``, weighted by batch size, or
-        ``"sum"``, ``"max"``, ``"min"``) combines the values of an epoch; ``sync_dist=True`` also
-        combines them across replicas, inside the graph.
+        ``"sum"``, ``"max"``, ``"min"``, or ``torch.mean``/``sum``/``max``/``min``) combines the
+        values of an epoch; ``sync_dist=True`` also combines them across replicas, inside the
+        graph. ``logger=False`` keeps the value from the loggers (callbacks and the progress bar
+        still see it). ``add_dataloader_idx=False`` leaves out the ``/dataloader_idx_N`` suffix.
+        ``rank_zero_only`` and ``enable_graph`` change nothing here: loggers are written by rank 0
+        only, and logged values are always detached.
         """
+        del enable_graph, metric_attribute, rank_zero_only
+        if sync_dist_group is not None:
+            raise ValueError(f"self.log({name!r}, sync_dist_group=...) is not supported: sync_dist reduces over "
+                             "every replica.")
         self.trainer._results.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
-                                  sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size)
+                                  sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, logger=logger,
+                                  add_dataloader_idx=add_dataloader_idx)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in values.items():
@@ -107,6 +287,32 @@ class XModule(nn.Module):
 
     def configure_model(self) -> None:
         """Build (and, under ``xla_fsdp``, wrap) submodules once the strategy is set up."""
+
+    def configure_callbacks(self) -> Any:
+        """Callbacks this module needs (one or a list). They join the Trainer's; one of the same
+        type given to the Trainer is replaced, as in Lightning."""
+        return []
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Step the optimizer. Override to change the step (a warm-up of the learning rate, say):
+        ``optimizer`` is the Trainer's wrapper, whose ``step(closure=optimizer_closure)`` reduces
+        gradients across replicas, clips them and steps; ``optimizer_closure()`` returns the loss
+        (the backward pass has already run: it does not run it again)."""
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    # ---- setup and teardown ---------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Download or write data once per host, in the calling process, before any replica starts."""
+
+    def setup(self, stage: str) -> None:
+        """Called in every replica at the start of ``fit``/``validate``/``test``/``predict``
+        (``stage``), before the strategy wraps the module."""
+
+    def teardown(self, stage: str) -> None:
+        """Called in every replica at the end of each stage."""
 
     # ---- data (optional) -----------------------------------------------------------------------
     # train_dataloader(), val_dataloader(), test_dataloader(), predict_dataloader(): define any of

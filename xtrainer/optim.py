@@ -8,9 +8,10 @@ Accepted, as Lightning documents them: an optimizer; ``[optimizer]``; ``([optimi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 
 @dataclass
@@ -19,6 +20,8 @@ class SchedulerConfig:
     interval: str = "epoch"
     frequency: int = 1
     monitor: str | None = None
+    strict: bool = True  # a monitored metric that is missing: an error (True) or a warning and no step
+    name: str | None = None
 
 
 def parse_optimizers(config: Any, name: str) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
@@ -41,12 +44,12 @@ def parse_optimizers(config: Any, name: str) -> tuple[torch.optim.Optimizer, lis
     parsed = []
     for item in schedulers:
         if isinstance(item, dict):
-            unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "name"}
+            unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "name", "strict"}
             if "scheduler" not in item or unknown:
                 raise ValueError(f"A lr_scheduler dict needs 'scheduler' and may have 'interval', 'frequency', "
-                                 f"'monitor' (unknown keys: {sorted(unknown)}).")
+                                 f"'monitor', 'strict', 'name' (unknown keys: {sorted(unknown)}).")
             config_item = SchedulerConfig(item["scheduler"], item.get("interval", "epoch"), item.get("frequency", 1),
-                                          item.get("monitor"))
+                                          item.get("monitor"), bool(item.get("strict", True)), item.get("name"))
         else:
             config_item = SchedulerConfig(item)
         if config_item.interval not in ("step", "epoch"):
@@ -67,6 +70,35 @@ def step_schedulers(schedulers: list[SchedulerConfig], interval: str, count: int
             config.scheduler.step()
             continue
         if config.monitor not in metrics:
-            raise KeyError(f"The scheduler monitors {config.monitor!r}, which was not logged. "
-                           f"Logged: {sorted(metrics)}.")
+            message = (f"The scheduler monitors {config.monitor!r}, which was not logged. "
+                       f"Logged: {sorted(metrics)}.")
+            if config.strict:
+                raise KeyError(message + " Log it, or set 'strict': False in the lr_scheduler dict to skip the step.")
+            rank_zero_warn(message + " The scheduler does not step ('strict': False).")
+            continue
         config.scheduler.step(metrics[config.monitor])
+
+
+class StrategyOptimizer:
+    """The optimizer as an overridden ``optimizer_step`` sees it (Lightning's ``LightningOptimizer``):
+    ``step(closure)`` runs the closure, reduces gradients across replicas as the strategy does,
+    runs the before-step work (``on_before_optimizer_step``, clipping), then steps. Everything else
+    is the wrapped optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, before_step: Callable[[], None] | None) -> None:
+        self._optimizer, self._strategy, self._before_step = optimizer, strategy, before_step
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = closure() if closure is not None else None
+        self._strategy.optimizer_step(self._optimizer, self._before_step)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)

@@ -1,16 +1,20 @@
-"""Numeric precision of a run: ``"32"`` (float32) or ``"bf16"`` (bfloat16 parameters and inputs)."""
+"""Numeric precision of a run: ``"32"`` (float32), ``"bf16"`` (bfloat16 parameters and inputs) or
+``"bf16-mixed"`` (float32 parameters, bfloat16 compute under autocast)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
-_DTYPES = {"32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "bf16-mixed": torch.float32}
 _ALIASES = {"32": "32", 32: "32", "32-true": "32", "fp32": "32",
-            "bf16": "bf16", "bf16-true": "bf16", "bfloat16": "bf16"}
+            "bf16": "bf16", "bf16-true": "bf16", "bfloat16": "bf16",
+            "bf16-mixed": "bf16-mixed", "16-mixed": "bf16-mixed", 16: "bf16-mixed", "16": "bf16-mixed"}
 
 
 class Precision:
@@ -19,13 +23,28 @@ class Precision:
     ``"bf16"`` keeps parameters, gradients, optimizer state and floating-point inputs in
     bfloat16: what the deprecated ``XLA_USE_BF16=1`` did, done explicitly on the module and the
     batch instead of through a process-wide environment variable.
+
+    ``"bf16-mixed"`` keeps parameters and optimizer state in float32 and runs each step under
+    ``torch.autocast("xla", dtype=torch.bfloat16)``. Lightning's ``"16-mixed"`` (float16 with a
+    gradient scaler, made for GPUs) becomes ``"bf16-mixed"`` here, with a warning: XLA devices
+    compute in bfloat16, which needs no loss scaling.
     """
 
     def __init__(self, value: Any = "32") -> None:
         if value not in _ALIASES:
-            raise ValueError(f"precision={value!r} is not supported; use one of {sorted(set(_ALIASES.values()))}.")
+            raise ValueError(f"precision={value!r} is not supported; use one of "
+                             f"{sorted({str(v) for v in _ALIASES})}.")
+        if _ALIASES[value] == "bf16-mixed" and "bf16" not in str(value):
+            rank_zero_warn(f"precision={value!r}: XLA devices compute in bfloat16, not float16; running "
+                           "precision='bf16-mixed' (no gradient scaler is needed).")
         self.name = _ALIASES[value]
         self.dtype = _DTYPES[self.name]
+
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """What each step runs under: autocast for ``"bf16-mixed"``."""
+        if self.name == "bf16-mixed":
+            return torch.autocast("xla", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module if self.dtype == torch.float32 else module.to(self.dtype)

@@ -117,7 +117,7 @@ class Publisher:
         public = {k: v for k, v in values.items() if k != LOSS_KEY}
         trainer.callback_metrics.update(public)
         trainer.logged_metrics.update(public)
-        if public and trainer.state != "predict":
+        if public and trainer.state != "predict" and not trainer.sanity_checking:
             self._hand_out(trainer, dict(public))
         return public
 
@@ -132,9 +132,11 @@ class Publisher:
         module = trainer.module
         for cb in trainer.callbacks:
             cb.on_metrics(trainer, module, logged, trainer.global_step)
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and trainer.loggers:
+            hidden = trainer._results.hidden_from_loggers()
+            for_loggers = {k: v for k, v in logged.items() if k not in hidden} if hidden else logged
             for logger in trainer.loggers:
-                logger.log_metrics(logged, trainer.global_step)
+                logger.log_metrics(for_loggers, trainer.global_step)
 
     # ---- non-finite losses -------------------------------------------------------------------
     def _report_nonfinite(self, trainer: "Trainer", first: float) -> None:

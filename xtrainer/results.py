@@ -19,6 +19,8 @@ import torch
 from xtrainer import _xla
 
 REDUCE_FXS = ("mean", "sum", "max", "min")
+_REDUCE_CALLABLES = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min", sum: "sum",
+                     max: "max", min: "min"}
 _IDENTITY = {"mean": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}
 
 
@@ -29,6 +31,7 @@ class _Entry:
     prog_bar: bool
     sync_dist: bool
     reduce_fx: str
+    logger: bool = True
     last: torch.Tensor | None = None
     total: torch.Tensor | None = None
     weight: float = 0.0  # host-side: sum of batch sizes (mean) or number of values
@@ -50,9 +53,12 @@ class Results:
     _constants: dict[tuple[str, float], torch.Tensor] = field(default_factory=dict)
 
     def log(self, name: str, value: Any, on_step: bool | None, on_epoch: bool | None,
-            prog_bar: bool, sync_dist: bool, reduce_fx: str, batch_size: int | None) -> None:
+            prog_bar: bool, sync_dist: bool, reduce_fx: Any, batch_size: int | None, logger: bool = True,
+            add_dataloader_idx: bool = True) -> None:
+        reduce_fx = _REDUCE_CALLABLES.get(reduce_fx, reduce_fx) if not isinstance(reduce_fx, str) else reduce_fx
         if reduce_fx not in REDUCE_FXS:
-            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS}.")
+            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS} "
+                             "(or torch.mean, torch.sum, torch.max, torch.min).")
         if not isinstance(value, torch.Tensor):
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"self.log({name!r}, ...) takes a scalar tensor or a number, "
@@ -70,10 +76,10 @@ class Results:
             on_step, on_epoch = False, True  # logged from an epoch hook: an epoch-level value
         if not (on_step or on_epoch):
             raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) logs nothing.")
-        name = name + self.suffix
+        name = name + (self.suffix if add_dataloader_idx else "")
         entry = self.entries.get(name)
         if entry is None:
-            entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, sync_dist, reduce_fx)
+            entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, sync_dist, reduce_fx, logger)
         value = value.detach().reshape(()).float()
         if on_step:
             entry.last = value
@@ -131,6 +137,11 @@ class Results:
             if entry.prog_bar:
                 names.update({name, name + "_step", name + "_epoch"})
         return names
+
+    def hidden_from_loggers(self) -> set[str]:
+        """Names logged with ``logger=False``."""
+        return {variant for name, entry in self.entries.items() if not entry.logger
+                for variant in (name, name + "_step", name + "_epoch")}
 
     def reset_epoch(self) -> None:
         for entry in self.entries.values():

@@ -33,10 +33,31 @@ class TrainerSettings:
     enable_checkpointing: bool = True
     enable_xla_health: bool = True
     detect_nonfinite: str = "raise"
+    # Lightning's names, with Lightning's meaning (README: "Coming from Lightning").
+    accelerator: str = "auto"
+    num_nodes: int = 1
+    fast_dev_run: Any = False
+    num_sanity_val_steps: int = 2
+    overfit_batches: Union[int, float] = 0.0
+    deterministic: Optional[bool] = None
+    min_epochs: Optional[int] = None
+    min_steps: Optional[int] = None
+    max_time: Any = None
+    enable_model_summary: bool = True
+    benchmark: Optional[bool] = None
+    sync_batchnorm: bool = False
+    reload_dataloaders_every_n_epochs: int = 0
+    profiler: Optional[str] = None
+    use_distributed_sampler: bool = True
+    inference_mode: bool = True
 
     def check(self) -> "TrainerSettings":
         """Refuse bad values (``ValueError``/``TypeError`` naming the argument); fill defaults that
         depend on others. Returns ``self``."""
+        if isinstance(self.fast_dev_run, bool) or self.fast_dev_run is None:
+            self.fast_dev_run = bool(self.fast_dev_run)
+        elif not isinstance(self.fast_dev_run, int) or self.fast_dev_run < 0:
+            raise ValueError(f"fast_dev_run={self.fast_dev_run!r}: give True, False or a number of batches.")
         if self.max_epochs is None and self.max_steps == -1:
             self.max_epochs = 1000
         _check_positive("max_epochs", self.max_epochs, allow_none=True)
@@ -52,6 +73,23 @@ class TrainerSettings:
             raise ValueError(f"detect_nonfinite={self.detect_nonfinite!r}: use 'raise', 'warn' or 'off'.")
         if self.gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={self.gradient_clip_algorithm!r}: use 'norm' or 'value'.")
+        accelerator = str(self.accelerator).lower()
+        if accelerator in ("gpu", "cuda", "mps"):
+            raise ValueError(f"accelerator={self.accelerator!r}: xtrainer runs on XLA devices. Use 'auto' (what "
+                             "PJRT_DEVICE names, else the XLA CPU runtime), 'tpu'/'xla', or 'cpu' (the XLA CPU "
+                             "runtime); for GPUs use Lightning itself.")
+        if accelerator not in ("auto", "tpu", "xla", "cpu"):
+            raise ValueError(f"accelerator={self.accelerator!r}: use 'auto', 'tpu', 'xla' or 'cpu'.")
+        _check_positive("num_nodes", self.num_nodes)
+        if isinstance(self.num_sanity_val_steps, bool) or not isinstance(self.num_sanity_val_steps, int) \
+                or self.num_sanity_val_steps < -1:
+            raise ValueError(f"num_sanity_val_steps={self.num_sanity_val_steps!r}: give a number of batches, "
+                             "0 (none) or -1 (all).")
+        _check_limit("overfit_batches", self.overfit_batches)
+        _check_positive("min_epochs", self.min_epochs, allow_none=True)
+        _check_positive("min_steps", self.min_steps, allow_none=True)
+        if self.reload_dataloaders_every_n_epochs != 0:
+            _check_positive("reload_dataloaders_every_n_epochs", self.reload_dataloaders_every_n_epochs)
         if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
             raise ValueError(f"gradient_clip_val={self.gradient_clip_val} must be positive (or None for no clipping).")
         return self

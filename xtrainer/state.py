@@ -44,6 +44,10 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
         "rng_states": rng_states(strategy),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "hyper_parameters": ckpt_format.plain_hparams(trainer.module.hparams),
+        "hparams_name": trainer.module._hparams_name,
+        **({"datamodule": trainer.datamodule.state_dict(),
+            "datamodule_hyper_parameters": ckpt_format.plain_hparams(trainer.datamodule.hparams)}
+           if trainer.datamodule is not None else {}),
     }
 
 
@@ -80,6 +84,8 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
         for cb in trainer.callbacks:
             if cb.state_key in checkpoint.get("callbacks", {}):
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
+    if trainer.datamodule is not None and "datamodule" in checkpoint:
+        trainer.datamodule.load_state_dict(checkpoint["datamodule"])
     trainer.module.on_load_checkpoint(checkpoint)
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, trainer.module, checkpoint)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import math
 import os
 import signal
+import time
 from typing import Any, Sequence
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from xtrainer import _xla, interrupts
@@ -17,15 +20,17 @@ from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.checkpoint import resume
+from xtrainer.datamodule import LOADER_HOOKS, XDataModule
 from xtrainer.loggers import Logger, TensorBoardLogger
 from xtrainer.module import MODULE_HOOKS, XModule
-from xtrainer.optim import SchedulerConfig, parse_optimizers, step_schedulers
+from xtrainer.optim import SchedulerConfig, StrategyOptimizer, parse_optimizers, step_schedulers
 from xtrainer.precision import Precision
 from xtrainer.publishing import LOSS_KEY, Publisher
 from xtrainer.results import Results, batch_size
 from xtrainer.settings import TrainerSettings
 from xtrainer.state import seed_everything
 from xtrainer.strategies import Strategy, resolve_strategy
+from xtrainer.strategies.base import sequential_dataloader
 
 __all__ = ["Trainer", "seed_everything"]
 
@@ -42,9 +47,14 @@ class _StepDispatcher(nn.Module):
         super().__init__()
         self.module = module
         self.precision = precision
+        # How many of (batch_idx, dataloader_idx) each step method takes: Lightning lets
+        # training_step(self, batch) leave batch_idx out.
+        self._arity = {stage: _positional_count(getattr(module, name)) for stage, name in _STEP_METHODS.items()}
 
     def forward(self, stage: str, batch: Any, *args: Any) -> Any:
-        return getattr(self.module, _STEP_METHODS[stage])(self.precision.convert_input(batch), *args)
+        args = args[:max(0, self._arity[stage] - 1)]
+        with self.precision.step_context():
+            return getattr(self.module, _STEP_METHODS[stage])(self.precision.convert_input(batch), *args)
 
 
 class Trainer:
@@ -80,6 +90,13 @@ class Trainer:
             or ``"off"``. The check runs on the device inside each step and is read with the
             logged values (every ``log_every_n_steps`` and at epoch ends): no extra host sync,
             so training may run up to that many steps past the first bad loss before stopping.
+
+    Lightning's other arguments keep Lightning's meaning (the README's "Coming from Lightning"
+    table says where XLA makes a difference): ``accelerator``, ``num_nodes``, ``fast_dev_run``,
+    ``num_sanity_val_steps``, ``overfit_batches``, ``deterministic``, ``min_epochs``,
+    ``min_steps``, ``max_time``, ``enable_model_summary``, ``benchmark``, ``sync_batchnorm``,
+    ``reload_dataloaders_every_n_epochs``, ``profiler``, ``use_distributed_sampler``,
+    ``inference_mode``.
     """
 
     def __init__(
@@ -106,9 +123,48 @@ class Trainer:
         enable_checkpointing: bool = True,
         enable_xla_health: bool = True,
         detect_nonfinite: str = "raise",
+        accelerator: str = "auto",
+        num_nodes: int = 1,
+        fast_dev_run: int | bool = False,
+        num_sanity_val_steps: int = 2,
+        overfit_batches: int | float = 0.0,
+        deterministic: bool | None = None,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
+        max_time: str | datetime.timedelta | dict[str, int] | None = None,
+        enable_model_summary: bool = True,
+        benchmark: bool | None = None,
+        sync_batchnorm: bool = False,
+        reload_dataloaders_every_n_epochs: int = 0,
+        profiler: str | None = None,
+        use_distributed_sampler: bool = True,
+        inference_mode: bool = True,
     ) -> None:
         settings = TrainerSettings(**{name: value for name, value in locals().items()
                                       if name in TrainerSettings.names()}).check()
+        _check_accelerator(settings.accelerator, settings.num_nodes)
+        self.fast_dev_run = settings.fast_dev_run
+        if self.fast_dev_run:  # Lightning's meaning: n batches of every loop, nothing written
+            n = 1 if self.fast_dev_run is True else self.fast_dev_run
+            settings.limit_train_batches = settings.limit_val_batches = n
+            settings.limit_test_batches = settings.limit_predict_batches = n
+            settings.max_steps, settings.max_epochs, settings.num_sanity_val_steps = n, 1, 0
+            settings.val_check_interval, settings.check_val_every_n_epoch = 1.0, 1
+            settings.enable_checkpointing, logger = False, False
+            callbacks = [cb for cb in _as_list(callbacks) if not isinstance(cb, ModelCheckpoint)]
+            rank_zero_info(f"xtrainer: fast_dev_run: {n} batch(es) of each loop, 1 epoch; no logs, no checkpoints.")
+        if settings.overfit_batches:
+            # The same first batches every epoch (no shuffling), for training and validation.
+            settings.limit_train_batches = settings.limit_val_batches = settings.overfit_batches
+        self.overfit_batches = settings.overfit_batches
+        self.num_sanity_val_steps = settings.num_sanity_val_steps
+        self.min_epochs, self.min_steps = settings.min_epochs, settings.min_steps
+        self.max_time = _seconds(settings.max_time)
+        self.enable_model_summary = settings.enable_model_summary
+        self.reload_dataloaders_every_n_epochs = settings.reload_dataloaders_every_n_epochs
+        self.use_distributed_sampler = settings.use_distributed_sampler
+        self.num_nodes = settings.num_nodes
+        _note_lightning_only(settings)
         self.strategy = resolve_strategy(strategy)
         self.precision = Precision(settings.precision)
         self.strategy.connect(_resolve_devices(settings.devices), self.precision)
@@ -131,9 +187,7 @@ class Trainer:
         self._runs_root = os.path.join(self.default_root_dir, name) if name else self.default_root_dir
         self._log_dir: str | None = None  # claimed on first use (log_dir)
 
-        if isinstance(callbacks, Callback):
-            callbacks = [callbacks]
-        self.callbacks: list[Callback] = list(callbacks or [])
+        self.callbacks: list[Callback] = _as_list(callbacks)
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}.")
@@ -146,11 +200,21 @@ class Trainer:
             self.callbacks.append(XlaHealth())
         if settings.enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in self.callbacks):
             self.callbacks.append(ProgressBar())
+        if settings.profiler is not None:
+            self.callbacks.append(_profiler(settings.profiler))
         if logger is True:
             logger = TensorBoardLogger()
-        self.loggers: list[Logger] = [logger] if isinstance(logger, Logger) else []
-        if logger not in (None, False) and not isinstance(logger, Logger):
-            raise TypeError(f"logger must be True, False or a Logger, got {type(logger).__name__}.")
+        self.loggers: list[Logger] = [] if logger in (None, False) else _as_list(logger)
+        for one in self.loggers:
+            if not isinstance(one, Logger):
+                raise TypeError(f"logger must be True, False, a Logger or a list of them, got {type(one).__name__} "
+                                "(loggers come from xtrainer.loggers).")
+        self.datamodule: XDataModule | None = None
+        self.sanity_checking = False
+        self._fitted_model: XModule | None = None  # for validate()/test()/predict() without a model
+        self._started_at = 0.0
+        self._loader_hooks: dict[str, Any] = {}
+        self._num_val_batches: list[float] = []
 
         # Loop state: what a checkpoint saves and `fit` continues from.
         self.global_step = 0
@@ -214,6 +278,50 @@ class Trainer:
         return self.strategy.is_global_zero
 
     @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return _xla.process_index() if self.state != "idle" and _xla.is_spmd() else 0
+
+    @property
+    def logger(self) -> Logger | None:
+        """The first logger (None without one)."""
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        return next(iter(self.checkpoint_callbacks), None)
+
+    @property
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        from xtrainer.callbacks import EarlyStopping
+
+        return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
+
+    @property
+    def lightning_module(self) -> XModule:
+        return self.module
+
+    @property
+    def estimated_stepping_batches(self) -> float:
+        """Optimizer steps this fit will take (``max_steps``, or epochs x steps per epoch):
+        what a one-cycle scheduler needs in ``configure_optimizers``."""
+        per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches) \
+            if self.num_training_batches else math.inf
+        by_epochs = per_epoch * self.max_epochs if self.max_epochs is not None else math.inf
+        return min(by_epochs, self.max_steps) if self.max_steps != -1 else by_epochs
+
+    @property
+    def num_val_batches(self) -> list[float]:
+        return list(self._num_val_batches)
+
+    @property
     def module(self) -> XModule:
         if self._module is None:
             raise RuntimeError("The Trainer has no module outside fit/validate/test/predict.")
@@ -241,20 +349,74 @@ class Trainer:
 
     # ---- entry points (calling process) ------------------------------------------------------
     def fit(self, model: XModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
-            ckpt_path: str | os.PathLike | None = None) -> None:
-        """Train ``model``. Afterwards it holds the trained weights (on the CPU)."""
+            datamodule: XDataModule | None = None, ckpt_path: str | os.PathLike | None = None) -> None:
+        """Train ``model`` on loaders given here, or a ``datamodule``'s, or the module's own
+        ``*_dataloader()`` hooks. Afterwards ``model`` holds the trained weights (on the CPU)."""
         _check_module(model, "fit")
-        train = _as_list(train_dataloaders) or _as_list(_module_loader(model, "train_dataloader"))
-        if not train:
-            raise ValueError(f"fit() got no training data: pass train_dataloaders=..., or define "
-                             f"{type(model).__name__}.train_dataloader().")
-        if len(train) > 1:
-            raise ValueError("fit() takes one training dataloader.")
-        val = _as_list(val_dataloaders) or _as_list(_module_loader(model, "val_dataloader"))
-        if val and type(model).validation_step is XModule.validation_step:
-            raise ValueError(f"Validation data was given but {type(model).__name__} has no validation_step.")
-        with interrupts.graceful():  # SIGTERM/SIGINT: finish the step, write a checkpoint, raise
-            self._launch("fit", model, {"train": train, "validate": val}, ckpt_path)
+        if isinstance(train_dataloaders, XDataModule):  # Lightning accepts it in this place too
+            train_dataloaders, datamodule = None, train_dataloaders
+        self._prepare("fit", model, datamodule, given=train_dataloaders is not None or val_dataloaders is not None)
+        try:
+            train = _as_list(train_dataloaders) or self._hook_loaders(model, "train")
+            if not train:
+                raise ValueError(f"fit() got no training data: pass train_dataloaders=..., a datamodule, or define "
+                                 f"{type(model).__name__}.train_dataloader().")
+            if len(train) > 1:
+                raise ValueError("fit() takes one training dataloader.")
+            if self.overfit_batches:
+                train = [sequential_dataloader(train[0])]
+            val = _as_list(val_dataloaders) or (self._hook_loaders(model, "validate")
+                                                if type(model).validation_step is not XModule.validation_step else [])
+            if val and type(model).validation_step is XModule.validation_step:
+                raise ValueError(f"Validation data was given but {type(model).__name__} has no validation_step.")
+            with interrupts.graceful():  # SIGTERM/SIGINT: finish the step, write a checkpoint, raise
+                self._launch("fit", model, {"train": train, "validate": val}, ckpt_path)
+            self._fitted_model = model
+        finally:
+            self._teardown_data("fit")
+
+    def _prepare(self, stage: str, model: XModule, datamodule: XDataModule | None, given: bool) -> None:
+        """In the calling process, before any replica starts: the module's extra callbacks, then
+        ``prepare_data`` (module, then data module) and the data module's ``setup(stage)``."""
+        if datamodule is not None and not isinstance(datamodule, XDataModule):
+            raise TypeError(f"datamodule must be an xtrainer.XDataModule, got {type(datamodule).__name__}.")
+        if datamodule is not None and given:
+            raise ValueError(f"{stage}() got both dataloaders and a datamodule; give one of them.")
+        self._add_module_callbacks(model)
+        self.datamodule = datamodule
+        model.prepare_data()
+        if datamodule is not None:
+            datamodule.trainer = self
+            datamodule.prepare_data()
+            datamodule.setup(stage)
+
+    def _teardown_data(self, stage: str) -> None:
+        if self.datamodule is not None:
+            self.datamodule.teardown(stage)
+
+    def _hook_loaders(self, model: XModule, stage: str) -> list:
+        """The loaders the data module's hook for ``stage`` returns, else the module's own."""
+        hook = LOADER_HOOKS[stage]
+        owner = self.datamodule if self.datamodule is not None and callable(getattr(self.datamodule, hook, None)) \
+            else model
+        self._loader_hooks[stage] = owner
+        return _as_list(_module_loader(owner, hook))
+
+    def _add_module_callbacks(self, model: XModule) -> None:
+        """``configure_callbacks()``: they join the Trainer's; one of the same type replaces it."""
+        extra = _as_list(model.configure_callbacks())
+        if not extra:
+            return
+        for cb in extra:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"{type(model).__name__}.configure_callbacks() returned a {type(cb).__name__}, "
+                                "not a Callback.")
+            check_hook_names(cb, CALLBACK_HOOKS, Callback)
+        types_ = {type(cb) for cb in extra}
+        kept = [cb for cb in self.callbacks if type(cb) not in types_]
+        # Checkpoint callbacks go last, as in Lightning: they see what the others did.
+        rest = [cb for cb in kept + extra if not isinstance(cb, ModelCheckpoint)]
+        self.callbacks = rest + [cb for cb in kept + extra if isinstance(cb, ModelCheckpoint)]
 
     def resolve_ckpt_path(self, ckpt_path: str | os.PathLike | None) -> str | None:
         """The checkpoint ``ckpt_path`` means for this run, checked completely (every byte against
@@ -272,6 +434,13 @@ class Trainer:
             resolved, self._resolved_ckpt = self._resolved_ckpt[1], None
             return resolved
         ckpt_path = os.fspath(ckpt_path)
+        if ckpt_path == "best":
+            best = getattr(self.checkpoint_callback, "best_model_path", "")
+            if not best:
+                raise ckpt_io.CheckpointNotFoundError(
+                    "ckpt_path='best': no best checkpoint is known. It needs a fit with a ModelCheckpoint(monitor=...) "
+                    "in this Trainer; pass a path instead.")
+            ckpt_path = best
         if ckpt_path != "last" and not os.path.exists(ckpt_path):
             raise ckpt_io.CheckpointNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (or pass ckpt_path='last').")
         extra = [cb.dirpath for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
@@ -283,36 +452,60 @@ class Trainer:
         print(f"xtrainer: resuming from {header.describe()}", flush=True)
         return header.path
 
-    def validate(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[dict[str, float]]:
+    def validate(self, model: XModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
+                 verbose: bool = True, datamodule: XDataModule | None = None) -> list[dict[str, float]]:
         """Run the validation loop once; one dict of metrics per dataloader.
 
-        With several replicas, values logged with ``sync_dist=True`` are combined across replicas;
-        others are rank 0's.
+        Without ``model``, the module of the last ``fit``, from the best checkpoint when a
+        ``ModelCheckpoint`` monitored one (else as the fit left it). With several replicas,
+        values logged with ``sync_dist=True`` are combined across replicas; others are rank 0's.
         """
-        return self._evaluate("validate", model, dataloaders, ckpt_path)
+        return self._evaluate("validate", model, dataloaders, ckpt_path, verbose, datamodule)
 
-    def test(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[dict[str, float]]:
-        """Run the test loop once; one dict of metrics per dataloader."""
-        return self._evaluate("test", model, dataloaders, ckpt_path)
+    def test(self, model: XModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
+             verbose: bool = True, datamodule: XDataModule | None = None) -> list[dict[str, float]]:
+        """Run the test loop once; one dict of metrics per dataloader (``model`` as in ``validate``)."""
+        return self._evaluate("test", model, dataloaders, ckpt_path, verbose, datamodule)
 
-    def predict(self, model: XModule, dataloaders: Any = None, ckpt_path: str | None = None) -> list[Any]:
+    def predict(self, model: XModule | None = None, dataloaders: Any = None, datamodule: XDataModule | None = None,
+                return_predictions: bool | None = None, ckpt_path: str | None = None) -> list[Any] | None:
         """``predict_step`` outputs on the CPU: one list per dataloader (just the list if one).
 
         With several replicas each predicts its share of the data; the outputs returned are rank
         0's share. Write every replica's predictions from ``on_predict_batch_end`` to collect all.
         """
-        return self._evaluate("predict", model, dataloaders, ckpt_path)
+        outputs = self._evaluate("predict", model, dataloaders, ckpt_path, False, datamodule)
+        return None if return_predictions is False else outputs
 
-    def _evaluate(self, stage: str, model: XModule, dataloaders: Any, ckpt_path: str | None) -> Any:
+    def _evaluate(self, stage: str, model: XModule | None, dataloaders: Any, ckpt_path: str | None,
+                  verbose: bool, datamodule: XDataModule | None) -> Any:
+        if isinstance(dataloaders, XDataModule):
+            dataloaders, datamodule = None, dataloaders
+        if model is None:
+            model = self._fitted_model
+            if model is None:
+                raise ValueError(f"{stage}() got no model, and this Trainer has not fitted one: pass the model.")
+            if ckpt_path is None and getattr(self.checkpoint_callback, "best_model_path", ""):
+                ckpt_path = "best"
         _check_module(model, stage)
-        hook = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}[stage]
-        loaders = _as_list(dataloaders) or _as_list(_module_loader(model, hook))
-        if not loaders:
-            raise ValueError(f"{stage}() got no data: pass dataloaders=..., or define {type(model).__name__}.{hook}().")
-        step = _STEP_METHODS[stage]
-        if stage != "predict" and getattr(type(model), step) is getattr(XModule, step):
-            raise ValueError(f"{type(model).__name__} has no {step}(self, batch, batch_idx) to {stage} with.")
-        return self._launch(stage, model, {stage: loaders}, ckpt_path)
+        if datamodule is None and dataloaders is None:
+            datamodule = self.datamodule  # the fit's, if it had one
+        self._prepare(stage, model, datamodule, given=dataloaders is not None)
+        try:
+            hook = LOADER_HOOKS[stage]
+            loaders = _as_list(dataloaders) or self._hook_loaders(model, stage)
+            if not loaders:
+                raise ValueError(f"{stage}() got no data: pass dataloaders=..., a datamodule, or define "
+                                 f"{type(model).__name__}.{hook}().")
+            step = _STEP_METHODS[stage]
+            if stage != "predict" and getattr(type(model), step) is getattr(XModule, step):
+                raise ValueError(f"{type(model).__name__} has no {step}(self, batch, batch_idx) to {stage} with.")
+            results = self._launch(stage, model, {stage: loaders}, ckpt_path)
+        finally:
+            self._teardown_data(stage)
+        if verbose and stage != "predict":
+            _print_results(stage, results)
+        return results
 
     def _launch(self, stage: str, model: XModule, loaders: dict[str, list], ckpt_path: Any) -> Any:
         resolved = self._resolve_ckpt_path(ckpt_path)
@@ -353,9 +546,12 @@ class Trainer:
         try:
             for cb in self.callbacks:
                 cb.setup(self, module, stage)
+            module.setup(stage)
             self._wrapped = self.strategy.setup_module(_StepDispatcher(module, self.precision))
-            data = {name: [self.strategy.process_dataloader(dl) for dl in dls] for name, dls in loaders.items()}
+            data = {name: [self._device_data(dl) for dl in dls] for name, dls in loaders.items()}
             if stage == "fit":
+                self.num_training_batches = self._num_batches(data["train"][0], "train")
+                self._num_val_batches = [self._num_batches(d, "validate") for d in data["validate"]]
                 self._setup_optimizers()
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage)
@@ -384,8 +580,12 @@ class Trainer:
                 self.strategy.teardown(self._wrapped, failed)
             for cb in self.callbacks:
                 cb.teardown(self, module, stage)
+            module.teardown(stage)
             self.state = "idle"
             self._wrapped = self._module = None
+
+    def _device_data(self, loader: Any) -> Any:
+        return self.strategy.process_dataloader(loader, distribute=self.use_distributed_sampler)
 
     def _setup_optimizers(self) -> None:
         module = self.module
@@ -393,6 +593,8 @@ class Trainer:
         self._optimizer, self._schedulers = parse_optimizers(config, type(module).__name__)
         self._needs_before_step = self.gradient_clip_val is not None or _overrides(
             module, self.callbacks, "on_before_optimizer_step")
+        self._custom_step = (type(module).optimizer_step is not XModule.optimizer_step
+                             or type(module).optimizer_zero_grad is not XModule.optimizer_zero_grad)
 
     # ---- fit ---------------------------------------------------------------------------------
     def _fit_loop(self, train: Any, val: list) -> None:
@@ -404,10 +606,17 @@ class Trainer:
             raise ValueError("limit_train_batches leaves no training batches to run.")
         self._results = Results("train", default_on_step=True)
         self._publisher.start_fit(self)
+        self._started_at = time.monotonic()
+        if self.enable_model_summary and self.is_global_zero:
+            self._print_summary()
         self._call("on_fit_start")
+        if val and self.num_sanity_val_steps and self._validation_epoch_any():
+            self._sanity_check(val)
         self._call("on_train_start")
+        first_epoch = self.current_epoch
         while not self._fit_done():
             self._results.reset_epoch()
+            train = self._reloaded(train, first_epoch)
             train.set_epoch(self.current_epoch, self._seed)
             self._call("on_train_epoch_start")
             skip, self._skip_batches = self._skip_batches, 0
@@ -421,12 +630,16 @@ class Trainer:
             # torch_xla's device loader cuts the graph, which advances the XLA generator.
             batches = train.resume_at(skip) if skip < self.num_training_batches else ()
             for batch_idx, batch in batches:
+                if self._call("on_train_batch_start", batch, batch_idx) == -1:
+                    break  # Lightning's meaning: the rest of this epoch is skipped
                 self._validation_pending = bool(val) and self._validation_due(batch_idx)
                 self._train_batch(batch, batch_idx)
                 if self._validation_pending:
                     self._run_validation(val)
                 if interrupts.requested() is not None:
                     self.should_stop = True  # a signal: stop as should_stop does (all replicas at one step)
+                elif self.max_time is not None and time.monotonic() - self._started_at >= self.max_time:
+                    self.should_stop = True  # host clock, no device sync; replicas agree as for any stop
                 if batch_idx + 1 >= self.num_training_batches:
                     break
                 if self._stopping() or (self.max_steps != -1 and self.global_step >= self.max_steps):
@@ -494,15 +707,22 @@ class Trainer:
     def _stopping(self) -> bool:
         """Whether ``should_stop`` ends the fit. With several replicas, one replica's request is
         shared at the next logging step or epoch end (riding on the values read there), and all
-        stop together; stopping on one alone would leave the others waiting in a collective."""
-        return self._publisher.stop_agreed if self.world_size > 1 else self.should_stop
+        stop together; stopping on one alone would leave the others waiting in a collective.
+        Before ``min_epochs``/``min_steps`` only a signal stops the fit."""
+        asked = self._publisher.stop_agreed if self.world_size > 1 else self.should_stop
+        if asked and interrupts.requested() is None and not self._minimum_done():
+            return False
+        return asked
+
+    def _minimum_done(self) -> bool:
+        return ((self.min_epochs is None or self.current_epoch >= self.min_epochs)
+                and (self.min_steps is None or self.global_step >= self.min_steps))
 
     def _fit_done(self) -> bool:
         return (self._stopping() or (self.max_steps != -1 and self.global_step >= self.max_steps)
                 or (self.max_epochs is not None and self.current_epoch >= self.max_epochs))
 
     def _train_batch(self, batch: Any, batch_idx: int) -> None:
-        self._call("on_train_batch_start", batch, batch_idx)
         steps = ((batch_idx + 1) % self.accumulate_grad_batches == 0
                  or batch_idx + 1 == self.num_training_batches)
         results = self._results
@@ -520,7 +740,7 @@ class Trainer:
             self._call("on_after_backward")
         results.in_step = False
         if steps:
-            self._optimizer_step()
+            self._optimizer_step(batch_idx, loss)
         if steps and self.global_step % self.log_every_n_steps == 0:
             # Read once the step's graph is launched, as torch_xla's step closures run: the
             # values are this step's outputs, and reading them is the interval's one host sync.
@@ -533,12 +753,18 @@ class Trainer:
         self._publisher.publish(self, self._results.step_tensors(self.strategy.reduce, self.world_size),
                                 check_loss=True)
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, batch_idx: int, loss: torch.Tensor) -> None:
         optimizer = self._optimizer
         before_step = self._before_optimizer_step if self._needs_before_step else None
-        self.strategy.optimizer_step(optimizer, before_step)
-        self._call("on_before_zero_grad", optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        if self._custom_step:  # the module overrides optimizer_step or optimizer_zero_grad
+            wrapper = StrategyOptimizer(optimizer, self.strategy, before_step)
+            self.module.optimizer_step(self.current_epoch, batch_idx, wrapper, lambda: loss)
+            self._call("on_before_zero_grad", optimizer)
+            self.module.optimizer_zero_grad(self.current_epoch, batch_idx, optimizer)
+        else:
+            self.strategy.optimizer_step(optimizer, before_step)
+            self._call("on_before_zero_grad", optimizer)
+            optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         self._publisher.stepped()
         self._step_schedulers("step")
@@ -552,6 +778,52 @@ class Trainer:
     def _step_schedulers(self, interval: str) -> None:
         count = self.global_step if interval == "step" else self.current_epoch + 1
         step_schedulers(self._schedulers, interval, count, self.callback_metrics)
+
+    def _validation_epoch_any(self) -> bool:
+        """Whether validation runs in any epoch of this fit (not when limit_val_batches is 0)."""
+        return self.limits["validate"] != 0
+
+    def _sanity_check(self, val: list) -> None:
+        """Lightning's sanity check: the first ``num_sanity_val_steps`` batches of each validation
+        loader, before training, to fail early on a broken ``validation_step``. Nothing it logs is
+        kept, callbacks see ``trainer.sanity_checking``, and the random generators are left as
+        they were, so a run with the check trains exactly as one without."""
+        train_results = self._results
+        self.sanity_checking = True
+        try:
+            with _xla.rng_state_kept(), torch.random.fork_rng(devices=[]):
+                for cb in self.callbacks:
+                    cb.on_sanity_check_start(self, self.module)
+                self._eval_loop("validate", val, cap=self.num_sanity_val_steps if self.num_sanity_val_steps > 0 else None)
+                for cb in self.callbacks:
+                    cb.on_sanity_check_end(self, self.module)
+        finally:
+            self.sanity_checking = False
+            self._results = train_results
+        self.callback_metrics.clear()
+        self.logged_metrics.clear()
+        self.progress_bar_metrics.clear()
+
+    def _reloaded(self, train: Any, first_epoch: int) -> Any:
+        """``reload_dataloaders_every_n_epochs``: the training loader from its hook again."""
+        every, owner = self.reload_dataloaders_every_n_epochs, self._loader_hooks.get("train")
+        if not every or owner is None or self.current_epoch == first_epoch or self.current_epoch % every:
+            return train
+        loader = _as_list(_module_loader(owner, LOADER_HOOKS["train"]))
+        if len(loader) != 1:
+            raise ValueError(f"{type(owner).__name__}.train_dataloader() returned {len(loader)} loaders on reload.")
+        data = self._device_data(sequential_dataloader(loader[0]) if self.overfit_batches else loader[0])
+        self.num_training_batches = self._num_batches(data, "train")
+        return data
+
+    def _print_summary(self) -> None:
+        try:
+            from xtrainer.summary import summarize
+        except ImportError:
+            return
+
+        print(summarize(self.module, world_size=self.world_size,
+                        sharded=self.strategy.name in ("xla_fsdp", "xla_fsdpv2")), flush=True)
 
     def _validation_epoch(self) -> bool:
         every = self.check_val_every_n_epoch
@@ -580,7 +852,7 @@ class Trainer:
         self._validation_pending = False
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def _eval_loop(self, stage: str, datas: list) -> Any:
+    def _eval_loop(self, stage: str, datas: list, cap: int | None = None) -> Any:
         hook = _HOOK_STAGE[stage]
         wrapped = self._wrapped
         was_training = wrapped.training
@@ -593,16 +865,15 @@ class Trainer:
             for dl_idx, data in enumerate(datas):
                 data.set_epoch(self.current_epoch, self._seed)
                 extra = (dl_idx,) if len(datas) > 1 else ()
-                step_extra = extra if _accepts_dataloader_idx(getattr(self.module, _STEP_METHODS[stage])) else ()
                 results.suffix = f"/dataloader_idx_{dl_idx}" if len(datas) > 1 else ""
-                limit = self._num_batches(data, stage)
+                limit = self._num_batches(data, stage) if cap is None else min(cap, self._num_batches(data, stage))
                 outputs_of_loader: list[Any] = []
                 for batch_idx, batch in enumerate(data):
                     if batch_idx >= limit:
                         break
                     self._call(f"on_{hook}_batch_start", batch, batch_idx, *extra)
                     results.batch_size, results.in_step = batch_size(batch), True
-                    outputs = wrapped(stage, batch, batch_idx, *step_extra)
+                    outputs = wrapped(stage, batch, batch_idx, *extra)
                     results.in_step = False
                     if stage == "predict":
                         # host sync: predictions are returned on the host, batch by batch
@@ -672,12 +943,13 @@ class Trainer:
         run_state.restore(self, self.strategy.checkpoint_layout.load(self.strategy, path), path, stage)
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _call(self, hook: str, *args: Any) -> None:
-        """Call ``hook`` on the module, then on every callback, in order."""
+    def _call(self, hook: str, *args: Any) -> Any:
+        """Call ``hook`` on the module, then on every callback, in order; the module's answer."""
         module = self.module
-        getattr(module, hook)(*args)
+        answer = getattr(module, hook)(*args)
         for cb in self.callbacks:
             getattr(cb, hook)(self, module, *args)
+        return answer
 
     def _num_batches(self, data: Any, stage: str) -> float:
         try:
@@ -741,13 +1013,90 @@ def _overrides(module: XModule, callbacks: list[Callback], hook: str) -> bool:
             or any(getattr(type(cb), hook) is not getattr(Callback, hook) for cb in callbacks))
 
 
-def _accepts_dataloader_idx(step: Any) -> bool:
+def _positional_count(method: Any) -> int:
+    """Positional arguments a bound step method takes (many for ``*args``)."""
     try:
-        params = inspect.signature(step).parameters
+        params = inspect.signature(method).parameters.values()
     except (TypeError, ValueError):
-        return True
-    return "dataloader_idx" in params or len(params) >= 3 or any(
-        p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
+        return 3
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return 3
+    return sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _check_accelerator(accelerator: str, num_nodes: int) -> None:
+    """``accelerator`` names the XLA device kind: "cpu" is the XLA CPU runtime, "tpu"/"xla" what
+    PJRT_DEVICE names (the settings refused anything else)."""
+    requested = _xla.requested_device_type()
+    accelerator = accelerator.lower()
+    if accelerator == "cpu" and requested != "CPU":
+        raise ValueError(f"accelerator='cpu' asks for the XLA CPU runtime, but PJRT_DEVICE={requested}; "
+                         "unset PJRT_DEVICE (or set it to CPU), or use accelerator='auto'.")
+    if accelerator in ("tpu", "xla") and requested == "CPU":
+        rank_zero_warn(f"accelerator={accelerator!r}, but PJRT_DEVICE is CPU: running on the XLA CPU runtime.")
+    if num_nodes > 1 and requested == "CPU":
+        raise ValueError(f"num_nodes={num_nodes}: the XLA CPU runtime runs on one host; use devices=N for N replicas.")
+
+
+def _seconds(max_time: Any) -> float | None:
+    """``max_time`` as seconds: ``"DD:HH:MM:SS"``, a ``timedelta``, or a dict of its fields."""
+    if max_time is None:
+        return None
+    if isinstance(max_time, datetime.timedelta):
+        return max_time.total_seconds()
+    if isinstance(max_time, dict):
+        try:
+            return datetime.timedelta(**max_time).total_seconds()
+        except TypeError:
+            raise ValueError(f"max_time={max_time!r}: a dict takes timedelta's fields (days, hours, minutes, "
+                             "seconds).") from None
+    if isinstance(max_time, str):
+        parts = max_time.split(":")
+        if len(parts) == 4 and all(p.strip().isdigit() for p in parts):
+            days, hours, minutes, secs = (int(p) for p in parts)
+            return datetime.timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
+    raise ValueError(f"max_time={max_time!r}: give 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a timedelta or a dict "
+                     "such as {'hours': 12}.")
+
+
+def _note_lightning_only(settings: TrainerSettings) -> None:
+    """One line for each Lightning setting that XLA changes or makes meaningless."""
+    if settings.benchmark is not None:
+        rank_zero_info("xtrainer: benchmark= chooses cuDNN algorithms; XLA has no cuDNN, so it is ignored.")
+    if settings.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=settings.deterministic == "warn")
+        rank_zero_warn("deterministic=True: torch's deterministic algorithms are on for the host's ops; XLA's "
+                       "compiled graphs do not read that switch (on one device kind, the same program and seed "
+                       "give the same results; xtrainer's resume tests check this bitwise).")
+    if settings.sync_batchnorm:
+        rank_zero_warn("sync_batchnorm=True: BatchNorm statistics are not synchronised across replicas on XLA here; "
+                       "each replica normalises with the statistics of its own share of the batch.")
+    if not settings.inference_mode:
+        rank_zero_info("xtrainer: inference_mode=False: evaluation runs under torch.no_grad() as always.")
+
+
+def _profiler(profiler: str) -> Callback:
+    from xtrainer.callbacks import XlaProfiler
+
+    if profiler not in ("xla", "simple", "advanced", "pytorch"):
+        raise ValueError(f"profiler={profiler!r}: use 'xla' (an XLA trace for TensorBoard's profile plugin), or "
+                         "pass an XlaProfiler callback.")
+    if profiler != "xla":
+        rank_zero_warn(f"profiler={profiler!r}: host-side timings mean little on XLA, where the device works "
+                       "asynchronously; an XLA trace (XlaProfiler) is taken instead.")
+    return XlaProfiler()
+
+
+def _print_results(stage: str, results: list[dict[str, float]]) -> None:
+    """Lightning's table of ``validate``/``test`` results, printed by the calling process."""
+    rows = [(name, value) for metrics in results for name, value in sorted(metrics.items())]
+    if not rows:
+        return
+    width = max(len(name) for name, _ in rows)
+    title = f"{'Validate' if stage == 'validate' else 'Test'} metric"
+    print(f"{title:<{width}}  DataLoader 0")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value:.6g}")
 
 
 def _training_loss(outputs: Any) -> torch.Tensor:

@@ -20,7 +20,7 @@ from xtrainer.checkpoint.storage import LAST
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "UnreadableCheckpointError", "UnsafeCheckpointError",
            "LAST", "TRAINER_FILE",
-           "load_checkpoint", "consolidate", "verify", "default_dirpath"]
+           "load_checkpoint", "consolidate", "verify", "default_dirpath", "read_module"]
 
 
 def default_dirpath(log_dir: str) -> str:
@@ -64,3 +64,23 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
     kind = layout.layout_of(path)
     layout.trainer_state(path)
     return fsdp.consolidate(path) if kind == layout.FSDP else distributed.consolidate(path)
+
+
+def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
+    """What ``load_from_checkpoint`` needs from a checkpoint of any layout, checked against its
+    checksums: the module's hyperparameters, the ``__init__`` argument that held them whole (or
+    None), and the full state dict."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"{path!r} does not exist.")
+    state = whole.read(path, verify=True) if not os.path.isdir(path) else None
+    weights = consolidate(path) if state is None else state.get("state_dict")
+    if state is None:
+        state = layout.trainer_state(path)
+    if not isinstance(weights, dict):
+        raise UnreadableCheckpointError(f"{path!r} has no state_dict.")
+    hparams = state.get("hyper_parameters") or {}
+    name = state.get("hparams_name")
+    if not isinstance(hparams, dict) or not (name is None or isinstance(name, str)):
+        raise UnreadableCheckpointError(f"{path!r} has malformed hyper_parameters.")
+    return dict(hparams), name, weights

@@ -19,15 +19,29 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
+#: Lightning's strategy names, for what they mean on an XLA device (README: "Coming from Lightning").
+LIGHTNING_NAMES: dict[str, str] = {
+    "auto": XlaNative.name,  # Lightning's choice on TPUs: its XLAStrategy, native data parallel
+    "xla": XlaNative.name,
+    "single_xla": XlaNative.name,
+    "ddp": XlaDDP.name,
+    "ddp_spawn": XlaDDP.name,
+    "fsdp": XlaFSDP.name,
+}
+
+
 def resolve_strategy(strategy: "str | Strategy") -> Strategy:
-    """A ``Strategy`` instance for a name from ``STRATEGIES``, or the instance given."""
+    """A ``Strategy`` instance for a name from ``STRATEGIES`` (or Lightning's name of one), or the
+    instance given."""
     if isinstance(strategy, Strategy):
         return strategy
+    if isinstance(strategy, str):
+        strategy = LIGHTNING_NAMES.get(strategy, strategy)
     if isinstance(strategy, str) and strategy in STRATEGIES:
         return STRATEGIES[strategy]()
     hint = did_you_mean(strategy, STRATEGIES) if isinstance(strategy, str) else ""
-    raise ValueError(f"Unknown strategy {strategy!r}.{hint} Valid names: {', '.join(sorted(STRATEGIES))}; "
-                     "or pass a Strategy instance.")
+    raise ValueError(f"Unknown strategy {strategy!r}.{hint} Valid names: {', '.join(sorted(STRATEGIES))} "
+                     f"(Lightning's {', '.join(sorted(LIGHTNING_NAMES))} map to them); or pass a Strategy instance.")
 
 
-__all__ = ["STRATEGIES", "Strategy", "XlaDDP", "XlaFSDP", "XlaFSDPv2", "XlaNative", "XlaSPMD", "resolve_strategy"]
+__all__ = ["LIGHTNING_NAMES", "STRATEGIES", "Strategy", "XlaDDP", "XlaFSDP", "XlaFSDPv2", "XlaNative", "XlaSPMD", "resolve_strategy"]

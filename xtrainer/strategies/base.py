@@ -38,6 +38,8 @@ import traceback
 from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
@@ -243,10 +245,11 @@ class Strategy(abc.ABC):
         _xla.sync()
 
     # ---- data ----------------------------------------------------------------------------
-    def process_dataloader(self, loader: Iterable) -> "DeviceData":
-        """Give this replica its share of ``loader`` and deliver batches on the device."""
+    def process_dataloader(self, loader: Iterable, distribute: bool = True) -> "DeviceData":
+        """Give this replica its share of ``loader`` and deliver batches on the device
+        (``distribute=False``: the loader as it is; its sampler must share out the data)."""
         owns_sampler = False
-        if isinstance(loader, DataLoader) and (self.world_size > 1 or _plain_random(loader)):
+        if distribute and isinstance(loader, DataLoader) and (self.world_size > 1 or _plain_random(loader)):
             distributed = distribute_dataloader(loader, self.world_size, self.global_rank)
             owns_sampler, loader = distributed is not loader, distributed
         return DeviceData(loader, self.device, owns_sampler, self.input_sharding())
@@ -261,6 +264,14 @@ class Strategy(abc.ABC):
         if self.world_size == 1:
             return tensor
         return _xla.all_reduce(tensor, op)
+
+    def all_gather_tensors(self, data: Any) -> Any:
+        """Every replica's tensors in ``data``, stacked on a new first dimension, in the graph."""
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            stacked = tensor.unsqueeze(0)
+            return stacked if self.world_size == 1 else _xla.all_gather(stacked, dim=0)
+
+        return apply_to_collection(data, torch.Tensor, gather)
 
     def barrier(self, name: str = "barrier") -> None:
         if self.world_size > 1:
@@ -548,7 +559,21 @@ def distribute_dataloader(loader: DataLoader, num_replicas: int, rank: int) -> D
         raise TypeError("An IterableDataset cannot be sharded by a sampler: split it by "
                         "trainer.global_rank inside the dataset instead.")
     shuffle = isinstance(loader.sampler, RandomSampler)
-    sampler = DistributedSampler(loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle)
+    return _with_sampler(loader, DistributedSampler(loader.dataset, num_replicas=num_replicas, rank=rank,
+                                                    shuffle=shuffle))
+
+
+def sequential_dataloader(loader: Any) -> Any:
+    """``loader`` without shuffling (``overfit_batches``: the same first batches every epoch)."""
+    if isinstance(loader, DataLoader) and type(loader) is DataLoader and isinstance(loader.sampler, RandomSampler) \
+            and type(loader.batch_sampler) is BatchSampler:
+        rank_zero_warn("overfit_batches: the training loader's shuffling is turned off, so every epoch sees the "
+                       "same batches.")
+        return _with_sampler(loader, SequentialSampler(loader.dataset))
+    return loader
+
+
+def _with_sampler(loader: DataLoader, sampler: Any) -> DataLoader:
     kwargs = {name: getattr(loader, name) for name in _DATALOADER_ARGS if hasattr(loader, name)}
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
