@@ -67,6 +67,9 @@ def test_defaults_then_files_in_order_then_overrides(base, tmp_path, monkeypatch
     (["model._target_=os.system", "model.command=true"], "model._target_='os.system' is refused: a _target_ names "
                                                          "a class"),
     (["--epochs", "3"], "Unexpected argument '--epochs'"),
+    (["strategy=xla_ddp", "trainer.strategy=xla_fsdp"], "Both strategy and trainer.strategy are set"),
+    (["trainer.logger={_target_: os.system, command: true}"], "trainer.logger._target_='os.system' is refused"),
+    (["trainer.callbacks=[{_target_: xtrainer.callbacks.EarlyStopping}]"], "trainer.callbacks[0].monitor is required"),
 ])
 def test_mistakes_are_one_line_messages_and_exit_code_2(base, capsys, items, message):
     assert cli.main(["fit", "--config", base, *items]) == 2

@@ -230,7 +230,7 @@ def test_digits_with_two_replicas_from_the_command_line(tmp_path):
     # No environment prepared: PJRT_DEVICE unset lets torch_xla pick the CPU, as on a laptop.
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "digits.py")
-    done = subprocess.run([sys.executable, script, "trainer.devices=2", "strategy=xla_ddp",
+    done = subprocess.run([sys.executable, script, "trainer.devices=2", "trainer.strategy=xla_ddp",
                            f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

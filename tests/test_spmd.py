@@ -207,5 +207,5 @@ def test_digits_reaches_95_percent(tmp_path, strategy):
     from examples import digits
 
     metrics = digits.main([f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
-                           f"strategy={strategy}", "trainer.devices=4"])
+                           f"trainer.strategy={strategy}", "trainer.devices=4"])
     assert metrics["val_acc"] >= 0.95

@@ -253,7 +253,7 @@ def test_digits_reaches_95_percent_with_every_strategy(tmp_path, strategy):
     import digits
 
     metrics = digits.main([f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
-                           f"strategy={strategy}"])
+                           f"trainer.strategy={strategy}"])
     assert metrics["val_acc"] >= 0.95
     run = tmp_path / "version_0"  # logs, the checkpoint and the config, under one run folder
     assert "strategy: " + strategy in (run / "config.yaml").read_text()

@@ -54,11 +54,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainerConfig(TrainerSettings):
-    """The ``Trainer``'s settings as a config file sets them: ``TrainerSettings`` (the same
-    dataclass ``Trainer.__init__`` reads), plus ``logger`` as a switch (``strategy`` and
-    ``callbacks`` are top-level keys of ``RunConfig``)."""
+    """The ``Trainer``'s arguments as a config file sets them, laid out as ``Trainer(...)`` takes
+    them (as LightningCLI does): ``TrainerSettings`` (the same dataclass ``Trainer.__init__``
+    reads), plus ``strategy`` (a name, or ``{name: ..., <option>: ...}``), ``callbacks`` (a list of
+    ``{_target_: ...}``) and ``logger`` (true, false, a ``{_target_: ...}`` or a list of them)."""
 
-    logger: bool = True
+    strategy: Any = None
+    callbacks: Optional[List[Any]] = None
+    logger: Any = True
 
 
 @dataclass
@@ -67,16 +70,25 @@ class RunConfig:
 
     model: Dict[str, Any] = MISSING
     data: Optional[Dict[str, Any]] = None
-    strategy: Any = "xla_native"
-    callbacks: List[Any] = field(default_factory=list)
+    strategy: Any = None  # also accepted here, outside ``trainer`` (one of the two places)
+    callbacks: Optional[List[Any]] = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: Optional[int] = None
     ckpt_path: Optional[str] = None
 
 
 def trainer_kwargs(config: TrainerConfig) -> dict[str, Any]:
-    """``Trainer(**trainer_kwargs(cfg.trainer))``."""
-    return dataclasses.asdict(config)
+    """``Trainer(**trainer_kwargs(cfg.trainer))`` for the plain settings (no ``strategy``,
+    ``callbacks`` or ``logger``: ``build`` makes those objects)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in ("strategy", "callbacks", "logger")}
+
+
+def _one_place(config: "RunConfig", key: str) -> tuple[Any, str]:
+    """``trainer.<key>`` or the top-level ``<key>``; both set is refused."""
+    inner, outer = getattr(config.trainer, key), getattr(config, key)
+    if inner is not None and outer is not None:
+        raise ConfigError(f"Both {key} and trainer.{key} are set; keep trainer.{key} (it mirrors Trainer({key}=...)).")
+    return (inner, f"trainer.{key}") if inner is not None else (outer, key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,29 +487,38 @@ def build(config: RunConfig, stage: Optional[str] = None) -> Run:
     """Seed, ``check(config, stage)``, then instantiate the strategy, callbacks, Trainer, model and
     data of ``config``."""
     from xtrainer import Trainer, seed_everything
-    from xtrainer.strategies import STRATEGIES, resolve_strategy
+    from xtrainer.strategies import LIGHTNING_NAMES, STRATEGIES, resolve_strategy
 
     if config.seed is not None:
         seed_everything(config.seed)
     check(config, stage)  # after seeding: importing a target's module may draw random numbers
-    strategy = config.strategy
+    strategy, where = _one_place(config, "strategy")
+    strategy = "xla_native" if strategy is None else strategy
     try:
         if isinstance(strategy, dict):
             options = dict(strategy)
-            name = options.pop("name", None)
+            name = LIGHTNING_NAMES.get(options.get("name"), options.pop("name", None))
             if name not in STRATEGIES:
-                raise ConfigError(f"strategy.name={name!r}: use one of {', '.join(STRATEGIES)}.")
-            strategy = call_checked(STRATEGIES[name], options, "strategy")
+                raise ConfigError(f"{where}.name={name!r}: use one of {', '.join(STRATEGIES)}.")
+            strategy = call_checked(STRATEGIES[name], options, where)
         else:
             strategy = resolve_strategy(strategy)
     except (TypeError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(f"strategy: {_one_line(err)}") from None
-    callbacks = [instantiate(spec, f"callbacks[{i}]") for i, spec in enumerate(config.callbacks)]
+        raise ConfigError(f"{where}: {_one_line(err)}") from None
+    specs, where = _one_place(config, "callbacks")
+    callbacks = [instantiate(spec, f"{where}[{i}]") for i, spec in enumerate(specs or [])]
+    logger = config.trainer.logger
+    if isinstance(logger, (dict, list)):
+        specs = logger if isinstance(logger, list) else [logger]
+        logger = [instantiate(spec, f"trainer.logger[{i}]" if isinstance(config.trainer.logger, list)
+                              else "trainer.logger") for i, spec in enumerate(specs)]
+    elif not isinstance(logger, bool):
+        raise ConfigError(f"trainer.logger={logger!r}: give true, false, a {{{TARGET}: ...}} or a list of them.")
     kwargs = trainer_kwargs(config.trainer)
     try:
-        trainer = Trainer(strategy=strategy, callbacks=callbacks, **kwargs)
+        trainer = Trainer(strategy=strategy, callbacks=callbacks, logger=logger, **kwargs)
     except (TypeError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise

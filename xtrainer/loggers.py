@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from typing import Any, Iterable
 
 __all__ = ["CSVLogger", "Logger", "TensorBoardLogger", "claim_run_folder", "claim_version_dir",
-           "move_run_folder"]
+           "move_run_folder", "run_folder_root"]
 
 
 class Logger:
@@ -190,6 +190,20 @@ def claim_version_dir(root: str) -> str:
     return os.path.join(root, f"{_VERSION_PREFIX}{_claim_version(root)}")
 
 
+def run_folder_root(loggers: Iterable[Logger], default_root_dir: str) -> str:
+    """The folder this run's ``version_N`` will be claimed in, without creating anything: the
+    first folder logger's ``<save_dir>/<name>``, else ``default_root_dir``. Folder loggers built
+    without ``save_dir`` get ``default_root_dir`` here (so ``trainer.logger.save_dir`` and
+    ``log_dir`` are known once the Trainer is built, as in Lightning)."""
+    default_root_dir = os.fspath(default_root_dir)
+    root = None
+    for logger in loggers:
+        if isinstance(logger, _FolderLogger):
+            logger.set_default_save_dir(default_root_dir)
+            root = root or logger.root_dir
+    return root or default_root_dir
+
+
 def claim_run_folder(loggers: Iterable[Logger], default_root_dir: str) -> str:
     """Claim every folder logger's version folder and return the run's folder: the first folder
     logger's (``<save_dir>/<name>/version_N``), else ``<default_root_dir>/version_N``.
@@ -305,6 +319,10 @@ class _FolderLogger(Logger):
     def log_dir(self) -> str | None:
         return self.version_dir
 
+    @log_dir.setter
+    def log_dir(self, folder: str) -> None:
+        self.use_run_folder(folder)
+
     @property
     def prefix(self) -> str:
         return self._prefix
@@ -316,13 +334,10 @@ class _FolderLogger(Logger):
         missing and used as it is. ``default_root_dir`` is the ``save_dir`` of a logger built
         without one; ``shared`` maps a ``root_dir`` to the version already claimed there in this
         run, for loggers that write side by side."""
-        if self._save_dir is None:
-            if default_root_dir is None:
-                raise RuntimeError(f"{type(self).__name__} has no save_dir: give one, or pass the logger to a "
-                                   "Trainer, which gives it its default_root_dir.")
-            self._save_dir = _check_save_dir(default_root_dir)
-            if not self._explicit_version:
-                self._version = None  # a number peeked at before had no root
+        if self._save_dir is None and default_root_dir is None:
+            raise RuntimeError(f"{type(self).__name__} has no save_dir: give one, or pass the logger to a "
+                               "Trainer, which gives it its default_root_dir.")
+        self.set_default_save_dir(default_root_dir)
         root = self.root_dir
         if self._claimed and os.path.isdir(self.version_dir):
             pass
@@ -341,11 +356,18 @@ class _FolderLogger(Logger):
             shared.setdefault(root, self._version)
         return self.version_dir
 
+    def set_default_save_dir(self, default_root_dir: str | None) -> None:
+        """``save_dir`` for a logger built without one (a logger with one keeps it)."""
+        if self._save_dir is None and default_root_dir is not None:
+            self._save_dir = _check_save_dir(default_root_dir)
+
     def use_run_folder(self, folder: str) -> None:
         """Write into ``folder`` (an existing version folder) from now on."""
+        folder = os.path.normpath(os.fspath(folder))
+        if self._claimed and self.version_dir and folder == os.path.normpath(self.version_dir):
+            return
         if self._experiment is not None:
             raise RuntimeError(f"{type(self).__name__} has already written into {self.log_dir}; it cannot move.")
-        folder = os.path.normpath(os.fspath(folder))
         parent, base = os.path.split(folder)
         if parent != os.path.normpath(self.root_dir or ""):
             self._save_dir, self._name = parent, ""
@@ -552,6 +574,10 @@ class TensorBoardLogger(_FolderLogger):
         if folder is not None and self._sub_dir:
             folder = os.path.join(folder, self._sub_dir)
         return folder
+
+    @log_dir.setter
+    def log_dir(self, folder: str) -> None:  # the version folder (sub_dir stays inside it)
+        self.use_run_folder(folder)
 
     @property
     def log_graph_enabled(self) -> bool:

@@ -1,0 +1,293 @@
+"""Lightning code, written from Lightning's documented API, runs with its imports changed.
+
+Each module and data module here is written as a Lightning user writes one; only the import
+lines differ from a Lightning script (``XModule as LightningModule`` and so on).
+"""
+
+import os
+
+import pytest
+import torch
+from conftest import make_data
+from torch import nn
+from torch.utils.data import DataLoader, random_split
+
+from xtrainer import Trainer
+from xtrainer import XDataModule as LightningDataModule
+from xtrainer import XModule as LightningModule
+from xtrainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
+
+
+class RegressionDataModule(LightningDataModule):
+    def __init__(self, data_dir: str = "", batch_size: int = 8):
+        super().__init__()
+        self.save_hyperparameters()
+        self.calls = []
+
+    def prepare_data(self):
+        self.calls.append("prepare_data")
+
+    def setup(self, stage):
+        self.calls.append(f"setup:{stage}")
+        full = make_data(80)
+        self.train_set, self.val_set = random_split(full, [64, 16], generator=torch.Generator().manual_seed(0))
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+    def predict_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+    def teardown(self, stage):
+        self.calls.append(f"teardown:{stage}")
+
+
+class LitRegressor(LightningModule):
+    def __init__(self, hidden: int = 16, lr: float = 0.05, encoder: nn.Module | None = None):
+        super().__init__()
+        self.save_hyperparameters(ignore=["encoder"])
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.stages = []
+
+    def setup(self, stage):
+        self.stages.append(stage)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch):  # no batch_idx: Lightning allows leaving it out
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("hidden_from_loggers", loss, logger=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), prog_bar=True)
+        self.log("val_worst", (self(x) - y).abs().max(), reduce_fx=torch.max)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y))
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        steps = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (steps + 1))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "strict": True}}
+
+
+def quiet(tmp_path, **kwargs):
+    return dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False, **kwargs)
+
+
+def test_a_lightning_script_runs_with_its_imports_changed(tmp_path, capsys):
+    dm = RegressionDataModule(batch_size=8)
+    model = LitRegressor(hidden=12, encoder=nn.Linear(2, 2))
+    assert dict(model.hparams) == {"hidden": 12, "lr": 0.05} and model.hparams.hidden == 12
+    assert dict(dm.hparams) == {"data_dir": "", "batch_size": 8}
+    checkpoint = ModelCheckpoint(monitor="val_loss", mode="min", save_top_k=1)
+    trainer = Trainer(accelerator="cpu", strategy="auto", max_epochs=2, log_every_n_steps=2,
+                      callbacks=[checkpoint], **quiet(tmp_path))
+    trainer.fit(model, datamodule=dm)
+    assert trainer.datamodule is dm and trainer.checkpoint_callback is checkpoint
+    assert trainer.estimated_stepping_batches == 16 and trainer.global_step == 16
+    assert dm.calls == ["prepare_data", "setup:fit", "teardown:fit"]
+    assert "hidden_from_loggers" in trainer.callback_metrics and "val_worst" in trainer.callback_metrics
+    best = checkpoint.best_model_path
+    assert os.path.exists(best)
+
+    # validate/test/predict without the model: the fitted one, from its best checkpoint
+    validated = trainer.validate(datamodule=dm)
+    assert trainer.ckpt_path == best
+    assert set(validated[0]) == {"val_loss", "val_worst"}
+    assert "Validate metric" in capsys.readouterr().out
+    tested = trainer.test(ckpt_path="best", verbose=False)
+    assert set(tested[0]) == {"test_loss"}
+    predictions = trainer.predict(datamodule=dm)
+    assert len(predictions) == 2 and predictions[0].shape == (8, 1)
+
+    # hparams round-trip: the module rebuilt from the checkpoint, with its weights
+    restored = LitRegressor.load_from_checkpoint(best)
+    assert dict(restored.hparams) == {"hidden": 12, "lr": 0.05}
+    assert restored.net[0].out_features == 12
+    overridden = LitRegressor.load_from_checkpoint(best, lr=0.5)
+    assert overridden.hparams.lr == 0.5
+    state = torch.load(best, weights_only=True)["state_dict"]
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("strategy", ["xla_fsdp", "xla_fsdpv2"])
+def test_load_from_checkpoint_assembles_sharded_checkpoints(tmp_path, strategy):
+    model = LitRegressor(hidden=8)
+    trainer = Trainer(strategy=strategy, max_epochs=1, limit_train_batches=2, num_sanity_val_steps=0,
+                      **quiet(tmp_path))
+    trainer.fit(model, datamodule=RegressionDataModule())
+    path = trainer.checkpoint_callback.last_model_path or trainer.checkpoint_callback.best_model_path
+    assert os.path.isdir(path)
+    restored = LitRegressor.load_from_checkpoint(path)
+    assert restored.hparams.hidden == 8
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(restored.state_dict()[name], tensor), name
+
+
+def test_save_hyperparameters_in_every_form(tmp_path):
+    class Base(LightningModule):
+        def __init__(self, width=4, **kwargs):
+            super().__init__()
+            self.save_hyperparameters()
+
+    class Child(Base):
+        def __init__(self, depth=2, width=8, **kwargs):
+            super().__init__(width=width, **kwargs)
+
+    assert dict(Child(depth=3, extra="x").hparams) == {"width": 8, "depth": 3, "extra": "x"}
+
+    class Named(LightningModule):
+        def __init__(self, a=1, b=2, c=3):
+            super().__init__()
+            self.save_hyperparameters("a", "c")
+
+    assert dict(Named().hparams) == {"a": 1, "c": 3}
+
+    class Whole(LightningModule):
+        def __init__(self, config):
+            super().__init__()
+            self.save_hyperparameters(config)
+            self.layer = nn.Linear(config["n"], 1)
+
+    whole = Whole({"n": 3, "name": "x"})
+    assert whole.hparams.n == 3 and whole._hparams_name == "config"
+    with pytest.raises(ValueError, match="'zz' is not an argument"):
+        Named().save_hyperparameters("zz")
+    with pytest.raises(AttributeError, match="hparams has no 'nope'"):
+        Named().hparams.nope
+
+
+def test_fast_dev_run_writes_nothing(tmp_path):
+    model = LitRegressor()
+    trainer = Trainer(fast_dev_run=True, callbacks=[ModelCheckpoint(save_top_k=-1)], **quiet(tmp_path))
+    trainer.fit(model, datamodule=RegressionDataModule())
+    assert trainer.global_step == 1
+    assert trainer.checkpoint_callback is None and not trainer.loggers
+    assert not any(files for _, _, files in os.walk(tmp_path))
+
+
+def test_a_broken_validation_step_fails_in_the_sanity_check_before_training(tmp_path):
+    class Broken(LitRegressor):
+        def validation_step(self, batch, batch_idx):
+            raise RuntimeError("validation is broken")
+
+    seen = []
+
+    class Steps(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seen.append(batch_idx)
+
+    with pytest.raises(RuntimeError, match="validation is broken"):
+        Trainer(max_epochs=1, callbacks=[Steps()], **quiet(tmp_path)).fit(Broken(), datamodule=RegressionDataModule())
+    assert seen == []
+
+
+def test_the_sanity_check_changes_neither_training_nor_what_is_logged(tmp_path):
+    results = {}
+    for steps in (0, 2):
+        model = LitRegressor()
+        trainer = Trainer(max_epochs=2, num_sanity_val_steps=steps, enable_checkpointing=False,
+                          **quiet(tmp_path / str(steps)))
+        trainer.fit(model, datamodule=RegressionDataModule())
+        results[steps] = (model.state_dict(), dict(trainer.callback_metrics))
+    for name, tensor in results[0][0].items():
+        assert torch.equal(results[2][0][name], tensor), name
+    assert results[0][1] == results[2][1]
+
+
+def test_min_epochs_max_time_overfit_and_skipping_the_rest_of_an_epoch(tmp_path):
+    stopper = EarlyStopping(monitor="val_loss", patience=0, min_delta=100.0)  # stops at the first chance
+    trainer = Trainer(max_epochs=10, min_epochs=3, callbacks=[stopper], num_sanity_val_steps=0, **quiet(tmp_path))
+    trainer.fit(LitRegressor(), datamodule=RegressionDataModule())
+    assert trainer.current_epoch == 3
+
+    trainer = Trainer(max_epochs=10, max_time={"seconds": 0}, **quiet(tmp_path))
+    trainer.fit(LitRegressor(), datamodule=RegressionDataModule())
+    assert trainer.global_step == 1
+
+    seen = []
+
+    class Overfit(LitRegressor):
+        def on_train_batch_start(self, batch, batch_idx):
+            seen.append((self.current_epoch, batch[0][:, 0].tolist()))  # host read in a test
+            if batch_idx == 1:
+                return -1  # Lightning: skip the rest of this epoch
+
+    trainer = Trainer(max_epochs=3, overfit_batches=2, num_sanity_val_steps=0, **quiet(tmp_path))
+    trainer.fit(Overfit(), datamodule=RegressionDataModule())
+    assert [epoch for epoch, _ in seen] == [0, 0, 1, 1, 2, 2]
+    assert seen[0][1] == seen[2][1] == seen[4][1]  # the same first batch, unshuffled, every epoch
+    assert trainer.global_step == 3  # the second batch of each epoch was skipped
+
+
+def test_overridden_optimizer_step_and_module_callbacks(tmp_path):
+    class Marker(Callback):
+        def __init__(self):
+            self.epochs = 0
+
+        def on_train_epoch_end(self, trainer, module):
+            self.epochs += 1
+
+    class WarmUp(LitRegressor):
+        def configure_callbacks(self):
+            return [Marker()]
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            for group in optimizer.param_groups:  # a learning-rate warm-up, as Lightning's docs show
+                group["lr"] = min(1.0, (self.trainer.global_step + 1) / 4) * self.hparams.lr
+            optimizer.step(closure=optimizer_closure)
+
+    model = WarmUp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(max_epochs=1, limit_train_batches=4, callbacks=[Marker()], **quiet(tmp_path))
+    trainer.fit(model, datamodule=RegressionDataModule())
+    assert sum(isinstance(cb, Marker) for cb in trainer.callbacks) == 1  # the module's replaced the Trainer's
+    assert [cb for cb in trainer.callbacks if isinstance(cb, Marker)][0].epochs == 1
+    assert trainer.global_step == 4
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_lightning_names_and_refusals(tmp_path):
+    assert Trainer(strategy="ddp", **quiet(tmp_path)).strategy.name == "xla_ddp"
+    assert Trainer(strategy="fsdp", **quiet(tmp_path)).strategy.name == "xla_fsdp"
+    assert Trainer(strategy="xla", **quiet(tmp_path)).strategy.name == "xla_native"
+    assert Trainer(precision="bf16-mixed", **quiet(tmp_path)).precision.name == "bf16-mixed"
+    with pytest.warns(UserWarning, match="bfloat16, not float16"):
+        assert Trainer(precision="16-mixed", **quiet(tmp_path)).precision.name == "bf16-mixed"
+    with pytest.raises(ValueError, match="accelerator='gpu'.*XLA devices"):
+        Trainer(accelerator="gpu")
+    with pytest.raises(ValueError, match="max_time='12h'"):
+        Trainer(max_time="12h")
+    with pytest.raises(ValueError, match="num_nodes=2"):
+        Trainer(num_nodes=2)
+    with pytest.raises(ValueError, match="both dataloaders and a datamodule"):
+        Trainer(**quiet(tmp_path)).fit(LitRegressor(), DataLoader(make_data()), datamodule=RegressionDataModule())
+    with pytest.raises(ValueError, match="has not fitted one"):
+        Trainer(**quiet(tmp_path)).validate()
+
+
+def test_bf16_mixed_trains_with_float32_weights(tmp_path):
+    model = LitRegressor()
+    trainer = Trainer(precision="bf16-mixed", max_epochs=1, limit_train_batches=3, num_sanity_val_steps=0,
+                      enable_checkpointing=False, **quiet(tmp_path))
+    trainer.fit(model, datamodule=RegressionDataModule())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert trainer.callback_metrics["val_loss"] > 0
