@@ -282,6 +282,17 @@ def test_lightning_names_and_refusals(tmp_path):
         Trainer(**quiet(tmp_path)).fit(LitRegressor(), DataLoader(make_data()), datamodule=RegressionDataModule())
     with pytest.raises(ValueError, match="has not fitted one"):
         Trainer(**quiet(tmp_path)).validate()
+    with pytest.raises(ValueError, match="plugins=...: Lightning's plugins"):
+        Trainer(plugins=[object()])
+
+    class Transfers(LitRegressor):
+        def transfer_batch_to_device(self, batch, device, dataloader_idx):
+            return batch
+
+    with pytest.raises(NotImplementedError, match="transfer_batch_to_device would not be called.*collate_fn"):
+        Trainer(**quiet(tmp_path)).fit(Transfers(), datamodule=RegressionDataModule())
+    bare = Trainer(barebones=True, **quiet(tmp_path))
+    assert bare.checkpoint_callback is None and not bare.loggers and bare.num_sanity_val_steps == 0
 
 
 def test_bf16_mixed_trains_with_float32_weights(tmp_path):

@@ -232,6 +232,17 @@ class XModule(HyperparametersMixin, nn.Module):
         state["_trainer"] = None
         return state
 
+    def freeze(self) -> None:
+        """No gradients for any parameter, and evaluation mode."""
+        for param in self.parameters():
+            param.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        for param in self.parameters():
+            param.requires_grad = True
+        self.train()
+
     # ---- logging ---------------------------------------------------------------------------
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
             on_epoch: bool | None = None, reduce_fx: str | Callable = "mean", enable_graph: bool = False,

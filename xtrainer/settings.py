@@ -50,6 +50,8 @@ class TrainerSettings:
     profiler: Optional[str] = None
     use_distributed_sampler: bool = True
     inference_mode: bool = True
+    detect_anomaly: bool = False
+    barebones: bool = False
 
     def check(self) -> "TrainerSettings":
         """Refuse bad values (``ValueError``/``TypeError`` naming the argument); fill defaults that

@@ -139,10 +139,23 @@ class Trainer:
         profiler: str | None = None,
         use_distributed_sampler: bool = True,
         inference_mode: bool = True,
+        detect_anomaly: bool = False,
+        barebones: bool = False,
+        plugins: Any = None,
+        model_registry: str | None = None,
     ) -> None:
+        if model_registry is not None:
+            raise ValueError("model_registry=...: Lightning's model registry upload has no counterpart here; "
+                             "checkpoints are written under the run folder (or a ModelCheckpoint's dirpath).")
+        if plugins is not None:
+            raise ValueError("plugins=...: Lightning's plugins (precision, environment, checkpoint IO) have no "
+                             "counterpart here; precision= and the strategy's arguments cover what XLA needs.")
         settings = TrainerSettings(**{name: value for name, value in locals().items()
                                       if name in TrainerSettings.names()}).check()
         _check_accelerator(settings.accelerator, settings.num_nodes)
+        if settings.barebones:  # Lightning's meaning: nothing that costs time beyond the loop itself
+            settings.enable_progress_bar = settings.enable_model_summary = settings.enable_checkpointing = False
+            settings.enable_xla_health, settings.num_sanity_val_steps, logger = False, 0, False
         self.fast_dev_run = settings.fast_dev_run
         if self.fast_dev_run:  # Lightning's meaning: n batches of every loop, nothing written
             n = 1 if self.fast_dev_run is True else self.fast_dev_run
@@ -982,9 +995,19 @@ def _resolve_devices(devices: int | str) -> int | None:
     return devices
 
 
+#: Lightning hooks that cannot run here: batches move to the device inside torch_xla's loader.
+_TRANSFER_HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer", "transfer_batch_to_device")
+
+
 def _check_module(model: Any, stage: str) -> None:
     if not isinstance(model, XModule):
         raise TypeError(f"{stage}() takes an xtrainer.XModule, got {type(model).__name__}.")
+    for hook in _TRANSFER_HOOKS:
+        if callable(getattr(model, hook, None)):
+            raise NotImplementedError(
+                f"{type(model).__name__}.{hook} would not be called: batches move to the XLA device inside "
+                "torch_xla's loader, ahead of the step. Do that work in the DataLoader's collate_fn (on the host) "
+                "or at the start of training_step (on the device), and remove the method.")
     check_hook_names(model, MODULE_HOOKS, XModule)
     if stage == "fit":
         if type(model).training_step is XModule.training_step:
@@ -1071,6 +1094,10 @@ def _note_lightning_only(settings: TrainerSettings) -> None:
     if settings.sync_batchnorm:
         rank_zero_warn("sync_batchnorm=True: BatchNorm statistics are not synchronised across replicas on XLA here; "
                        "each replica normalises with the statistics of its own share of the batch.")
+    if settings.detect_anomaly:
+        rank_zero_warn("detect_anomaly=True: autograd's anomaly mode would read every intermediate result back "
+                       "from the device; it is not switched on. detect_nonfinite='raise' (the default) stops at a "
+                       "NaN or infinite loss without host syncs.")
     if not settings.inference_mode:
         rank_zero_info("xtrainer: inference_mode=False: evaluation runs under torch.no_grad() as always.")
 

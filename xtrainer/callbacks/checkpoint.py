@@ -240,6 +240,10 @@ class ModelCheckpoint(Callback):
                               for path, score in _items(state_dict.get("best_k_models"))
                               if self._owns(path) and _as_float(score) is not None}
         self._kept = [path for path in state_dict.get("kept_newest") or [] if self._owns(path)]
+        if self.monitor is None:  # no ranking: the newest are kept (older checkpoints listed them by step)
+            if "kept_newest" not in state_dict:
+                self._kept = sorted(self.best_k_models, key=lambda path: float(self.best_k_models[path]))
+            self.best_k_models = {}
         target = state_dict.get("last_target", "")
         self._last_target = target if self._owns(target) else ""
         last = state_dict.get("last_model_path", "")
@@ -395,7 +399,7 @@ class ModelCheckpoint(Callback):
                                f"{sorted(metrics)}. Log it with self.log({self.monitor!r}, ...), or monitor one of "
                                "these.")
                     if self._validated and not force:
-                        plan["error"] = message + " (A validation has run and did not log it.)"
+                        plan["error"] = ("metric", message + " (A validation has run and did not log it.)")
                         return plan
                     if not force:
                         plan["warn"].append(message + " No top-k checkpoint is saved until it is logged (a "
@@ -438,7 +442,7 @@ class ModelCheckpoint(Callback):
             if write is None and force:  # a stop on a signal: a checkpoint to resume from, whatever else
                 write = self._unique_path(trainer, metrics, None)
         except ValueError as err:
-            plan["error"] = str(err)
+            plan["error"] = ("value", str(err))
             return plan
         keep = set(best_k) | set(kept) | {write, last_path, last_target, best_path}
         plan["remove"] = list(dict.fromkeys(p for p in plan["remove"] if p and p not in keep))
@@ -450,7 +454,8 @@ class ModelCheckpoint(Callback):
 
     def _apply(self, trainer: "Trainer", plan: dict[str, Any], force: bool) -> str | None:
         if plan["error"]:
-            raise MetricNotFoundError(plan["error"])
+            kind, message = plan["error"]
+            raise (MetricNotFoundError if kind == "metric" else ValueError)(message)
         for message in plan["warn"]:
             if message not in self._warned:
                 self._warned.add(message)
