@@ -50,7 +50,7 @@ def test_patience_and_min_delta(tmp_path, mode, scores, patience, min_delta, epo
 def test_threshold_and_non_finite_values_stop_at_once(tmp_path):
     stopper = EarlyStopping("score", mode="max", patience=100, stopping_threshold=0.9)
     trainer = fit(tmp_path / "a", [0.5, 0.95, 0.96, 0.97], stopper)
-    assert trainer.current_epoch == 2 and "stopping threshold 0.9" in stopper.stop_reason
+    assert trainer.current_epoch == 2 and "Stopping threshold reached: score = 0.9" in stopper.stop_reason
     stopper = EarlyStopping("score", patience=100)
     trainer = fit(tmp_path / "b", [3, 2, math.nan, 1], stopper)
     assert trainer.current_epoch == 3 and "not finite" in stopper.stop_reason

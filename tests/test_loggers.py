@@ -5,7 +5,6 @@ import argparse
 import csv
 import enum
 import inspect
-import io
 import os
 import pathlib
 import pickle
@@ -198,8 +197,8 @@ def test_a_run_folder_given_back_is_claimed_again(tmp_path):
     os.rmdir(folder)  # a failed run that wrote nothing leaves no folder
     assert logger.claim() == folder and os.path.isdir(folder)
     os.rmdir(folder)
-    (tmp_path / "lightning_logs" / "version_1").mkdir()  # newer runs meanwhile: still the first free one
-    assert logger.claim() == folder
+    (tmp_path / "lightning_logs" / "version_1").mkdir()  # a newer run meanwhile: after it, as Lightning counts
+    assert logger.claim() == str(tmp_path / "lightning_logs" / "version_2")
 
 
 def test_move_run_folder_points_loggers_to_rank_zeros_folder(tmp_path):
@@ -452,6 +451,44 @@ def test_csv_resume_drops_a_last_row_cut_short(tmp_path):
     assert [(r["step"], r["loss"], r["x\ny"]) for r in rows] == [("0", "1.0", ""), ("1", "0.5", "7"), ("2", "0.4", "")]
 
 
+def test_csv_on_a_full_disk_keeps_whole_rows_and_writes_the_rest_later(small_disk):
+    disk = small_disk("64k")
+    logger = CSVLogger(disk, flush_logs_every_n_steps=1)
+    filler = os.path.join(disk, "filler")
+    with open(filler, "wb") as f:
+        f.write(b"x" * 40 * 1024)
+    payload = "y" * 1500
+    failed_at = None
+    for step in range(200):
+        metrics = {"loss": float(step), "blob": payload}
+        if step % 5 == 4:
+            metrics[f"new_{step}"] = 1.0  # now and then a header rewrite
+        try:
+            logger.log_metrics(metrics, step)
+        except OSError as err:
+            assert "could not write" in str(err) and "holds every row written before" in str(err)
+            failed_at = step
+            break
+    assert failed_at is not None, "the disk never filled up"
+    rows = read_csv(os.path.join(logger.log_dir, "metrics.csv"))[1]
+    assert [r["loss"] for r in rows] == [repr(float(i)) for i in range(len(rows))] and len(rows) <= failed_at
+    assert all(r["blob"] == payload for r in rows)
+    assert not os.path.exists(os.path.join(logger.log_dir, ".metrics.csv.tmp"))
+    os.remove(filler)
+    logger.finalize()  # the rows that waited are written now
+    rows = read_csv(os.path.join(logger.log_dir, "metrics.csv"))[1]
+    assert [r["loss"] for r in rows] == [repr(float(i)) for i in range(failed_at + 1)]
+
+
+def test_csv_refuses_to_append_to_a_file_that_is_not_csv(tmp_path):
+    folder = tmp_path / "lightning_logs" / "version_0"
+    folder.mkdir(parents=True)
+    (folder / "metrics.csv").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match="is not a CSV file"):
+        CSVLogger(tmp_path, version=0).log_metrics({"x": 1.0}, 0)
+    assert (folder / "metrics.csv").read_bytes() == b"\xff\xfe\x00binary"  # left as it was
+
+
 class Color(enum.Enum):
     RED = "red"
 
@@ -462,7 +499,8 @@ def test_hparams_yaml_holds_plain_values_only(tmp_path):
     logger.log_hyperparams({"conf": conf, "ns": argparse.Namespace(a=1), "tuple": (1, (2, 3)), "set": {3, 1},
                             "path": pathlib.Path("/data"), "enum": Color.RED, "np": np.int64(5),
                             "tensor": torch.tensor(0.5), "object": object(), "fn": len, "cls": nn.Linear,
-                            "nested": {1: {"deep": [None, True]}}, "weird key\n": "v"})
+                            "nested": {1: {"deep": [None, True]}}, "weird key\n": "v",
+                            "listconf": OmegaConf.create([1, {"a": 2}])})
     logger.log_hyperparams(argparse.Namespace(lr=0.3))  # merged
     logger.log_hyperparams(OmegaConf.create({"missing": "${nope}"}))  # does not resolve: kept as written
     saved = yaml.safe_load(open(os.path.join(logger.log_dir, "hparams.yaml")))
@@ -472,6 +510,7 @@ def test_hparams_yaml_holds_plain_values_only(tmp_path):
     assert saved["object"].startswith("<object object") and saved["fn"] == "<built-in function len>"
     assert "Linear" in saved["cls"] and saved["nested"] == {1: {"deep": [None, True]}}
     assert saved["weird key\n"] == "v" and saved["lr"] == 0.3 and saved["missing"] == "${nope}"
+    assert saved["listconf"] == [1, {"a": 2}]
     with pytest.raises(TypeError, match="hyperparameters must be"):
         logger.log_hyperparams([1, 2])
 
@@ -596,13 +635,14 @@ def test_summary_counts_every_parameter_once(tmp_path):
     assert f"{human_readable_count(total):<10}Total params" in text
     assert f"{total * 4 / 1e6:,.3f}     Total estimated model params size (MB)" in text
     modes = [m.training for m in model.modules()][1:]
-    assert f"{modes.count(True):<10}Modules in train mode" in text and f"{modes.count(False):<10}Modules in eval mode" in text
+    assert f"{modes.count(True):<10}Modules in train mode" in text
+    assert f"{modes.count(False):<10}Modules in eval mode" in text
     assert "per replica" not in text
 
 
 def test_summary_depth(tmp_path):
     model = Tied()
-    names = lambda text: [l.split("|")[1].strip() for l in text.splitlines()[2:] if l[:1].isdigit()]
+    names = lambda text: [l.split("|")[1].strip() for l in text.splitlines()[2:] if "|" in l and l[:1].isdigit()]
     assert names(summarize(model, max_depth=2)) == ["embed", "encoder", "encoder.0", "encoder.1", "encoder.2",
                                                     "head", "frozen"]
     assert names(summarize(model, max_depth=-1)) == [n for n, _ in model.named_modules() if n]
@@ -639,7 +679,7 @@ def test_summary_of_a_module_fsdp_has_sharded_counts_it_whole():
     wrapped = XlaFullyShardedDataParallel(model)
     assert len(list(model.parameters())) < 6  # FSDP took the parameters away from their modules
     after = summarize(model, max_depth=1, world_size=1, sharded=True)
-    for line in ("233       Total params", "233       Trainable params", "0.001     Total estimated"):
+    for line in ("217       Total params", "217       Trainable params", "0.001     Total estimated"):
         assert line in before and line in after
     assert "| 2    | XlaFullyShardedDataParallel | 73     | train" in after
     del wrapped
@@ -685,8 +725,22 @@ def test_trainer_logger_true_keeps_the_run_folder_under_default_root_dir(tmp_pat
     assert trainer.logger.save_dir == str(tmp_path) and trainer.logger.name == ""
     trainer.fit(Regressor(), make_loader())
     assert trainer.log_dir == str(tmp_path / "version_0") == trainer.logger.log_dir
-    named = Trainer(max_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False,
-                    enable_model_summary=False, logger=CSVLogger(name="exp", version="baseline"))
-    named.fit(Regressor(), make_loader())
-    assert named.log_dir == str(tmp_path / "exp" / "baseline")
-    assert len(read_csv(os.path.join(named.log_dir, "metrics.csv"))[1]) >= 1
+
+
+@wired
+def test_trainer_resumed_into_a_named_version_appends_to_its_csv(tmp_path):
+    def run(max_steps, **kwargs):
+        trainer = Trainer(max_steps=max_steps, log_every_n_steps=2, default_root_dir=str(tmp_path),
+                          enable_progress_bar=False, enable_model_summary=False,
+                          logger=CSVLogger(name="exp", version="baseline", flush_logs_every_n_steps=1))
+        trainer.fit(Regressor(), make_loader(), **kwargs)
+        return trainer
+
+    first = run(4)
+    assert first.log_dir == str(tmp_path / "exp" / "baseline")
+    before = read_csv(os.path.join(first.log_dir, "metrics.csv"))[1]
+    again = run(8, ckpt_path="last")  # the checkpoint in exp/baseline/checkpoints is found
+    assert again.log_dir == first.log_dir and again.global_step == 8
+    rows = read_csv(os.path.join(again.log_dir, "metrics.csv"))[1]
+    assert rows[:len(before)] == before and len(rows) > len(before)
+    assert int(rows[-1]["step"]) == 8

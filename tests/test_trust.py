@@ -325,9 +325,9 @@ def test_two_checkpoint_callbacks_keep_their_own_files_across_a_resume(tmp_path)
     dirpath = str(tmp_path / "ckpts")
 
     def callbacks():
-        return [ModelCheckpoint(dirpath=dirpath, filename="ep{epoch}"),
+        return [ModelCheckpoint(dirpath=dirpath, filename="ep{epoch}", auto_insert_metric_name=False),
                 ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, filename="s{step}", save_top_k=-1,
-                                save_last=False)]
+                                save_last=False, auto_insert_metric_name=False)]
 
     fit(tmp_path, callbacks=callbacks())
     fit(tmp_path, epochs=2, ckpt_path="last", callbacks=callbacks())

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import csv
 import enum
+import errno
 import io
-import math
 import os
 import warnings
 from argparse import Namespace
@@ -131,13 +131,14 @@ _VERSION_PREFIX = "version_"
 
 def _folder_error(err: OSError, folder: str, what: str) -> OSError:
     """``err`` with a message that names the folder and says what to do."""
-    if isinstance(err, PermissionError):
-        hint = "the folder is not writable: choose another save_dir (or default_root_dir)"
+    reason = err.strerror or str(err)
+    if isinstance(err, PermissionError) or err.errno == errno.EROFS:
+        hint = f"{reason}: the folder is not writable; choose another save_dir (or default_root_dir)"
     elif isinstance(err, (NotADirectoryError, FileExistsError)):
-        hint = "a file is in the way: save_dir (or default_root_dir) and its parents must be folders"
+        hint = f"{reason}: a file is in the way; save_dir (or default_root_dir) and its parents must be folders"
     else:
-        hint = err.strerror or str(err)
-    new = type(err)(err.errno, f"Cannot {what} {folder!r}: {hint} ({err.strerror})")
+        hint = reason
+    new = type(err)(err.errno, f"Cannot {what} {folder!r}: {hint}")
     new.filename = folder
     return new
 
@@ -261,7 +262,8 @@ def _check_save_dir(save_dir: Any) -> str | None:
         return None
     save_dir = os.path.expanduser(os.path.expandvars(os.fspath(save_dir)))
     if not save_dir:
-        raise ValueError("save_dir is empty: give a folder (or leave it out to write into the Trainer's default_root_dir).")
+        raise ValueError("save_dir is empty: give a folder (or leave it out to write into the Trainer's "
+                         "default_root_dir).")
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         raise NotADirectoryError(f"save_dir={save_dir!r} is a file, not a folder.")
     return save_dir
@@ -391,22 +393,26 @@ class _FolderLogger(Logger):
 
 
 # ---- values ------------------------------------------------------------------------------------
+def _omegaconf_plain(value: Any) -> Any:
+    """An OmegaConf container as plain dicts and lists (interpolations resolved where they
+    resolve); anything else unchanged."""
+    try:
+        from omegaconf import Container, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return value
+    if not isinstance(value, Container):
+        return value
+    try:
+        return OmegaConf.to_container(value, resolve=True)
+    except Exception:  # an interpolation that does not resolve: kept as written
+        return OmegaConf.to_container(value, resolve=False)
+
+
 def _params_dict(params: Any) -> dict[str, Any]:
     """Lightning's accepted forms: a dict, an ``argparse.Namespace``, an OmegaConf container, None."""
     if params is None:
         return {}
-    if isinstance(params, Namespace):
-        return dict(vars(params))
-    try:
-        from omegaconf import Container, OmegaConf
-
-        if isinstance(params, Container):
-            try:
-                params = OmegaConf.to_container(params, resolve=True)
-            except Exception:  # an interpolation that does not resolve: keep it as written
-                params = OmegaConf.to_container(params, resolve=False)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
+    params = _omegaconf_plain(vars(params) if isinstance(params, Namespace) else params)
     if not isinstance(params, Mapping):
         raise TypeError(f"hyperparameters must be a dict, a Namespace or a DictConfig, got {type(params).__name__}.")
     return dict(params)
@@ -426,35 +432,21 @@ def _scalar(value: Any) -> Any:
 
 def _plain(value: Any, depth: int = 0) -> Any:
     """``value`` as YAML-safe plain data: dicts, lists, numbers, strings, None; objects as text."""
-    if depth > 32:
+    if depth > 32:  # deeper than any configuration: a cycle, or not a hyperparameter
         return str(value)[:200]
-    value = _scalar(value)
+    value = _omegaconf_plain(_scalar(value))
     if isinstance(value, Namespace):
         value = vars(value)
     if isinstance(value, enum.Enum):
         return _plain(value.value, depth + 1)
     if isinstance(value, Mapping):
-        try:
-            from omegaconf import Container, OmegaConf
-
-            if isinstance(value, Container):
-                value = _params_dict(value)
-        except ImportError:  # pragma: no cover
-            pass
-        return {k if isinstance(k, (str, int, float, bool)) else str(k): _plain(v, depth + 1) for k, v in value.items()}
+        return {k if type(k) in (str, int, float, bool) else str(k): _plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
-        try:
-            from omegaconf import ListConfig, OmegaConf
-
-            if isinstance(value, ListConfig):
-                value = OmegaConf.to_container(value, resolve=True)
-        except Exception:
-            pass
         items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
         return [_plain(v, depth + 1) for v in items]
     if value is None or type(value) in (bool, int, float, str):
         return value
-    for base in (bool, int, float, str):  # subclasses (a str enum's value is handled above)
+    for base in (bool, int, float, str):  # their subclasses, as the plain type
         if isinstance(value, base):
             return base(value)
     if isinstance(value, os.PathLike):
@@ -479,12 +471,23 @@ def _atomic_write(path: str, text: str) -> None:
     """Write ``path`` whole or not at all: a temporary file beside it, synced, then renamed."""
     folder = os.path.dirname(path) or "."
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _remove(tmp)  # e.g. the disk is full: the file itself is as it was
+        raise
     os.replace(tmp, path)
     _fsync_dir(folder)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _fsync_dir(folder: str) -> None:
@@ -553,7 +556,7 @@ class TensorBoardLogger(_FolderLogger):
                 raise ValueError(f"sub_dir={sub_dir!r} must be a folder inside the version folder.")
         self._sub_dir = sub_dir
         self._default_hp_metric = default_hp_metric
-        self._log_graph = bool(log_graph)
+        self._log_graph = False  # graphs are not logged (below)
         if log_graph:
             _warn_once("log_graph", "TensorBoardLogger(log_graph=True): model graphs are not logged on XLA "
                                     "(tracing the module would run it outside the compiled step); ignored.")
@@ -580,10 +583,6 @@ class TensorBoardLogger(_FolderLogger):
         self.use_run_folder(folder)
 
     @property
-    def log_graph_enabled(self) -> bool:
-        return False
-
-    @property
     def experiment(self):
         """The ``SummaryWriter`` (opened on first use, on the replica that logs)."""
         if self._experiment is None:
@@ -602,7 +601,7 @@ class TensorBoardLogger(_FolderLogger):
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         writer = None
         for name, value in self._prefixed(metrics).items():
-            value = _scalar(value)
+            name, value = str(name), _scalar(value)
             writer = writer or self.experiment
             if isinstance(value, Mapping):
                 writer.add_scalars(name, {str(k): float(_scalar(v)) for k, v in value.items()}, step)
@@ -709,9 +708,13 @@ class _CSVWriter:
         try:
             with open(self.metrics_file_path, encoding="utf-8", newline="") as f:
                 text = f.read()
+            records = list(csv.reader(io.StringIO(text)))
         except FileNotFoundError:
             return
-        records = list(csv.reader(io.StringIO(text)))
+        except (UnicodeDecodeError, csv.Error) as err:
+            raise ValueError(f"{self.metrics_file_path} exists and is not a CSV file this logger can append to "
+                             f"({err}): move it away, or log into another version.") from err
+        _remove(os.path.join(self.log_dir, f".{self.NAME_METRICS_FILE}.tmp"))  # a rewrite a kill cut short
         if not records:
             return
         self.metrics_keys = records[0]
@@ -723,10 +726,7 @@ class _CSVWriter:
             step = self.rows_logged
         row = {}
         for key, value in metrics_dict.items():
-            value = _scalar(value)
-            if key == "epoch" and isinstance(value, float) and value.is_integer():
-                value = int(value)
-            row[str(key)] = value
+            row[str(key)] = _scalar(value)
         if "step" in row and row["step"] != step:
             _warn_once("csv-step", "CSVLogger: a metric named 'step' is replaced by the step column.")
         row["step"] = int(step)
@@ -745,23 +745,36 @@ class _CSVWriter:
         seen = dict.fromkeys(k for row in self.metrics for k in row)
         new = [k for k in seen if k not in self.metrics_keys]
         exists = os.path.exists(self.metrics_file_path)
-        if new or not exists:
-            keys = sorted(set(self.metrics_keys) | set(new)) if new else list(self.metrics_keys)
-            old = self._read_rows() if exists else []
-            self._rewrite(keys, old + self.metrics)
-        else:
-            buffer = io.StringIO()
-            csv.DictWriter(buffer, fieldnames=self.metrics_keys, lineterminator="\n").writerows(self.metrics)
-            data = buffer.getvalue().encode("utf-8")
-            fd = os.open(self.metrics_file_path, os.O_WRONLY | os.O_APPEND)
+        try:
+            if new or not exists:
+                keys = sorted(set(self.metrics_keys) | set(new)) if new else list(self.metrics_keys)
+                old = self._read_rows() if exists else []
+                self._rewrite(keys, old + self.metrics)
+            else:
+                self._append(self.metrics)
+        except OSError as err:
+            # The rows stay buffered (a later save tries again); the file holds every row before them.
+            raise type(err)(err.errno, f"CSVLogger could not write {self.metrics_file_path} ({err.strerror}); "
+                                       f"it holds every row written before, {len(self.metrics)} wait.") from err
+        self.metrics = []
+
+    def _append(self, rows: list[dict[str, Any]]) -> None:
+        buffer = io.StringIO()
+        csv.DictWriter(buffer, fieldnames=self.metrics_keys, lineterminator="\n").writerows(rows)
+        data = buffer.getvalue().encode("utf-8")
+        fd = os.open(self.metrics_file_path, os.O_WRONLY | os.O_APPEND)
+        try:
+            size = os.fstat(fd).st_size
             try:
                 view = memoryview(data)
                 while view:  # one write() in practice: a kill cannot cut it
                     view = view[os.write(fd, view):]
                 os.fsync(fd)
-            finally:
-                os.close(fd)
-        self.metrics = []
+            except BaseException:
+                os.ftruncate(fd, size)  # no row half-written (a full disk): the file as it was
+                raise
+        finally:
+            os.close(fd)
 
     def _read_rows(self) -> list[dict[str, Any]]:
         with open(self.metrics_file_path, encoding="utf-8", newline="") as f:
@@ -818,6 +831,9 @@ class CSVLogger(_FolderLogger):
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         writer = self.experiment
+        epoch = metrics.get("epoch")
+        if isinstance(epoch, float) and epoch.is_integer():  # the Trainer's epoch, written as Lightning's: 3
+            metrics = {**metrics, "epoch": int(epoch)}
         writer.log_metrics(self._prefixed(metrics), step)
         every = self._flush_logs_every_n_steps
         through = (writer.metrics[-1]["step"] + 1) // every

@@ -232,6 +232,59 @@ class XModule(HyperparametersMixin, nn.Module):
         state["_trainer"] = None
         return state
 
+    # ---- manual optimization ------------------------------------------------------------------
+    @property
+    def automatic_optimization(self) -> bool:
+        """True (default): the Trainer runs backward and steps the one optimizer. Set it to
+        False in ``__init__`` to do both in ``training_step`` (``self.optimizers()``,
+        ``self.manual_backward(loss)``, ``opt.step()``): GANs, several optimizers, custom loops."""
+        return self.__dict__.get("_automatic_optimization", True)
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self.__dict__["_automatic_optimization"] = bool(value)
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizers (one, or a list of several) wrapped so that ``step()`` reduces gradients
+        across replicas as the strategy needs; ``use_pl_optimizer=False``: the plain ones."""
+        trainer = self.trainer
+        found = trainer._manual_optimizers if use_pl_optimizer else trainer.optimizers
+        return found[0] if len(found) == 1 else list(found)
+
+    def lr_schedulers(self) -> Any:
+        """The schedulers (None, one, or a list). Under manual optimization, step them yourself."""
+        found = self.trainer.lr_schedulers
+        return None if not found else found[0] if len(found) == 1 else found
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()`` as the strategy needs it (DDP's reducer is re-armed for each
+        backward of a step), between the ``on_before_backward``/``on_after_backward`` hooks."""
+        self.trainer.manual_backward(loss, *args, **kwargs)
+
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str | None = None) -> None:
+        """Clip ``optimizer``'s gradients by ``"norm"`` (default) or ``"value"``. Applied to the
+        reduced gradients, right before that optimizer's next ``step()``."""
+        self.trainer.clip_gradients_of(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Only ``optimizer``'s parameters require gradients until ``untoggle_optimizer``: the
+        other optimizers' parameters are switched off (their settings are kept to restore)."""
+        raw = getattr(optimizer, "optimizer", optimizer)
+        mine = {id(p) for group in raw.param_groups for p in group["params"]}
+        saved = self.__dict__.setdefault("_toggled", {})
+        for other in self.trainer.optimizers:
+            for group in other.param_groups:
+                for param in group["params"]:
+                    if id(param) not in mine and param not in saved:
+                        saved[param] = param.requires_grad
+                        param.requires_grad = False
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        del optimizer
+        for param, requires_grad in self.__dict__.pop("_toggled", {}).items():
+            param.requires_grad = requires_grad
+
     def freeze(self) -> None:
         """No gradients for any parameter, and evaluation mode."""
         for param in self.parameters():

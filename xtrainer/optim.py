@@ -1,8 +1,10 @@
 """What ``configure_optimizers`` may return, and stepping the learning-rate schedulers.
 
-Accepted, as Lightning documents them: an optimizer; ``[optimizer]``; ``([optimizer],
-[schedulers])``; ``{"optimizer": ..., "lr_scheduler": scheduler or {"scheduler": ...,
-"interval": "step" | "epoch", "frequency": n, "monitor": "metric", "name": ...}}``.
+Accepted, as Lightning documents them: an optimizer; a list or tuple of optimizers;
+``([optimizers], [schedulers])``; ``{"optimizer": ..., "lr_scheduler": scheduler or
+{"scheduler": ..., "interval": "step" | "epoch", "frequency": n, "monitor": "metric", "name":
+..., "strict": bool}}``; a list or tuple of such dicts. Several optimizers need manual
+optimization (``automatic_optimization = False``), as in Lightning 2.
 """
 
 from __future__ import annotations
@@ -24,20 +26,32 @@ class SchedulerConfig:
     name: str | None = None
 
 
-def parse_optimizers(config: Any, name: str) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
-    """The optimizer and the scheduler configurations in ``config``; ``name`` is the module's class
-    name, for the messages."""
+def parse_optimizers(config: Any, name: str, automatic: bool = True
+                     ) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    """The optimizers and the scheduler configurations in ``config``; ``name`` is the module's
+    class name, for the messages; ``automatic``: automatic optimization, which takes one optimizer."""
     optimizers, schedulers = config, []
     if isinstance(config, dict):
-        if "optimizer" not in config:
-            raise ValueError(f"{name}.configure_optimizers() returned a dict without an 'optimizer' key.")
-        optimizers, schedulers = config["optimizer"], config.get("lr_scheduler")
+        config = [config]
+    if isinstance(config, (tuple, list)) and config and all(isinstance(item, dict) for item in config):
+        optimizers, schedulers = [], []
+        for item in config:
+            if "optimizer" not in item:
+                raise ValueError(f"{name}.configure_optimizers() returned a dict without an 'optimizer' key.")
+            optimizers.append(item["optimizer"])
+            if item.get("lr_scheduler") is not None:
+                schedulers.append(item["lr_scheduler"])
     elif isinstance(config, (tuple, list)) and len(config) == 2 and isinstance(config[0], (list, tuple)):
         optimizers, schedulers = config
     optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
-        raise ValueError(f"{name}.configure_optimizers() must give exactly one torch.optim.Optimizer "
+    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        raise ValueError(f"{name}.configure_optimizers() must give torch.optim.Optimizer objects "
                          f"(got {[type(o).__name__ for o in optimizers]}).")
+    if automatic and len(optimizers) > 1:
+        raise ValueError(
+            f"{name}.configure_optimizers() gave {len(optimizers)} optimizers. Several optimizers need manual "
+            "optimization, as in Lightning 2: set self.automatic_optimization = False in __init__, then step them "
+            "in training_step (opt_g, opt_d = self.optimizers(); self.manual_backward(loss); opt_g.step()).")
     if schedulers is None:
         schedulers = []
     schedulers = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
@@ -57,7 +71,7 @@ def parse_optimizers(config: Any, name: str) -> tuple[torch.optim.Optimizer, lis
         if isinstance(config_item.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not config_item.monitor:
             raise ValueError("ReduceLROnPlateau needs {'scheduler': ..., 'monitor': 'metric_name'}.")
         parsed.append(config_item)
-    return optimizers[0], parsed
+    return optimizers, parsed
 
 
 def step_schedulers(schedulers: list[SchedulerConfig], interval: str, count: int, metrics: dict[str, float]) -> None:
@@ -80,13 +94,20 @@ def step_schedulers(schedulers: list[SchedulerConfig], interval: str, count: int
 
 
 class StrategyOptimizer:
-    """The optimizer as an overridden ``optimizer_step`` sees it (Lightning's ``LightningOptimizer``):
-    ``step(closure)`` runs the closure, reduces gradients across replicas as the strategy does,
-    runs the before-step work (``on_before_optimizer_step``, clipping), then steps. Everything else
+    """The optimizer as the module sees it (Lightning's ``LightningOptimizer``): in an overridden
+    ``optimizer_step``, and from ``self.optimizers()`` under manual optimization.
+
+    ``step(closure)`` runs the closure, reduces gradients across replicas as the strategy does
+    (``xla_native``; DDP and FSDP reduced them in backward), runs the before-step work
+    (``on_before_optimizer_step``, then clipping asked for with ``clip_gradients``, on the reduced
+    gradients), then steps, and calls ``after_step`` (the Trainer counts the step). Everything else
     is the wrapped optimizer's."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, before_step: Callable[[], None] | None) -> None:
-        self._optimizer, self._strategy, self._before_step = optimizer, strategy, before_step
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, before_step: Callable[[], None] | None,
+                 after_step: Callable[[], None] | None = None) -> None:
+        self._optimizer, self._strategy = optimizer, strategy
+        self._before_step, self._after_step = before_step, after_step
+        self.pending_clip: Callable[[], None] | None = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -94,7 +115,16 @@ class StrategyOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = closure() if closure is not None else None
-        self._strategy.optimizer_step(self._optimizer, self._before_step)
+        clip, self.pending_clip = self.pending_clip, None
+        before = self._before_step
+        if clip is not None:
+            def before() -> None:
+                if self._before_step is not None:
+                    self._before_step()
+                clip()
+        self._strategy.optimizer_step(self._optimizer, before)
+        if self._after_step is not None:
+            self._after_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

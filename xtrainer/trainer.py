@@ -256,7 +256,9 @@ class Trainer:
         # Set inside a run (per replica).
         self._module: XModule | None = None
         self._wrapped: nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._manual_optimizers: list[StrategyOptimizer] = []  # what self.optimizers() gives the module
+        self._automatic = True
         self._schedulers: list[SchedulerConfig] = []
         self._results = Results("train", default_on_step=True)
 
@@ -350,7 +352,7 @@ class Trainer:
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self._optimizer] if self._optimizer is not None else []
+        return list(self._optimizers)
 
     @property
     def lr_schedulers(self) -> list[Any]:
@@ -603,7 +605,22 @@ class Trainer:
     def _setup_optimizers(self) -> None:
         module = self.module
         config = self.strategy.setup_optimizers(self._wrapped, module.configure_optimizers)
-        self._optimizer, self._schedulers = parse_optimizers(config, type(module).__name__)
+        self._automatic = module.automatic_optimization
+        name = type(module).__name__
+        self._optimizers, self._schedulers = parse_optimizers(config, name, self._automatic)
+        if not self._automatic:
+            if self.gradient_clip_val is not None:
+                raise ValueError(f"gradient_clip_val with manual optimization ({name}.automatic_optimization is "
+                                 "False): clip in training_step with self.clip_gradients(opt, gradient_clip_val=...) "
+                                 "before opt.step(), as in Lightning.")
+            if self.accumulate_grad_batches != 1:
+                raise ValueError(f"accumulate_grad_batches with manual optimization ({name}.automatic_optimization "
+                                 "is False): step the optimizers every N batches in training_step instead.")
+            self.strategy.check_manual_optimization()
+        self._manual_optimizers = [
+            StrategyOptimizer(opt, self.strategy, lambda opt=opt: self._call("on_before_optimizer_step", opt),
+                              self._manual_stepped)
+            for opt in self._optimizers]
         self._needs_before_step = self.gradient_clip_val is not None or _overrides(
             module, self.callbacks, "on_before_optimizer_step")
         self._custom_step = (type(module).optimizer_step is not XModule.optimizer_step
@@ -668,7 +685,8 @@ class Trainer:
             if self.world_size > 1:
                 self._publisher.publish(self, {})  # a stop asked for at the epoch's end reaches every replica
             if self._epoch_finished:
-                self._step_schedulers("epoch")
+                if self._automatic:  # under manual optimization the module steps its schedulers
+                    self._step_schedulers("epoch")
                 self.current_epoch += 1
                 self._batches_in_epoch = 0
         self._call("on_train_end")
@@ -736,6 +754,9 @@ class Trainer:
                 or (self.max_epochs is not None and self.current_epoch >= self.max_epochs))
 
     def _train_batch(self, batch: Any, batch_idx: int) -> None:
+        if not self._automatic:
+            self._manual_train_batch(batch, batch_idx)
+            return
         steps = ((batch_idx + 1) % self.accumulate_grad_batches == 0
                  or batch_idx + 1 == self.num_training_batches)
         results = self._results
@@ -762,12 +783,64 @@ class Trainer:
         self._batches_in_epoch = batch_idx + 1
         self._call("on_train_batch_end", outputs, batch, batch_idx)
 
+    def _manual_train_batch(self, batch: Any, batch_idx: int) -> None:
+        """Manual optimization: ``training_step`` runs backward and steps the optimizers itself
+        (``self.manual_backward``, ``self.optimizers()``); the graph is still cut once per call."""
+        results = self._results
+        results.batch_size, results.in_step = batch_size(batch), True
+        before = self.global_step
+        outputs = self._wrapped("train", batch, batch_idx)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            loss = loss.detach().reshape(())
+            self._publisher.observe_loss(loss)
+            results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
+                        reduce_fx="mean", batch_size=None)
+        results.in_step = False
+        for wrapper in self._manual_optimizers:
+            wrapper.pending_clip = None  # asked for, but that optimizer did not step
+        if self.global_step // self.log_every_n_steps > before // self.log_every_n_steps:
+            _xla.add_step_closure(self._publish_step_values)  # a logging step was crossed: as in _train_batch
+        self.strategy.sync()  # the graph cut: one execution per training_step call
+        self._batches_in_epoch = batch_idx + 1
+        self._call("on_train_batch_end", outputs, batch, batch_idx)
+
+    def _manual_stepped(self) -> None:
+        """A manual ``opt.step()``: Lightning counts every optimizer step in ``global_step``."""
+        self.global_step += 1
+        self._publisher.stepped()
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``XModule.manual_backward``: the backward hooks around the strategy's backward."""
+        if self._automatic:
+            raise RuntimeError("manual_backward() is for manual optimization: set self.automatic_optimization = "
+                               "False in the module's __init__ (with automatic optimization, return the loss).")
+        self._call("on_before_backward", loss)
+        self.strategy.manual_backward(self._wrapped, loss, *args, **kwargs)
+        self._call("on_after_backward")
+
+    def clip_gradients_of(self, optimizer: Any, value: float | None, algorithm: str | None) -> None:
+        """``XModule.clip_gradients``: clip ``optimizer``'s gradients once they are reduced, just
+        before it steps (right away where the strategy reduced them in backward already)."""
+        if value is None:
+            return
+        algorithm = algorithm or "norm"
+        if algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={algorithm!r}: use 'norm' or 'value'.")
+        raw = getattr(optimizer, "optimizer", optimizer)
+        wrapper = next((w for w in self._manual_optimizers if w.optimizer is raw), None)
+        clip = lambda: self.strategy.clip_gradients(self._wrapped, raw, value, algorithm)  # noqa: E731
+        if wrapper is None:
+            clip()
+        else:
+            wrapper.pending_clip = clip
+
     def _publish_step_values(self) -> None:
         self._publisher.publish(self, self._results.step_tensors(self.strategy.reduce, self.world_size),
                                 check_loss=True)
 
     def _optimizer_step(self, batch_idx: int, loss: torch.Tensor) -> None:
-        optimizer = self._optimizer
+        optimizer = self._optimizers[0]
         before_step = self._before_optimizer_step if self._needs_before_step else None
         if self._custom_step:  # the module overrides optimizer_step or optimizer_zero_grad
             wrapper = StrategyOptimizer(optimizer, self.strategy, before_step)
@@ -783,9 +856,9 @@ class Trainer:
         self._step_schedulers("step")
 
     def _before_optimizer_step(self) -> None:
-        self._call("on_before_optimizer_step", self._optimizer)
+        self._call("on_before_optimizer_step", self._optimizers[0])
         if self.gradient_clip_val is not None:
-            self.strategy.clip_gradients(self._wrapped, self._optimizer, self.gradient_clip_val,
+            self.strategy.clip_gradients(self._wrapped, self._optimizers[0], self.gradient_clip_val,
                                          self.gradient_clip_algorithm)
 
     def _step_schedulers(self, interval: str) -> None:
@@ -981,7 +1054,7 @@ class Trainer:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_module=None, _wrapped=None, _optimizer=None, _schedulers=[])
+        state.update(_module=None, _wrapped=None, _optimizers=[], _manual_optimizers=[], _schedulers=[])
         return state
 
 

@@ -56,6 +56,7 @@ class LearningRateMonitor(Callback):
         self._in_batch = self._in_validation = False
         self._step_stats: dict[str, float] = {}
         self._epoch_stats: dict[str, float] = {}
+        self._kinds: dict[str, str] = {}  # "<name>-momentum": "momentum", ...
 
     # ---- hooks ----------------------------------------------------------------------------------
     def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
@@ -113,9 +114,10 @@ class LearningRateMonitor(Callback):
         metrics.update(stats)
         trainer.callback_metrics.update(stats)
         for name, value in stats.items():
-            if name in self.last_momentum_values or name.endswith("-momentum") and name[:-9] in self.lrs:
+            kind = self._kinds.get(name)
+            if kind == "momentum":
                 self.last_momentum_values[name] = value
-            elif name.endswith("-weight_decay") and name[:-13] in self.lrs:
+            elif kind == "weight_decay":
                 self.last_weight_decay_values[name] = value
             else:
                 self.lrs.setdefault(name, []).append(value)
@@ -134,15 +136,18 @@ class LearningRateMonitor(Callback):
                 if lr is None:
                     continue  # kept on the device: reading it would be a sync
                 stats[name] = lr
+                self._kinds[name] = "lr"
                 if self.log_momentum:
                     momentum = group["betas"][0] if use_betas and "betas" in group else group.get("momentum", 0)
                     momentum = _host_float(momentum)
                     if momentum is not None:
                         stats[f"{name}-momentum"] = momentum
+                        self._kinds[f"{name}-momentum"] = "momentum"
                 if self.log_weight_decay:
                     decay = _host_float(group.get("weight_decay", 0))
                     if decay is not None:
                         stats[f"{name}-weight_decay"] = decay
+                        self._kinds[f"{name}-weight_decay"] = "weight_decay"
         return stats
 
     @staticmethod

@@ -206,9 +206,9 @@ class Strategy(abc.ABC):
         del wrapped, enabled
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         try:
-            loss.backward()
+            loss.backward(*args, **kwargs)
         except RuntimeError as err:
             if "device_ready_queues_" not in str(err):
                 raise
@@ -231,6 +231,14 @@ class Strategy(abc.ABC):
             torch.nn.utils.clip_grad_norm_(params, value)
         else:
             torch.nn.utils.clip_grad_value_(params, value)
+
+    def manual_backward(self, wrapped: nn.Module, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """A backward pass under manual optimization (one of possibly several per step)."""
+        del wrapped
+        self.backward(loss, *args, **kwargs)
+
+    def check_manual_optimization(self) -> None:
+        """Refuse manual optimization where this strategy cannot do it (all but FSDP can)."""
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer,
                        before_step: Callable[[], None] | None = None) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import os
 from typing import Any, Iterator
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -74,6 +75,19 @@ class XlaDDP(Strategy):
             states += [b for name, b in module.named_buffers() if name not in wrapped.parameters_to_ignore]
         cpu_replicas.start_ddp(states)
         return wrapped
+
+    def manual_backward(self, wrapped: nn.Module, loss: Any, *args: Any, **kwargs: Any) -> None:
+        """DDP's reducer is armed once per forward; manual optimization may run several backward
+        passes per ``training_step`` (a GAN's generator and discriminator), so it is re-armed
+        before each. Parameters a backward does not reach (the other optimizer's, toggled off)
+        need ``XlaDDP(find_unused_parameters=True)``, as with DDP anywhere."""
+        if isinstance(wrapped, DistributedDataParallel) and torch.is_grad_enabled() \
+                and wrapped.require_backward_grad_sync:
+            wrapped.require_forward_param_sync = True
+            outputs = [loss] if wrapped.find_unused_parameters and not wrapped.static_graph else []
+            wrapped.reducer._rebuild_buckets()  # private torch API, as DDP's own forward calls it
+            wrapped.reducer.prepare_for_backward(outputs)
+        super().manual_backward(wrapped, loss, *args, **kwargs)
 
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
         return wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
