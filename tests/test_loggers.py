@@ -741,6 +741,7 @@ def test_trainer_resumed_into_a_named_version_appends_to_its_csv(tmp_path):
     before = read_csv(os.path.join(first.log_dir, "metrics.csv"))[1]
     again = run(8, ckpt_path="last")  # the checkpoint in exp/baseline/checkpoints is found
     assert again.log_dir == first.log_dir and again.global_step == 8
+    assert os.path.realpath(again.ckpt_path).startswith(os.path.realpath(first.log_dir))  # resumed, not restarted
     rows = read_csv(os.path.join(again.log_dir, "metrics.csv"))[1]
     assert rows[:len(before)] == before and len(rows) > len(before)
     assert int(rows[-1]["step"]) == 8

@@ -114,9 +114,11 @@ def quiet(tmp_path, **kwargs):
     return dict(default_root_dir=str(tmp_path), enable_progress_bar=False, num_sanity_val_steps=0, **kwargs)
 
 
-def test_a_gan_trains_as_the_plain_loop_does(tmp_path):
+@pytest.mark.parametrize("strategy", ["xla_native", "xla_fsdpv2"])
+def test_a_gan_trains_as_the_plain_loop_does(tmp_path, strategy):
     model = GAN(clip=0.5)
-    trainer = Trainer(max_epochs=2, log_every_n_steps=2, enable_checkpointing=False, **quiet(tmp_path))
+    trainer = Trainer(strategy=strategy, max_epochs=2, log_every_n_steps=2, enable_checkpointing=False,
+                      **quiet(tmp_path))
     trainer.fit(model, real_data())
     assert trainer.global_step == 2 * 2 * STEPS_PER_EPOCH  # Lightning counts every optimizer step
     expected = plain_loop(2, clip=0.5)
@@ -172,6 +174,8 @@ def test_several_optimizers_need_manual_optimization(tmp_path):
         Trainer(**quiet(tmp_path)).fit(Automatic(), real_data())
     with pytest.raises(ValueError, match="gradient_clip_val with manual optimization"):
         Trainer(gradient_clip_val=1.0, **quiet(tmp_path)).fit(GAN(), real_data())
+    with pytest.raises(NotImplementedError, match="not supported under xla_fsdp.*Use xla_fsdpv2"):
+        Trainer(strategy="xla_fsdp", **quiet(tmp_path)).fit(GAN(), real_data())
 
 
 class SaveWeights(Callback):

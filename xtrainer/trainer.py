@@ -604,8 +604,10 @@ class Trainer:
 
     def _setup_optimizers(self) -> None:
         module = self.module
-        config = self.strategy.setup_optimizers(self._wrapped, module.configure_optimizers)
         self._automatic = module.automatic_optimization
+        if not self._automatic:
+            self.strategy.check_manual_optimization()
+        config = self.strategy.setup_optimizers(self._wrapped, module.configure_optimizers)
         name = type(module).__name__
         self._optimizers, self._schedulers = parse_optimizers(config, name, self._automatic)
         if not self._automatic:
@@ -616,7 +618,6 @@ class Trainer:
             if self.accumulate_grad_batches != 1:
                 raise ValueError(f"accumulate_grad_batches with manual optimization ({name}.automatic_optimization "
                                  "is False): step the optimizers every N batches in training_step instead.")
-            self.strategy.check_manual_optimization()
         self._manual_optimizers = [
             StrategyOptimizer(opt, self.strategy, lambda opt=opt: self._call("on_before_optimizer_step", opt),
                               self._manual_stepped)
