@@ -48,8 +48,9 @@ def test_logger_progress_bar_and_health_add_no_device_reads(tmp_path):
     quiet = transfers(tmp_path / "quiet", logger=False, enable_progress_bar=False, enable_xla_health=False)
     shown = transfers(tmp_path / "shown", logger=True, enable_progress_bar=True, enable_xla_health=True)
     assert shown == quiet
-    # 24 steps: 6 logging steps, 3 validation ends, 3 training epoch ends; then the 4 weight tensors
-    assert quiet == 6 + 3 + 3 + len(list(Regressor().parameters()))
+    # 24 steps: 6 logging steps, 3 validation ends, 3 training epoch ends, the sanity check's
+    # validation end; then the 4 weight tensors
+    assert quiet == 6 + 3 + 3 + 1 + len(list(Regressor().parameters()))
 
 
 class ShapeShifter:
@@ -108,7 +109,7 @@ def test_progress_bar_lines_off_a_terminal_and_a_rich_bar_on_one(tmp_path):
 
 def test_no_progress_bar_when_turned_off(tmp_path, capsys):
     Trainer(max_epochs=1, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_xla_health=False).fit(Regressor(), make_loader())
+            enable_progress_bar=False, enable_xla_health=False, enable_model_summary=False).fit(Regressor(), make_loader())
     assert capsys.readouterr().out == ""
 
 

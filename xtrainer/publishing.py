@@ -71,19 +71,21 @@ class Publisher:
         self.watch = (NonFiniteWatch(trainer.strategy.device, trainer.global_step)
                       if self.detect_nonfinite != "off" else None)
         self._checked_step = -1
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and trainer.module._log_hyperparams:
             for logger in trainer.loggers:
                 logger.log_hyperparams(trainer.hyperparameters())
 
     def end_fit(self, trainer: "Trainer") -> None:
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and trainer.module._log_hyperparams:
+            hidden = trainer._results.hidden_from_loggers()
+            final = {k: v for k, v in trainer.callback_metrics.items() if k not in hidden}
             for logger in trainer.loggers:
-                logger.log_hyperparams(trainer.hyperparameters(), dict(trainer.callback_metrics))
+                logger.log_hyperparams(trainer.hyperparameters(), final)
 
-    def close(self, trainer: "Trainer") -> None:
+    def close(self, trainer: "Trainer", failed: bool = False) -> None:
         """Flush what was logged; at the end of every run, also one that failed."""
         for logger in trainer.loggers:
-            logger.finalize()
+            logger.finalize("failed" if failed else "success")
 
     # ---- the step ------------------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor) -> None:

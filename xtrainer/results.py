@@ -32,6 +32,7 @@ class _Entry:
     sync_dist: bool
     reduce_fx: str
     logger: bool = True
+    metric: Any = None  # a torchmetrics Metric logged by object: its compute() is the epoch value
     last: torch.Tensor | None = None
     total: torch.Tensor | None = None
     weight: float = 0.0  # host-side: sum of batch sizes (mean) or number of values
@@ -55,6 +56,9 @@ class Results:
     def log(self, name: str, value: Any, on_step: bool | None, on_epoch: bool | None,
             prog_bar: bool, sync_dist: bool, reduce_fx: Any, batch_size: int | None, logger: bool = True,
             add_dataloader_idx: bool = True) -> None:
+        if _is_metric(value):
+            self._log_metric(name, value, on_step, on_epoch, prog_bar, logger, add_dataloader_idx)
+            return
         reduce_fx = _REDUCE_CALLABLES.get(reduce_fx, reduce_fx) if not isinstance(reduce_fx, str) else reduce_fx
         if reduce_fx not in REDUCE_FXS:
             raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS} "
@@ -94,6 +98,26 @@ class Results:
             entry.total = _combine(reduce_fx, entry.total, weighted)
             entry.weight += weight
 
+    def _log_metric(self, name: str, metric: Any, on_step: bool | None, on_epoch: bool | None, prog_bar: bool,
+                    logger: bool, add_dataloader_idx: bool) -> None:
+        """A torchmetrics ``Metric`` logged by object, with Lightning's meaning: per step, the value
+        its ``forward`` computed for this batch; per epoch, ``compute()`` over the epoch's updates
+        (synced across replicas in the graph), after which the metric is reset."""
+        on_step = self.default_on_step if on_step is None else on_step
+        on_epoch = (not self.default_on_step) if on_epoch is None else on_epoch
+        if self.stage != "train" or not self.in_step:
+            on_step, on_epoch = False, True
+        name = name + (self.suffix if add_dataloader_idx else "")
+        entry = self.entries.get(name)
+        if entry is None:
+            entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, False, "mean", logger, metric)
+        if on_step:
+            value = getattr(metric, "_forward_cache", None)
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise ValueError(f"self.log({name!r}, metric, on_step=True): call the metric on the batch "
+                                 "(metric(preds, target)) before logging it per step, or log it with on_step=False.")
+            entry.last = value.detach().reshape(()).float()
+
     def _constant(self, number: float, device: torch.device) -> torch.Tensor:
         """``number`` as device data, uploaded once. Starting each epoch from a data tensor (not
         from the first value) keeps the first step of every epoch the same graph as the others.
@@ -116,11 +140,17 @@ class Results:
                 out[name + "_step" if entry.on_epoch else name] = value
         return out
 
-    def epoch_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int
-                      ) -> dict[str, torch.Tensor]:
-        """Epoch values, named ``x`` or ``x_epoch`` (if also logged per step)."""
+    def epoch_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int,
+                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Epoch values, named ``x`` or ``x_epoch`` (if also logged per step). Metrics logged by
+        object are computed (their states gathered from every replica with ``gather``) and reset."""
         out = {}
         for name, entry in self.entries.items():
+            if entry.metric is not None:
+                if entry.on_epoch:
+                    value = _compute_metric(entry.metric, world_size, gather)
+                    out[name + "_epoch" if entry.on_step else name] = value.detach().float().reshape(())
+                continue
             if not entry.on_epoch or entry.total is None:
                 continue
             total, weight = entry.total, entry.weight
@@ -146,6 +176,33 @@ class Results:
     def reset_epoch(self) -> None:
         for entry in self.entries.values():
             entry.total, entry.weight = None, 0.0
+
+
+def _is_metric(value: Any) -> bool:
+    """A torchmetrics ``Metric`` (told by its methods: torchmetrics need not be installed)."""
+    return not isinstance(value, torch.Tensor) and all(
+        callable(getattr(value, name, None)) for name in ("update", "compute", "reset", "sync"))
+
+
+def _compute_metric(metric: Any, world_size: int, gather: Callable[[torch.Tensor], torch.Tensor] | None
+                    ) -> torch.Tensor:
+    """``metric.compute()``, its states synced across replicas by ``gather`` (an all-gather in the
+    graph: torchmetrics' own sync would go through torch.distributed, which xla_native has not)."""
+    if world_size > 1 and gather is not None:
+        saved = metric.dist_sync_fn, metric.distributed_available_fn
+        metric.dist_sync_fn = lambda tensor, group=None: list(gather(tensor).unbind(0))
+        metric.distributed_available_fn = lambda: True
+        try:
+            value = metric.compute()
+        finally:
+            metric.dist_sync_fn, metric.distributed_available_fn = saved
+    else:
+        value = metric.compute()
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise ValueError(f"A logged {type(metric).__name__} computed a value of type {type(value).__name__}; "
+                         "self.log takes metrics whose compute() gives a scalar.")
+    metric.reset()
+    return value
 
 
 def _combine(reduce_fx: str, total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.checkpoint import resume
 from xtrainer.datamodule import LOADER_HOOKS, XDataModule
-from xtrainer.loggers import Logger, TensorBoardLogger
+from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
 from xtrainer.module import MODULE_HOOKS, XModule
 from xtrainer.optim import SchedulerConfig, StrategyOptimizer, parse_optimizers, step_schedulers
 from xtrainer.precision import Precision
@@ -194,10 +194,6 @@ class Trainer:
         self.detect_nonfinite = settings.detect_nonfinite
         self._publisher = Publisher(settings.detect_nonfinite)
         self.default_root_dir = os.fspath(settings.default_root_dir or os.path.join(os.getcwd(), "xtrainer_logs"))
-        # The run folder: <default_root_dir>[/<logger name>]/version_N, shared by logs, checkpoints
-        # and the saved configuration.
-        name = logger.name if isinstance(logger, TensorBoardLogger) and logger.log_dir is None else ""
-        self._runs_root = os.path.join(self.default_root_dir, name) if name else self.default_root_dir
         self._log_dir: str | None = None  # claimed on first use (log_dir)
 
         self.callbacks: list[Callback] = _as_list(callbacks)
@@ -216,12 +212,9 @@ class Trainer:
         if settings.profiler is not None:
             self.callbacks.append(_profiler(settings.profiler))
         if logger is True:
-            logger = TensorBoardLogger()
-        self.loggers: list[Logger] = [] if logger in (None, False) else _as_list(logger)
-        for one in self.loggers:
-            if not isinstance(one, Logger):
-                raise TypeError(f"logger must be True, False, a Logger or a list of them, got {type(one).__name__} "
-                                "(loggers come from xtrainer.loggers).")
+            # <default_root_dir>/version_N (Lightning's logger=True adds a lightning_logs/ level)
+            logger = TensorBoardLogger(name="")
+        self.loggers = [] if logger in (None, False) else _as_list(logger)
         self.datamodule: XDataModule | None = None
         self.sanity_checking = False
         self._fitted_model: XModule | None = None  # for validate()/test()/predict() without a model
@@ -264,20 +257,35 @@ class Trainer:
 
     # ---- the run folder ------------------------------------------------------------------------
     @property
+    def loggers(self) -> list[Logger]:
+        return self._loggers
+
+    @loggers.setter
+    def loggers(self, loggers: list[Logger]) -> None:
+        for one in loggers:
+            if not isinstance(one, Logger):
+                raise TypeError(f"logger must be True, False, a Logger or a list of them, got {type(one).__name__} "
+                                "(loggers come from xtrainer.loggers).")
+        self._loggers = list(loggers)
+        # The run folder: the first folder logger's <save_dir>/<name>/version_N (save_dir defaults
+        # to default_root_dir), else <default_root_dir>/version_N; shared by logs, checkpoints and
+        # the saved configuration.
+        self._runs_root = run_folder_root(self._loggers, self.default_root_dir)
+
+    @property
     def log_dir(self) -> str:
         """This run's folder, ``<default_root_dir>[/<logger name>]/version_N``: logs, checkpoints
         and the saved configuration. Claimed on first use with ``os.mkdir``, which fails when the
         folder exists, so runs started at the same moment never share one."""
         if self._log_dir is None:
-            self.log_dir = claim_version_dir(self._runs_root)
+            self._log_dir = claim_run_folder(self.loggers, self.default_root_dir)
         return self._log_dir
 
     @log_dir.setter
     def log_dir(self, value: str) -> None:
         previous, self._log_dir = self._log_dir, value
-        for logger in self.loggers:  # a logger without a folder of its own writes into the run's
-            if isinstance(logger, TensorBoardLogger) and logger.log_dir in (None, previous):
-                logger.log_dir = value
+        if value != previous:  # e.g. rank 0's folder, broadcast: the loggers follow
+            move_run_folder(self.loggers, previous, value)
 
     # ---- where we are (valid inside a run) -------------------------------------------------
     @property
@@ -304,6 +312,10 @@ class Trainer:
     def logger(self) -> Logger | None:
         """The first logger (None without one)."""
         return self.loggers[0] if self.loggers else None
+
+    @logger.setter
+    def logger(self, logger: Logger | None) -> None:
+        self.loggers = [] if logger is None else [logger]
 
     @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:
@@ -459,6 +471,9 @@ class Trainer:
         if ckpt_path != "last" and not os.path.exists(ckpt_path):
             raise ckpt_io.CheckpointNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (or pass ckpt_path='last').")
         extra = [cb.dirpath for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        planned = next((lg.version_dir for lg in self.loggers if getattr(lg, "version_dir", None)), None)
+        if planned:  # a version given by name (version="baseline") is not among the version_* siblings
+            extra.append(ckpt_io.default_dirpath(planned))
         search = resume.lineage_dirs(os.path.join(self._runs_root, "version_0"), extra)
         header = resume.resolve(ckpt_path, search, self.strategy.checkpoint_layout, self.strategy.name,
                                 self.strategy.planned_world_size(), root=self._runs_root)
@@ -590,7 +605,7 @@ class Trainer:
                 self._call_on_exception(err)
             raise
         finally:
-            self._publisher.close(self)  # flush what was logged, also when training failed
+            self._publisher.close(self, failed)  # flush what was logged, also when training failed
             if self._wrapped is not None:
                 self.strategy.teardown(self._wrapped, failed)
             for cb in self.callbacks:
@@ -985,7 +1000,7 @@ class Trainer:
         """The module's epoch-end hook (it may still log), then read every epoch value to the host
         (one host sync), then the callbacks' hook, which sees the new ``callback_metrics``."""
         getattr(self.module, hook)()
-        tensors = self._results.epoch_tensors(self.strategy.reduce, self.world_size)
+        tensors = self._results.epoch_tensors(self.strategy.reduce, self.world_size, self.strategy.all_gather_tensors)
         if stage == "train":  # the latest per-step values ride along in the same transfer
             tensors.update(self._results.step_tensors(self.strategy.reduce, self.world_size))
         metrics = self._publisher.publish(self, tensors, check_loss=stage == "train")
@@ -1215,22 +1230,6 @@ def _training_loss(outputs: Any) -> torch.Tensor:
         raise ValueError("training_step returned a loss that does not require grad: it is detached from the "
                          "model's parameters (was it computed under torch.no_grad(), or with .detach()?).")
     return loss.reshape(())
-
-
-def claim_version_dir(root: str) -> str:
-    """Create and return ``root/version_N`` for the first N not taken. ``os.mkdir`` fails if the
-    folder exists, so two runs choosing at the same moment get different folders."""
-    os.makedirs(root, exist_ok=True)
-    existing = [int(name[len("version_"):]) for name in os.listdir(root)
-                if name.startswith("version_") and name[len("version_"):].isdigit()]
-    version = max(existing) + 1 if existing else 0
-    while True:
-        path = os.path.join(root, f"version_{version}")
-        try:
-            os.mkdir(path)
-            return path
-        except FileExistsError:
-            version += 1
 
 
 def _remove_if_empty(path: str) -> None:

@@ -593,7 +593,7 @@ class ModelCheckpoint(Callback):
         Lightning's: ``format_checkpoint_name({"epoch": 2, "val_loss": 0.1234})`` with
         ``filename="{epoch}-{val_loss:.2f}"`` is ``<dirpath>/epoch=2-val_loss=0.12.ckpt``."""
         metrics = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-        name = self._format_name(filename or self.filename, metrics)
+        name = self._format_name(filename or self.filename, metrics, warn=False)
         if ver is not None:
             name = f"{name}{self.CHECKPOINT_JOIN_CHAR}v{ver}"
         return self._path(name, check=False)
@@ -606,7 +606,7 @@ class ModelCheckpoint(Callback):
             out.append(literal)
             if field is None:
                 continue
-            value = self._lookup(field, metrics, warn)
+            value = self._lookup(template, field, metrics, warn)
             if conversion:
                 value = {"r": repr, "s": str, "a": ascii}[conversion](value)
             try:
@@ -617,13 +617,13 @@ class ModelCheckpoint(Callback):
             out.append(f"{field}{self.CHECKPOINT_EQUALS_CHAR}{text}" if self.auto_insert_metric_name else text)
         return "".join(out)
 
-    def _lookup(self, field: str, metrics: dict[str, Any], warn: bool) -> Any:
+    def _lookup(self, template: str, field: str, metrics: dict[str, Any], warn: bool) -> Any:
         if field in metrics:
             return metrics[field]
         slashed = [name for name in metrics if name.replace("/", "_") == field]
         if slashed:
             return metrics[slashed[0]]
-        message = (f"ModelCheckpoint(filename={self.filename!r}) names {field!r}, which was not logged: it reads 0, "
+        message = (f"ModelCheckpoint: the name {template!r} has a field {field!r}, which was not logged: it reads 0, "
                    f"as in Lightning. Logged: {sorted(metrics)}.")
         if warn and message not in self._warned:
             self._warned.add(message)

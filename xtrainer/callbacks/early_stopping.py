@@ -145,7 +145,8 @@ class EarlyStopping(Callback):
             return True, (f"Stopping threshold reached: {name} = {current} {order} {self.stopping_threshold}. "
                           "Signaling Trainer to stop.")
         if self.divergence_threshold is not None and self._better(-current, -self.divergence_threshold):
-            return True, (f"Divergence threshold reached: {name} = {current} {order} {self.divergence_threshold}. "
+            worse = self.order_dict["max" if self.mode == "min" else "min"]  # Lightning prints `order` here
+            return True, (f"Divergence threshold reached: {name} = {current} {worse} {self.divergence_threshold}. "
                           "Signaling Trainer to stop.")
         delta = self.min_delta if self.mode == "min" else -self.min_delta
         if self._better(current + delta, best):

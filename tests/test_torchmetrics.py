@@ -1,0 +1,98 @@
+"""torchmetrics objects logged as Lightning users log them: states on the device, synced across
+replicas in the graph at the epoch's end, no host read per step."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+
+from xtrainer import Trainer, XModule, _xla
+from xtrainer.callbacks import Callback
+
+
+def data(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long() + (x[:, 2] > 1).long()
+    return TensorDataset(x, y)
+
+
+def metrics(prefix):
+    # validate_args=False: argument checks would read tensors back to the host on every update
+    return MetricCollection({"acc": MulticlassAccuracy(3, average="micro", validate_args=False),
+                             "f1": MulticlassF1Score(3, average="macro", validate_args=False)}, prefix=prefix)
+
+
+class Classifier(XModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(8, 3)
+        self.train_acc = MulticlassAccuracy(3, average="micro", validate_args=False)
+        self.val_metrics = metrics("val_")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.train_acc(logits, y)  # forward: this batch's value, and the epoch's state updated
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        return nn.functional.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_metrics.update(self.net(x), y)
+        self.log_dict(self.val_metrics)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Reads(Callback):
+    """Device-to-host transfers over each training epoch (after the first)."""
+
+    def __init__(self):
+        self.at_start = []
+
+    def on_train_epoch_start(self, trainer, module):
+        self.at_start.append(_xla.transfer_from_device_count())
+
+
+def expected(model, dataset):
+    """What torchmetrics computes on the CPU over the whole validation set."""
+    x, y = dataset.tensors
+    reference = metrics("val_")
+    with torch.no_grad():
+        reference.update(model.net(x), y)
+    return {k: float(v) for k, v in reference.compute().items()}
+
+
+def fit(tmp_path, devices=1, callbacks=()):
+    model = Classifier()
+    trainer = Trainer(devices=devices, max_epochs=3, log_every_n_steps=1000, enable_progress_bar=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, callbacks=list(callbacks),
+                      default_root_dir=str(tmp_path))
+    trainer.fit(model, DataLoader(data(), batch_size=8 // devices), DataLoader(data(32, 1), batch_size=8 // devices))
+    return trainer, model
+
+
+def test_logged_metric_objects_give_lightnings_values_without_host_reads_per_step(tmp_path):
+    reads = Reads()
+    trainer, model = fit(tmp_path, callbacks=[reads])
+    got = trainer.callback_metrics
+    for name, value in expected(model, data(32, 1)).items():
+        assert got[name] == pytest.approx(value, abs=1e-6), name
+    assert {"train_acc_step", "train_acc_epoch"} <= set(got)
+    per_epoch = [b - a for a, b in zip(reads.at_start, reads.at_start[1:])]
+    # 8 steps per epoch, 3 reads: the training epoch's, the validation's, and one inside torchmetrics'
+    # macro-averaged F1 compute() (its own host read, once per epoch): nothing per step
+    assert per_epoch == [3, 3], per_epoch
+    assert model.train_acc.update_count == 0  # reset after each epoch, as Lightning does
+
+
+@pytest.mark.multi_device
+def test_metric_states_are_synced_across_replicas(tmp_path):
+    trainer, model = fit(tmp_path, devices=2)
+    for name, value in expected(model, data(32, 1)).items():
+        assert trainer.callback_metrics[name] == pytest.approx(value, abs=1e-6), name
