@@ -21,10 +21,12 @@ from xtrainer.strategies import STRATEGIES
 def test_the_trainers_arguments_and_the_config_schema_are_one_dataclass():
     params = inspect.signature(Trainer.__init__).parameters
     settings = {f.name: f.default for f in dataclasses.fields(TrainerSettings)}
-    own = {name: p.default for name, p in params.items() if name not in ("self", "strategy", "callbacks", "logger")}
+    objects = ("self", "strategy", "callbacks", "logger")
+    refused = ("plugins", "model_registry")  # Lightning's, taken only to be refused with a message
+    own = {name: p.default for name, p in params.items() if name not in objects + refused}
     assert own == settings  # same names, same defaults: a new argument is a new field
     assert issubclass(TrainerConfig, TrainerSettings)
-    assert {f.name for f in dataclasses.fields(TrainerConfig)} == set(settings) | {"logger"}
+    assert {f.name for f in dataclasses.fields(TrainerConfig)} == set(settings) | {"strategy", "callbacks", "logger"}
 
 
 def test_every_module_hook_is_a_callback_hook_and_misspelt_hooks_are_refused(trainer_kwargs):

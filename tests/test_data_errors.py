@@ -70,7 +70,7 @@ def test_every_strategy_with_one_device(trainer_kwargs, capsys, strategy):
 
 
 def test_a_validation_error_during_fit(trainer_kwargs, capsys):
-    trainer = Trainer(max_epochs=2, **trainer_kwargs)
+    trainer = Trainer(max_epochs=2, num_sanity_val_steps=0, **trainer_kwargs)
     with pytest.raises(DataError) as info:  # the second validation pass reads sample 9 again
         trainer.fit(Regressor(), make_loader(), failing_loader(fail_at=9, from_read=16, n=16, seed=1))
     assert "batch index 1 of DataLoader over FailingDataset" in note(info.value)

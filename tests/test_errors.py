@@ -154,7 +154,7 @@ def test_bad_optimizer_config(trainer_kwargs):
         def configure_optimizers(self):
             return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.1)]
 
-    with pytest.raises(ValueError, match="exactly one torch.optim.Optimizer"):
+    with pytest.raises(ValueError, match="gave 2 optimizers. Several optimizers need manual optimization"):
         Trainer(max_steps=1, **trainer_kwargs).fit(TwoOptims(), make_loader())
 
 

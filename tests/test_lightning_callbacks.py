@@ -78,7 +78,8 @@ def test_file_names_are_lightnings(tmp_path):
     assert default.best_model_score is None and default.best_k_models == {}  # as Lightning, without a monitor
 
     cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val_loss:.2f}")
-    assert os.path.basename(cb.format_checkpoint_name({"epoch": 2, "val_loss": 0.123456})) == "epoch=2-val_loss=0.12.ckpt"
+    name = cb.format_checkpoint_name({"epoch": 2, "val_loss": 0.123456})
+    assert os.path.basename(name) == "epoch=2-val_loss=0.12.ckpt"
     assert os.path.basename(cb.format_checkpoint_name({}, filename="{missing:d}")) == "missing=0.ckpt"
     assert os.path.basename(cb.format_checkpoint_name({"epoch": 5}, filename="{epoch:03d}", ver=1)) == \
         "epoch=005-v1.ckpt"
@@ -144,6 +145,22 @@ def test_top_k_with_ties_nan_and_the_last_checkpoint(tmp_path):
     assert none.best_model_path == "" and none.best_k_models == {}
 
 
+def test_a_custom_last_name_and_folder_checkpoints(tmp_path):
+    # CHECKPOINT_NAME_LAST with fields, as Lightning documents: the previous one goes
+    saver = ModelCheckpoint(dirpath=tmp_path / "named")
+    saver.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    fit(tmp_path, [saver], epochs=3)
+    assert ckpts(saver.dirpath) == ["epoch=2-last.ckpt", "epoch=2-step=6.ckpt"]
+    # an FSDP checkpoint is a folder: last.ckpt switches between a link and a folder of its own
+    sharded = ModelCheckpoint(dirpath=tmp_path / "fsdp", monitor="val_loss", filename="{epoch}")
+    fit(tmp_path, [sharded], epochs=4, module=Scripted([0.5, 0.6, 0.4, 0.7]), strategy="xla_fsdp")
+    names = sorted(os.listdir(sharded.dirpath))
+    assert names == ["epoch=2.ckpt", "last.ckpt"]  # no leftovers of the switches
+    last = os.path.join(sharded.dirpath, "last.ckpt")
+    assert os.path.isdir(last) and not os.path.islink(last)
+    assert torch.load(os.path.join(last, "trainer.pt"), weights_only=True)["loops"]["epoch"] == 3
+
+
 def test_every_n_epochs_and_where_epochs_end(tmp_path):
     every2 = ModelCheckpoint(dirpath=tmp_path / "e2", every_n_epochs=2, save_top_k=-1, save_last=False,
                              save_on_train_epoch_end=True)
@@ -168,7 +185,7 @@ def test_monitor_waits_for_the_first_validation(tmp_path):
 
 def test_a_metric_never_logged(tmp_path):
     # after a validation that did not log it: an error naming what was logged (Lightning raises too)
-    with pytest.raises(MetricNotFoundError, match=r"monitor='val_acc'\) found no such logged metric. Logged: .*val_loss"):
+    with pytest.raises(MetricNotFoundError, match=r"monitor='val_acc'\) found no such logged metric\. Logged: .*val_"):
         fit(tmp_path / "a", [ModelCheckpoint(monitor="val_acc")], epochs=1, module=Scripted([0.5]))
     # no validation at all: only the warning, every epoch's last.ckpt still written
     saver = ModelCheckpoint(monitor="val_acc")
@@ -184,7 +201,7 @@ def test_the_best_checkpoints_survive_a_resume(tmp_path):
             self.restored = (saver.best_model_path, saver.best_model_score, dict(saver.best_k_models),
                              saver.kth_best_model_path, saver.last_model_path)
 
-    scores = [0.5, 0.2, 0.4, 0.1, 0.3, 0.6]
+    scores = [0.5, 0.2, 0.4, 0.1, 0.3, 0.6, 0.05, 0.7]
     first = ModelCheckpoint(monitor="val_loss", save_top_k=2, filename="{epoch}-{val_loss:.1f}")
     fit(tmp_path, [first], epochs=3, module=Scripted(scores))
     before = (first.best_model_path, first.best_model_score, dict(first.best_k_models), first.kth_best_model_path,
@@ -201,24 +218,44 @@ def test_the_best_checkpoints_survive_a_resume(tmp_path):
         pytest.approx(0.1)
     assert load_checkpoint(again.last_model_path)["loops"]["epoch"] == 5
 
+    # resumed with a smaller save_top_k: the restored list shrinks to it at the next checkpoint kept
+    fewer = ModelCheckpoint(monitor="val_loss", save_top_k=1, filename="{epoch}-{val_loss:.1f}", dirpath=first.dirpath)
+    module = Scripted(scores)
+    module.validations = 6
+    fit(tmp_path, [fewer], epochs=7, module=module, ckpt_path="last")
+    assert ckpts(first.dirpath) == ["epoch=6-val_loss=0.1.ckpt", "last.ckpt"]
+
     # resumed with another monitor: a warning; this callback starts afresh and never removes those files
     other = ModelCheckpoint(monitor="train_loss_epoch", dirpath=first.dirpath, filename="t{epoch}")
     with pytest.warns(UserWarning, match="holds the bookkeeping of ModelCheckpoint.monitor='val_loss'"):
-        fit(tmp_path, [other], epochs=7, module=Scripted(scores + [0.7]), ckpt_path="last")
-    assert {"epoch=1-val_loss=0.2.ckpt", "epoch=3-val_loss=0.1.ckpt"} < set(ckpts(first.dirpath))
+        fit(tmp_path, [other], epochs=8, module=Scripted(scores), ckpt_path="last")
+    assert ckpts(first.dirpath) == ["epoch=6-val_loss=0.1.ckpt", "last.ckpt", "tepoch=7.ckpt"]
+
+
+class SaveNowAt(Callback):
+    """Calls ``save_now`` (what a SIGTERM does) after step 3."""
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 3:
+            self.path = trainer.checkpoint_callback.save_now(trainer)
 
 
 def test_save_weights_only(tmp_path):
-    saver = ModelCheckpoint(save_weights_only=True, save_top_k=-1)
-    trainer = fit(tmp_path, [saver], epochs=2)
+    saver, stop = ModelCheckpoint(save_weights_only=True, save_top_k=-1), SaveNowAt()
+    trainer = fit(tmp_path, [saver, stop], epochs=2)
     ckpt = load_checkpoint(saver.best_model_path)
     assert ckpt["weights_only"] is True and ckpt["optimizer_states"] == [] and ckpt["callbacks"] == {}
     assert "rng_states" not in ckpt and ckpt["loops"]["global_step"] == 4
-    # its weights load (validate with ckpt_path), ...
+    # the checkpoint written on a signal is complete all the same: it is the one to resume from
+    assert stop.path == saver.last_model_path
+    full = load_checkpoint(os.path.join(saver.dirpath, "epoch=1-step=3.ckpt"))
+    assert "weights_only" not in full and len(full["optimizer_states"]) == 1 and full["callbacks"]
+    # its weights load (validate with ckpt_path, load_from_checkpoint), ...
     model = Regressor(lr=123.0)
     trainer.validate(model, make_loader(n=8, seed=1), ckpt_path=saver.best_model_path)
+    loaded = Regressor.load_from_checkpoint(saver.best_model_path)
     for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, ckpt["state_dict"][name])
+        assert torch.equal(tensor, ckpt["state_dict"][name]) and torch.equal(loaded.state_dict()[name], tensor)
     # ... but a fit cannot continue from it, and says why
     with pytest.raises(CheckpointError, match="weights only"):
         fit(tmp_path, [ModelCheckpoint()], epochs=3, ckpt_path=saver.best_model_path)
@@ -292,6 +329,20 @@ def test_early_stopping_strict_and_where_it_checks(tmp_path):
     trainer = fit(tmp_path / "e", [at_end], epochs=10, module=Scripted([3, 2, 2, 1, 2, 1, 2, 1, 2]),
                   val_check_interval=1)
     assert trainer.current_epoch == 4 and at_end.wait_count == 2  # per validation it would have stopped in epoch 2
+
+    class AtTrainEnd(EarlyStopping):  # Lightning's documented way to check elsewhere
+        def on_validation_end(self, trainer, module):
+            pass
+
+        def on_train_epoch_end(self, trainer, module):
+            pass
+
+        def on_train_end(self, trainer, module):
+            self._run_early_stopping_check(trainer)
+
+    moved = AtTrainEnd("val_loss", patience=1)
+    assert fit(tmp_path / "m", [moved], epochs=3, module=Scripted([3, 2, 1])).current_epoch == 3
+    assert moved.best_score.item() == 1 and moved.wait_count == 0
 
 
 # ---- LearningRateMonitor --------------------------------------------------------------------------

@@ -293,9 +293,9 @@ class ModelCheckpoint(Callback):
             if self._given_dirpath and trainer.ckpt_path is None and self._foreign_checkpoints():
                 also = (" gets a -v1 suffix instead of replacing it" if self.enable_version_counter
                         else " replaces it (enable_version_counter=False)")
-                rank_zero_warn(f"ModelCheckpoint: {self.dirpath} already holds checkpoints of another run; a checkpoint "
-                               f"of this run with the same name{also}, and last.ckpt is replaced. Give each run its own "
-                               "dirpath (the default, <run folder>/checkpoints, is).")
+                rank_zero_warn(f"ModelCheckpoint: {self.dirpath} already holds checkpoints of another run; a "
+                               f"checkpoint of this run with the same name{also}, and last.ckpt is replaced. Give each "
+                               "run its own dirpath (the default, <run folder>/checkpoints, is).")
 
     def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
         self._last_save_time = time.monotonic()
@@ -330,8 +330,9 @@ class ModelCheckpoint(Callback):
                 and not self._on_train_epoch_end(trainer) and not self._validation_ran
                 and (self.every_n_epochs or self.save_last)):
             rank_zero_warn("ModelCheckpoint saved nothing: it saves after validation here (check_val_every_n_epoch="
-                           f"{trainer.check_val_every_n_epoch}, val_check_interval={trainer.val_check_interval}), and no "
-                           "validation ran. Pass save_on_train_epoch_end=True to save at the end of training epochs.")
+                           f"{trainer.check_val_every_n_epoch}, val_check_interval={trainer.val_check_interval}), and "
+                           "no validation ran. Pass save_on_train_epoch_end=True to save at the end of training "
+                           "epochs.")
 
     def _should_skip(self, trainer: "Trainer") -> bool:
         return (trainer.state != "fit" or _sanity_checking(trainer) or bool(getattr(trainer, "fast_dev_run", False))
@@ -408,18 +409,17 @@ class ModelCheckpoint(Callback):
                     value = metrics[self.monitor]
                     if self._qualifies(value, best_k):
                         size = len(best_k) + 1 if k == -1 else k
-                        evicted = None
-                        if len(best_k) == size:
-                            evicted = self._kth(best_k)
-                            best_k.pop(evicted)
+                        evicted = []
+                        while len(best_k) >= size:  # more than one if save_top_k was lowered on a resume
+                            evicted.append(self._kth(best_k))
+                            best_k.pop(evicted[-1])
                         score = self._ranking.worst if math.isnan(value) else value  # NaN: the worst, as Lightning
-                        written = self._unique_path(trainer, metrics, evicted)
+                        written = self._unique_path(trainer, metrics, evicted[0] if evicted else None)
                         best_k[written] = score
                         current = score
                         best_path = self._best(best_k)
                         best_score = best_k[best_path]
-                        if evicted is not None:
-                            plan["remove"].append(evicted)
+                        plan["remove"] += evicted
                         plan["info"].append(f"Epoch {epoch}, global step {step}: {self.monitor!r} reached {value:0.5f} "
                                             f"(best {best_score:0.5f}), saving model to {written!r} as top {size}")
                     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from xtrainer.callbacks.base import Callback
@@ -44,9 +45,11 @@ class EarlyStopping(Callback):
             it, its rank in front).
 
     ``wait_count``, ``stopped_epoch`` (0 until it stops), ``best_score`` (a 0-d tensor) and
-    ``stop_reason`` (the message) are saved in checkpoints and restored on resume.
+    ``stop_reason`` (the message) are saved in checkpoints and restored on resume; ``patience`` is
+    saved too, but the value given to this callback wins on a resume (Lightning restores it).
     """
 
+    mode_dict = {"min": torch.lt, "max": torch.gt}
     order_dict = {"min": "<", "max": ">"}
 
     def __init__(self, monitor: str, min_delta: float = 0.0, patience: int = 3, verbose: bool = False,
@@ -73,6 +76,10 @@ class EarlyStopping(Callback):
         self.best_score = score_tensor(self._monitor.worst)
         self.stop_reason = ""
         self._at_epoch_end = True
+
+    @property
+    def monitor_op(self) -> Any:
+        return self.mode_dict[self.mode]
 
     @property
     def state_key(self) -> str:
@@ -103,11 +110,11 @@ class EarlyStopping(Callback):
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
         if self._at_epoch_end and not self._skip(trainer):
-            self._check(trainer)
+            self._run_early_stopping_check(trainer)
 
     def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
         if not self._at_epoch_end and not self._skip(trainer):
-            self._check(trainer)
+            self._run_early_stopping_check(trainer)
 
     @staticmethod
     def _skip(trainer: "Trainer") -> bool:
@@ -115,7 +122,8 @@ class EarlyStopping(Callback):
                 or bool(getattr(trainer, "fast_dev_run", False)))
 
     # ---- the check ------------------------------------------------------------------------------
-    def _check(self, trainer: "Trainer") -> None:
+    def _run_early_stopping_check(self, trainer: "Trainer") -> None:
+        """One check (Lightning's name: a subclass may call it from another hook, as its docs show)."""
         metrics = trainer.callback_metrics
         if metrics.get(self.monitor) is None:
             message = (f"EarlyStopping(monitor={self.monitor!r}) conditions on a metric that is not available. "
@@ -126,7 +134,7 @@ class EarlyStopping(Callback):
             rank_zero_warn(message + "; the check is skipped (strict=False).", category=RuntimeWarning)
             return
         current = float(metrics[self.monitor])
-        should_stop, reason = self._evaluate(current)
+        should_stop, reason = self._evaluate_stopping_criteria(current)
         if should_stop:
             trainer.should_stop = True  # shared with every replica by the trainer
             self.stopped_epoch, self.stop_reason = trainer.current_epoch, reason
@@ -136,7 +144,8 @@ class EarlyStopping(Callback):
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b
 
-    def _evaluate(self, current: float) -> tuple[bool, str]:
+    def _evaluate_stopping_criteria(self, current: Any) -> tuple[bool, str]:
+        current = float(current)
         name, order, best = self.monitor, self.order_dict[self.mode], float(self.best_score)
         if self.check_finite and not math.isfinite(current):
             return True, (f"Monitored metric {name} = {current} is not finite. Previous best value was {best:.3f}. "
