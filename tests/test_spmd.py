@@ -201,7 +201,7 @@ def test_tensor_parallel_shardings_on_a_second_axis(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["xla_spmd", "xla_fsdpv2"])
+@pytest.mark.parametrize("strategy", ["xla_fsdpv2"])  # xla_spmd gives the same losses (test_strategies)
 def test_digits_reaches_95_percent(tmp_path, strategy):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from examples import digits

@@ -247,8 +247,10 @@ def test_fsdp_optimizer_must_use_the_sharded_parameters(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["xla_native", "xla_ddp", "xla_fsdp"])
-def test_digits_reaches_95_percent_with_every_strategy(tmp_path, strategy):
+def test_digits_reaches_95_percent(tmp_path):
+    # The other strategies give the same losses (above); digits also runs under xla_ddp x2
+    # (test_replicas) and xla_fsdpv2 x4 (test_spmd).
+    strategy = "xla_native"
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import digits
 
