@@ -77,6 +77,7 @@ class LitRegressor(LightningModule):
     def test_step(self, batch, batch_idx):
         x, y = batch
         self.log("test_loss", nn.functional.mse_loss(self(x), y))
+        self.log("test_target_sum", self.all_gather(y.sum()).sum(), reduce_fx="sum")  # every replica's batch
 
     def predict_step(self, batch, batch_idx, dataloader_idx=0):
         return self(batch[0])
@@ -114,7 +115,8 @@ def test_a_lightning_script_runs_with_its_imports_changed(tmp_path, capsys):
     assert set(validated[0]) == {"val_loss", "val_worst"}
     assert "Validate metric" in capsys.readouterr().out
     tested = trainer.test(ckpt_path="best", verbose=False)
-    assert set(tested[0]) == {"test_loss"}
+    assert set(tested[0]) == {"test_loss", "test_target_sum"}
+    assert tested[0]["test_target_sum"] == pytest.approx(float(sum(y.sum() for _, y in dm.test_dataloader())))
     predictions = trainer.predict(datamodule=dm)
     assert len(predictions) == 2 and predictions[0].shape == (8, 1)
 
@@ -302,3 +304,20 @@ def test_bf16_mixed_trains_with_float32_weights(tmp_path):
     trainer.fit(model, datamodule=RegressionDataModule())
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert trainer.callback_metrics["val_loss"] > 0
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("strategy", ["xla_ddp", "xla_fsdp"])
+def test_the_lightning_script_on_two_replicas(tmp_path, strategy):
+    dm = RegressionDataModule(batch_size=4)
+    model = LitRegressor(hidden=12)
+    trainer = Trainer(strategy=strategy, devices=2, max_epochs=1, callbacks=[ModelCheckpoint(monitor="val_loss")],
+                      **quiet(tmp_path))
+    trainer.fit(model, datamodule=dm)
+    assert dm.calls == ["prepare_data", "setup:fit", "teardown:fit"]  # in the calling process, once
+    assert trainer.global_step == 8 and "val_loss" in trainer.callback_metrics
+    tested = trainer.test(verbose=False)  # the fitted module, from its best checkpoint
+    expected = float(sum(y.sum() for _, y in dm.test_dataloader()))
+    assert tested[0]["test_target_sum"] == pytest.approx(expected)  # all_gather saw both replicas' halves
+    restored = LitRegressor.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)
+    assert restored.hparams.hidden == 12
