@@ -16,6 +16,7 @@ from xtrainer import Trainer
 from xtrainer import XDataModule as LightningDataModule
 from xtrainer import XModule as LightningModule
 from xtrainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from xtrainer.checkpoint import CheckpointError
 
 
 class RegressionDataModule(LightningDataModule):
@@ -128,6 +129,15 @@ def test_a_lightning_script_runs_with_its_imports_changed(tmp_path, capsys):
     assert overridden.hparams.lr == 0.5
     state = torch.load(best, weights_only=True)["state_dict"]
     assert all(torch.equal(restored.state_dict()[k], v) for k, v in state.items())
+
+    # Lightning's save after fit: the fitted weights, to evaluate or rebuild from, not to resume
+    after = str(tmp_path / "after-fit.ckpt")
+    trainer.save_checkpoint(after)
+    rebuilt = LitRegressor.load_from_checkpoint(after)
+    assert all(torch.equal(rebuilt.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert trainer.validate(rebuilt, datamodule=dm, ckpt_path=after, verbose=False)[0]["val_loss"] > 0
+    with pytest.raises(CheckpointError, match="holds the module's weights only"):
+        Trainer(max_epochs=3, **quiet(tmp_path)).fit(LitRegressor(hidden=12), datamodule=dm, ckpt_path=after)
 
 
 @pytest.mark.parametrize("strategy", ["xla_fsdp", "xla_fsdpv2"])

@@ -1,10 +1,43 @@
-"""xtrainer: a Lightning-style Trainer for PyTorch on XLA devices, down to a laptop's CPU."""
+"""xtrainer: a Lightning-style Trainer for PyTorch on XLA devices, down to a laptop's CPU.
+
+``from xtrainer import Trainer`` works as usual; the package itself imports nothing heavy, and
+torch and torch_xla are imported when one of the names below is first used (PEP 562), so that
+``xtrainer --help`` and ``xtrainer --version`` answer at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from xtrainer.interrupts import TrainingInterrupted  # noqa: E402
-from xtrainer.datamodule import XDataModule  # noqa: E402
-from xtrainer.module import XModule  # noqa: E402
-from xtrainer.trainer import Trainer, seed_everything  # noqa: E402
+#: Each public name and the module that defines it, imported on first use.
+_LAZY = {
+    "Trainer": "xtrainer.trainer",
+    "seed_everything": "xtrainer.trainer",
+    "XModule": "xtrainer.module",
+    "XDataModule": "xtrainer.datamodule",
+    "TrainingInterrupted": "xtrainer.interrupts",
+}
 
 __all__ = ["Trainer", "TrainingInterrupted", "XDataModule", "XModule", "__version__", "seed_everything"]
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
+    from xtrainer.datamodule import XDataModule
+    from xtrainer.interrupts import TrainingInterrupted
+    from xtrainer.module import XModule
+    from xtrainer.trainer import Trainer, seed_everything
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'xtrainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

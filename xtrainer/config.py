@@ -370,21 +370,39 @@ def check_class(obj: Any, key: str, dotted: Any = None) -> None:
 
 def instantiate(spec: Any, where: str) -> Any:
     """``{_target_: dotted.Class, **kwargs}`` constructed with its keyword arguments, checked first."""
+    return call_checked(*_located(spec, where), where)
+
+
+def checked_target(spec: Any, where: str) -> tuple[type, dict[str, Any]]:
+    """The class ``{_target_: dotted.Class, **kwargs}`` names and its keyword arguments, checked
+    as ``instantiate`` checks them (``locate``, then ``check_arguments``); nothing is constructed."""
+    target, kwargs = _located(spec, where)
+    check_arguments(target, kwargs, where)
+    return target, kwargs
+
+
+def _located(spec: Any, where: str) -> tuple[type, dict[str, Any]]:
     if not isinstance(spec, dict) or TARGET not in spec:
         raise ConfigError(f"{where} needs a {TARGET} (e.g. {where}: {{{TARGET}: mypackage.Thing, ...}}).")
-    kwargs = {k: v for k, v in spec.items() if k != TARGET}
-    return call_checked(locate(spec[TARGET], where), kwargs, where)
+    return locate(spec[TARGET], where), {k: v for k, v in spec.items() if k != TARGET}
 
 
 def call_checked(target: Any, kwargs: dict[str, Any], where: str) -> Any:
-    """``target(**kwargs)`` for a class ``target``, after checking the names, the required
-    arguments and simple types against its signature, so that a mistake is a message naming the
-    key; a ``ValueError`` or ``TypeError`` from the constructor becomes a ``ConfigError`` too."""
+    """``target(**kwargs)`` for a class ``target``, after ``check_arguments``; a ``ValueError`` or
+    ``TypeError`` from the constructor becomes a ``ConfigError`` too."""
+    check_arguments(target, kwargs, where)
+    return _construct(target, kwargs, where)
+
+
+def check_arguments(target: Any, kwargs: dict[str, Any], where: str) -> None:
+    """Refuse ``kwargs`` for the class ``target`` before it is called: the names, the required
+    arguments and simple types, against its signature, so that a mistake is a message naming the
+    key."""
     check_class(target, where)
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):
-        return _construct(target, kwargs, where)
+        return
     params = signature.parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -401,7 +419,6 @@ def call_checked(target: Any, kwargs: dict[str, Any], where: str) -> Any:
         if expected is not None and not _fits(value, expected):
             raise ConfigError(f"{where}.{key}={value!r} is not a valid {_type_name(expected)} "
                               f"(an argument of {_name(target)}).")
-    return _construct(target, kwargs, where)
 
 
 def _construct(target: type, kwargs: dict[str, Any], where: str) -> Any:
@@ -486,12 +503,35 @@ class Run:
 def build(config: RunConfig, stage: Optional[str] = None) -> Run:
     """Seed, ``check(config, stage)``, then instantiate the strategy, callbacks, Trainer, model and
     data of ``config``."""
-    from xtrainer import Trainer, seed_everything
-    from xtrainer.strategies import LIGHTNING_NAMES, STRATEGIES, resolve_strategy
+    from xtrainer import seed_everything
 
     if config.seed is not None:
         seed_everything(config.seed)
-    check(config, stage)  # after seeding: importing a target's module may draw random numbers
+    trainer = _build_trainer(config, stage)  # check() first: after seeding, as importing a target may draw numbers
+    model = instantiate(config.model, "model")
+    data = instantiate(config.data, "data") if config.data is not None else None
+    trainer.run_config = flatten(config)
+    return Run(trainer, model, data, config.ckpt_path)
+
+
+def check_run(config: RunConfig, stage: Optional[str] = "fit") -> None:
+    """Refuse ``config`` exactly as ``build(config, stage)`` would, without constructing the model
+    or the data (their arguments are checked against their signatures; what only their
+    constructors or ``*_dataloader()`` methods refuse shows when the run starts): ``check``, the
+    strategy's name and options, callbacks, loggers and the Trainer's settings, which are built
+    (a Trainer creates no folder until a run starts). For ``xtrainer config``."""
+    _build_trainer(config, stage)
+    checked_target(config.model, "model")
+    if config.data is not None:
+        checked_target(config.data, "data")
+
+
+def _build_trainer(config: RunConfig, stage: Optional[str]) -> Any:
+    """``check(config, stage)``, then the strategy, callbacks, loggers and the ``Trainer``."""
+    from xtrainer import Trainer
+    from xtrainer.strategies import LIGHTNING_NAMES, STRATEGIES, resolve_strategy
+
+    check(config, stage)
     strategy, where = _one_place(config, "strategy")
     strategy = "xla_native" if strategy is None else strategy
     try:
@@ -518,13 +558,8 @@ def build(config: RunConfig, stage: Optional[str] = None) -> Run:
         raise ConfigError(f"trainer.logger={logger!r}: give true, false, a {{{TARGET}: ...}} or a list of them.")
     kwargs = trainer_kwargs(config.trainer)
     try:
-        trainer = Trainer(strategy=strategy, callbacks=callbacks, logger=logger, **kwargs)
+        return Trainer(strategy=strategy, callbacks=callbacks, logger=logger, **kwargs)
     except (TypeError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"trainer: {_one_line(err)}") from None
-    model = instantiate(config.model, "model")
-    data = instantiate(config.data, "data") if config.data is not None else None
-    trainer.run_config = flatten(config)
-    return Run(trainer, model, data, config.ckpt_path)
-

@@ -51,6 +51,29 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
     }
 
 
+def keep_weights_only(checkpoint: dict[str, Any]) -> None:
+    """Strip ``checkpoint`` to the module's weights, its hyperparameters and the loop counters."""
+    checkpoint.update(optimizer_states=[], lr_schedulers=[], callbacks={}, weights_only=True)
+    checkpoint.pop("rng_states", None)
+
+
+def fitted_checkpoint(trainer: "Trainer", model: Any) -> dict[str, Any]:
+    """A weights-only checkpoint of a module after its fit (on the host; the replicas are gone)."""
+    from xtrainer import __version__
+
+    checkpoint = {
+        "format": ckpt_format.FORMAT, "format_version": ckpt_format.FORMAT_VERSION,
+        "xtrainer_version": __version__, "strategy": trainer.strategy.name, "world_size": 1,
+        "state_dict": model.state_dict(),
+        "loops": {"global_step": trainer.global_step, "epoch": max(0, trainer.current_epoch - 1),
+                  "batches_in_epoch": 0, "epoch_finished": True, "seed": trainer._seed},
+        "hyper_parameters": ckpt_format.plain_hparams(model.hparams),
+        "hparams_name": model._hparams_name,
+    }
+    keep_weights_only(checkpoint)
+    return checkpoint
+
+
 def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: str) -> None:
     """Put ``checkpoint`` (read from ``path``) back into this replica's run of ``stage``."""
     strategy = trainer.strategy
@@ -58,6 +81,11 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
         strategy.load_module_state_dict(trainer.model, checkpoint)
     except CheckpointError as err:
         raise CheckpointError(f"Cannot resume from {path!r}: {err}") from None
+    if stage == "fit" and checkpoint.get("weights_only"):
+        raise CheckpointError(
+            f"{path!r} holds the module's weights only (save_weights_only=True, or Trainer.save_checkpoint(..., "
+            "weights_only=True)): no optimizer or loop state to resume a fit from. Start a new fit from its weights "
+            "with Model.load_from_checkpoint(path), or evaluate it with validate/test(ckpt_path=path).")
     if stage == "fit":
         states = checkpoint.get("optimizer_states", [])
         if len(states) != len(trainer.optimizers):

@@ -1009,13 +1009,25 @@ class Trainer:
         return metrics
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write a checkpoint of the running fit to ``path``. Every replica must call this.
+    def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False,
+                        storage_options: Any = None) -> None:
+        """Write a checkpoint to ``path``.
 
-        Refused (``CheckpointError``) once the training loss has been NaN or infinite: the weights
-        are no longer good, and a checkpoint of them must never replace a good one."""
+        During a fit (from a callback or hook; every replica must call it): the whole training
+        state, in the strategy's layout, or with ``weights_only=True`` the module's weights and
+        the loop counters only (nothing to resume a fit from). Refused (``CheckpointError``) once
+        the training loss has been NaN or infinite: those weights are no longer good, and a
+        checkpoint of them must never replace a good one.
+
+        After a fit, as in Lightning: the fitted module's weights (on the host) with its
+        hyperparameters and the loop counters, as one file; the optimizer state stayed with the
+        replicas, so this is a weights-only checkpoint (``load_from_checkpoint``, ``validate``).
+        """
+        if storage_options is not None:
+            raise ValueError("save_checkpoint(storage_options=...) is not supported: give a local path.")
         if self._wrapped is None:
-            raise RuntimeError("save_checkpoint() works during fit() only (from a callback or hook).")
+            self._save_fitted(os.fspath(path))
+            return
         bad = self.nonfinite_step()
         if bad is not None:
             raise ckpt_io.CheckpointError(
@@ -1027,12 +1039,22 @@ class Trainer:
             module.on_save_checkpoint(checkpoint)
             for cb in self.callbacks:
                 cb.on_save_checkpoint(self, module, checkpoint)
+            if weights_only:
+                run_state.keep_weights_only(checkpoint)
             compiles = _xla.compile_count()
             self.strategy.checkpoint_layout.save(self.strategy, checkpoint, os.fspath(path))
             # A save that computes anything on the device (gathering shards, say) compiles graphs
             # of its own; those are not the training step's, and XlaHealth does not count them as
             # recompilations.
             self.checkpoint_compilations += _xla.compile_count() - compiles
+
+    def _save_fitted(self, path: str) -> None:
+        model = self._fitted_model
+        if model is None:
+            raise RuntimeError("save_checkpoint() needs a running fit (call it from a callback or hook) or a finished "
+                               "one (after trainer.fit); this Trainer has neither.")
+        checkpoint = run_state.fitted_checkpoint(self, model)
+        ckpt_io.whole.WholeFile().save(self.strategy if self.strategy.runs_in_caller else _Alone(), checkpoint, path)
 
     def nonfinite_step(self) -> int | None:
         """The global step whose training loss was first NaN or infinite, if the weights have been
@@ -1072,6 +1094,15 @@ class Trainer:
         state = self.__dict__.copy()
         state.update(_module=None, _wrapped=None, _optimizers=[], _manual_optimizers=[], _schedulers=[])
         return state
+
+
+class _Alone:
+    """The calling process as the only replica: who writes a checkpoint after the replicas are gone."""
+
+    world_size, global_rank, is_global_zero = 1, 0, True
+
+    def barrier(self, name: str = "") -> None:
+        del name
 
 
 def _resolve_devices(devices: int | str) -> int | None:
