@@ -11,13 +11,12 @@ import time
 from typing import Any, Sequence
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from xtrainer import _xla, interrupts
+from xtrainer import _xla, arguments, interrupts
 from xtrainer import checkpoint as ckpt_io
 from xtrainer import state as run_state
-from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
+from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.checkpoint import resume
 from xtrainer.datamodule import LOADER_HOOKS, XDataModule
@@ -144,43 +143,20 @@ class Trainer:
         plugins: Any = None,
         model_registry: str | None = None,
     ) -> None:
-        if model_registry is not None:
-            raise ValueError("model_registry=...: Lightning's model registry upload has no counterpart here; "
-                             "checkpoints are written under the run folder (or a ModelCheckpoint's dirpath).")
-        if plugins is not None:
-            raise ValueError("plugins=...: Lightning's plugins (precision, environment, checkpoint IO) have no "
-                             "counterpart here; precision= and the strategy's arguments cover what XLA needs.")
-        settings = TrainerSettings(**{name: value for name, value in locals().items()
-                                      if name in TrainerSettings.names()}).check()
-        _check_accelerator(settings.accelerator, settings.num_nodes)
-        if settings.barebones:  # Lightning's meaning: nothing that costs time beyond the loop itself
-            settings.enable_progress_bar = settings.enable_model_summary = settings.enable_checkpointing = False
-            settings.enable_xla_health, settings.num_sanity_val_steps, logger = False, 0, False
-        self.fast_dev_run = settings.fast_dev_run
-        if self.fast_dev_run:  # Lightning's meaning: n batches of every loop, nothing written
-            n = 1 if self.fast_dev_run is True else self.fast_dev_run
-            settings.limit_train_batches = settings.limit_val_batches = n
-            settings.limit_test_batches = settings.limit_predict_batches = n
-            settings.max_steps, settings.max_epochs, settings.num_sanity_val_steps = n, 1, 0
-            settings.val_check_interval, settings.check_val_every_n_epoch = 1.0, 1
-            settings.enable_checkpointing, logger = False, False
-            callbacks = [cb for cb in _as_list(callbacks) if not isinstance(cb, ModelCheckpoint)]
-            rank_zero_info(f"xtrainer: fast_dev_run: {n} batch(es) of each loop, 1 epoch; no logs, no checkpoints.")
-        if settings.overfit_batches:
-            # The same first batches every epoch (no shuffling), for training and validation.
-            settings.limit_train_batches = settings.limit_val_batches = settings.overfit_batches
-        self.overfit_batches = settings.overfit_batches
+        settings, callbacks, logger = arguments.resolve(
+            {name: value for name, value in locals().items() if name in TrainerSettings.names()},
+            callbacks, logger, plugins, model_registry)
+        self.fast_dev_run, self.overfit_batches = settings.fast_dev_run, settings.overfit_batches
         self.num_sanity_val_steps = settings.num_sanity_val_steps
         self.min_epochs, self.min_steps = settings.min_epochs, settings.min_steps
-        self.max_time = _seconds(settings.max_time)
+        self.max_time = arguments.seconds(settings.max_time)
         self.enable_model_summary = settings.enable_model_summary
         self.reload_dataloaders_every_n_epochs = settings.reload_dataloaders_every_n_epochs
         self.use_distributed_sampler = settings.use_distributed_sampler
         self.num_nodes = settings.num_nodes
-        _note_lightning_only(settings)
         self.strategy = resolve_strategy(strategy)
         self.precision = Precision(settings.precision)
-        self.strategy.connect(_resolve_devices(settings.devices), self.precision)
+        self.strategy.connect(arguments.resolve_devices(settings.devices), self.precision)
         self.settings = settings
         self.max_epochs, self.max_steps = settings.max_epochs, settings.max_steps
         self.limits = {"train": settings.limit_train_batches, "validate": settings.limit_val_batches,
@@ -196,25 +172,11 @@ class Trainer:
         self.default_root_dir = os.fspath(settings.default_root_dir or os.path.join(os.getcwd(), "xtrainer_logs"))
         self._log_dir: str | None = None  # claimed on first use (log_dir)
 
-        self.callbacks: list[Callback] = _as_list(callbacks)
-        for cb in self.callbacks:
-            if not isinstance(cb, Callback):
-                raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}.")
-            check_hook_names(cb, CALLBACK_HOOKS, Callback)
-        if settings.enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
-            self.callbacks.append(ModelCheckpoint())
-        if not settings.enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
-            raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is among the callbacks.")
-        if settings.enable_xla_health and not any(isinstance(cb, XlaHealth) for cb in self.callbacks):
-            self.callbacks.append(XlaHealth())
-        if settings.enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in self.callbacks):
-            self.callbacks.append(ProgressBar())
-        if settings.profiler is not None:
-            self.callbacks.append(_profiler(settings.profiler))
+        self.callbacks: list[Callback] = arguments.with_defaults(settings, callbacks)
         if logger is True:
             # <default_root_dir>/version_N (Lightning's logger=True adds a lightning_logs/ level)
             logger = TensorBoardLogger(name="")
-        self.loggers = [] if logger in (None, False) else _as_list(logger)
+        self.loggers = [] if logger in (None, False) else arguments.as_list(logger)
         self.datamodule: XDataModule | None = None
         self.sanity_checking = False
         self._fitted_model: XModule | None = None  # for validate()/test()/predict() without a model
@@ -384,7 +346,7 @@ class Trainer:
             train_dataloaders, datamodule = None, train_dataloaders
         self._prepare("fit", model, datamodule, given=train_dataloaders is not None or val_dataloaders is not None)
         try:
-            train = _as_list(train_dataloaders) or self._hook_loaders(model, "train")
+            train = arguments.as_list(train_dataloaders) or self._hook_loaders(model, "train")
             if not train:
                 raise ValueError(f"fit() got no training data: pass train_dataloaders=..., a datamodule, or define "
                                  f"{type(model).__name__}.train_dataloader().")
@@ -392,7 +354,7 @@ class Trainer:
                 raise ValueError("fit() takes one training dataloader.")
             if self.overfit_batches:
                 train = [sequential_dataloader(train[0])]
-            val = _as_list(val_dataloaders) or (self._hook_loaders(model, "validate")
+            val = arguments.as_list(val_dataloaders) or (self._hook_loaders(model, "validate")
                                                 if type(model).validation_step is not XModule.validation_step else [])
             if val and type(model).validation_step is XModule.validation_step:
                 raise ValueError(f"Validation data was given but {type(model).__name__} has no validation_step.")
@@ -427,11 +389,11 @@ class Trainer:
         owner = self.datamodule if self.datamodule is not None and callable(getattr(self.datamodule, hook, None)) \
             else model
         self._loader_hooks[stage] = owner
-        return _as_list(_module_loader(owner, hook))
+        return arguments.as_list(_module_loader(owner, hook))
 
     def _add_module_callbacks(self, model: XModule) -> None:
         """``configure_callbacks()``: they join the Trainer's; one of the same type replaces it."""
-        extra = _as_list(model.configure_callbacks())
+        extra = arguments.as_list(model.configure_callbacks())
         if not extra:
             return
         for cb in extra:
@@ -523,7 +485,7 @@ class Trainer:
         self._prepare(stage, model, datamodule, given=dataloaders is not None)
         try:
             hook = LOADER_HOOKS[stage]
-            loaders = _as_list(dataloaders) or self._hook_loaders(model, stage)
+            loaders = arguments.as_list(dataloaders) or self._hook_loaders(model, stage)
             if not loaders:
                 raise ValueError(f"{stage}() got no data: pass dataloaders=..., a datamodule, or define "
                                  f"{type(model).__name__}.{hook}().")
@@ -911,7 +873,7 @@ class Trainer:
         every, owner = self.reload_dataloaders_every_n_epochs, self._loader_hooks.get("train")
         if not every or owner is None or self.current_epoch == first_epoch or self.current_epoch % every:
             return train
-        loader = _as_list(_module_loader(owner, LOADER_HOOKS["train"]))
+        loader = arguments.as_list(_module_loader(owner, LOADER_HOOKS["train"]))
         if len(loader) != 1:
             raise ValueError(f"{type(owner).__name__}.train_dataloader() returned {len(loader)} loaders on reload.")
         data = self._device_data(sequential_dataloader(loader[0]) if self.overfit_batches else loader[0])
@@ -1105,16 +1067,6 @@ class _Alone:
         del name
 
 
-def _resolve_devices(devices: int | str) -> int | None:
-    if devices == "auto":
-        if _xla.requested_device_type() == "CPU":
-            return 1  # several replicas on the CPU runtime are opt-in: devices=N
-        return _xla.local_device_count_without_runtime()
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices={devices!r}: give a positive int or 'auto'.")
-    return devices
-
-
 #: Lightning hooks that cannot run here: batches move to the device inside torch_xla's loader.
 _TRANSFER_HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer", "transfer_batch_to_device")
 
@@ -1143,14 +1095,6 @@ def _module_loader(model: XModule, hook: str) -> Any:
     return fn() if callable(fn) else None
 
 
-def _as_list(loaders: Any) -> list:
-    if loaders is None:
-        return []
-    if isinstance(loaders, (list, tuple)):
-        return list(loaders)
-    return [loaders]
-
-
 def _overrides(module: XModule, callbacks: list[Callback], hook: str) -> bool:
     return (getattr(type(module), hook) is not getattr(XModule, hook)
             or any(getattr(type(cb), hook) is not getattr(Callback, hook) for cb in callbacks))
@@ -1165,73 +1109,6 @@ def _positional_count(method: Any) -> int:
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         return 3
     return sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params)
-
-
-def _check_accelerator(accelerator: str, num_nodes: int) -> None:
-    """``accelerator`` names the XLA device kind: "cpu" is the XLA CPU runtime, "tpu"/"xla" what
-    PJRT_DEVICE names (the settings refused anything else)."""
-    requested = _xla.requested_device_type()
-    accelerator = accelerator.lower()
-    if accelerator == "cpu" and requested != "CPU":
-        raise ValueError(f"accelerator='cpu' asks for the XLA CPU runtime, but PJRT_DEVICE={requested}; "
-                         "unset PJRT_DEVICE (or set it to CPU), or use accelerator='auto'.")
-    if accelerator in ("tpu", "xla") and requested == "CPU":
-        rank_zero_warn(f"accelerator={accelerator!r}, but PJRT_DEVICE is CPU: running on the XLA CPU runtime.")
-    if num_nodes > 1 and requested == "CPU":
-        raise ValueError(f"num_nodes={num_nodes}: the XLA CPU runtime runs on one host; use devices=N for N replicas.")
-
-
-def _seconds(max_time: Any) -> float | None:
-    """``max_time`` as seconds: ``"DD:HH:MM:SS"``, a ``timedelta``, or a dict of its fields."""
-    if max_time is None:
-        return None
-    if isinstance(max_time, datetime.timedelta):
-        return max_time.total_seconds()
-    if isinstance(max_time, dict):
-        try:
-            return datetime.timedelta(**max_time).total_seconds()
-        except TypeError:
-            raise ValueError(f"max_time={max_time!r}: a dict takes timedelta's fields (days, hours, minutes, "
-                             "seconds).") from None
-    if isinstance(max_time, str):
-        parts = max_time.split(":")
-        if len(parts) == 4 and all(p.strip().isdigit() for p in parts):
-            days, hours, minutes, secs = (int(p) for p in parts)
-            return datetime.timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
-    raise ValueError(f"max_time={max_time!r}: give 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a timedelta or a dict "
-                     "such as {'hours': 12}.")
-
-
-def _note_lightning_only(settings: TrainerSettings) -> None:
-    """One line for each Lightning setting that XLA changes or makes meaningless."""
-    if settings.benchmark is not None:
-        rank_zero_info("xtrainer: benchmark= chooses cuDNN algorithms; XLA has no cuDNN, so it is ignored.")
-    if settings.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=settings.deterministic == "warn")
-        rank_zero_warn("deterministic=True: torch's deterministic algorithms are on for the host's ops; XLA's "
-                       "compiled graphs do not read that switch (on one device kind, the same program and seed "
-                       "give the same results; xtrainer's resume tests check this bitwise).")
-    if settings.sync_batchnorm:
-        rank_zero_warn("sync_batchnorm=True: BatchNorm statistics are not synchronised across replicas on XLA here; "
-                       "each replica normalises with the statistics of its own share of the batch.")
-    if settings.detect_anomaly:
-        rank_zero_warn("detect_anomaly=True: autograd's anomaly mode would read every intermediate result back "
-                       "from the device; it is not switched on. detect_nonfinite='raise' (the default) stops at a "
-                       "NaN or infinite loss without host syncs.")
-    if not settings.inference_mode:
-        rank_zero_info("xtrainer: inference_mode=False: evaluation runs under torch.no_grad() as always.")
-
-
-def _profiler(profiler: str) -> Callback:
-    from xtrainer.callbacks import XlaProfiler
-
-    if profiler not in ("xla", "simple", "advanced", "pytorch"):
-        raise ValueError(f"profiler={profiler!r}: use 'xla' (an XLA trace for TensorBoard's profile plugin), or "
-                         "pass an XlaProfiler callback.")
-    if profiler != "xla":
-        rank_zero_warn(f"profiler={profiler!r}: host-side timings mean little on XLA, where the device works "
-                       "asynchronously; an XLA trace (XlaProfiler) is taken instead.")
-    return XlaProfiler()
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:

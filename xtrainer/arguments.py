@@ -1,0 +1,157 @@
+"""The ``Trainer``'s arguments turned into what it runs with: Lightning's modes applied
+(``barebones``, ``fast_dev_run``, ``overfit_batches``), the default callbacks added, the
+settings XLA changes noted once, devices and ``max_time`` resolved. Values themselves are checked
+by ``TrainerSettings.check`` (``settings.py``)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
+
+from xtrainer import _xla
+from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
+from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
+from xtrainer.settings import TrainerSettings
+
+
+def resolve(values: dict[str, Any], callbacks: Any, logger: Any, plugins: Any, model_registry: Any
+            ) -> tuple[TrainerSettings, list[Callback], Any]:
+    """Checked settings with Lightning's modes applied, the callbacks as a list, and the logger
+    (``False`` where a mode turns logging off)."""
+    if model_registry is not None:
+        raise ValueError("model_registry=...: Lightning's model registry upload has no counterpart here; "
+                         "checkpoints are written under the run folder (or a ModelCheckpoint's dirpath).")
+    if plugins is not None:
+        raise ValueError("plugins=...: Lightning's plugins (precision, environment, checkpoint IO) have no "
+                         "counterpart here; precision= and the strategy's arguments cover what XLA needs.")
+    settings = TrainerSettings(**values).check()
+    check_accelerator(settings.accelerator, settings.num_nodes)
+    callbacks = as_list(callbacks)
+    if settings.barebones:  # Lightning's meaning: nothing that costs time beyond the loop itself
+        settings.enable_progress_bar = settings.enable_model_summary = settings.enable_checkpointing = False
+        settings.enable_xla_health, settings.num_sanity_val_steps, logger = False, 0, False
+    if settings.fast_dev_run:  # Lightning's meaning: n batches of every loop, nothing written
+        n = 1 if settings.fast_dev_run is True else settings.fast_dev_run
+        settings.limit_train_batches = settings.limit_val_batches = n
+        settings.limit_test_batches = settings.limit_predict_batches = n
+        settings.max_steps, settings.max_epochs, settings.num_sanity_val_steps = n, 1, 0
+        settings.val_check_interval, settings.check_val_every_n_epoch = 1.0, 1
+        settings.enable_checkpointing, logger = False, False
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
+        rank_zero_info(f"xtrainer: fast_dev_run: {n} batch(es) of each loop, 1 epoch; no logs, no checkpoints.")
+    if settings.overfit_batches:
+        # The same first batches every epoch (no shuffling), for training and validation.
+        settings.limit_train_batches = settings.limit_val_batches = settings.overfit_batches
+    note_lightning_only(settings)
+    return settings, callbacks, logger
+
+
+def with_defaults(settings: TrainerSettings, given: list[Any]) -> list[Callback]:
+    """The callbacks given, checked, with the defaults the settings ask for added."""
+    found = list(given)
+    for cb in found:
+        if not isinstance(cb, Callback):
+            raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}.")
+        check_hook_names(cb, CALLBACK_HOOKS, Callback)
+    has = lambda kind: any(isinstance(cb, kind) for cb in found)  # noqa: E731
+    if settings.enable_checkpointing and not has(ModelCheckpoint):
+        found.append(ModelCheckpoint())
+    if not settings.enable_checkpointing and has(ModelCheckpoint):
+        raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is among the callbacks.")
+    if settings.enable_xla_health and not has(XlaHealth):
+        found.append(XlaHealth())
+    if settings.enable_progress_bar and not has(ProgressBar):
+        found.append(ProgressBar())
+    if settings.profiler is not None:
+        found.append(profiler_callback(settings.profiler))
+    return found
+
+
+def as_list(items: Any) -> list:
+    if items is None:
+        return []
+    if isinstance(items, (list, tuple)):
+        return list(items)
+    return [items]
+
+
+def resolve_devices(devices: int | str) -> int | None:
+    if devices == "auto":
+        if _xla.requested_device_type() == "CPU":
+            return 1  # several replicas on the CPU runtime are opt-in: devices=N
+        return _xla.local_device_count_without_runtime()
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices={devices!r}: give a positive int or 'auto'.")
+    return devices
+
+
+
+
+def check_accelerator(accelerator: str, num_nodes: int) -> None:
+    """``accelerator`` names the XLA device kind: "cpu" is the XLA CPU runtime, "tpu"/"xla" what
+    PJRT_DEVICE names (the settings refused anything else)."""
+    requested = _xla.requested_device_type()
+    accelerator = accelerator.lower()
+    if accelerator == "cpu" and requested != "CPU":
+        raise ValueError(f"accelerator='cpu' asks for the XLA CPU runtime, but PJRT_DEVICE={requested}; "
+                         "unset PJRT_DEVICE (or set it to CPU), or use accelerator='auto'.")
+    if accelerator in ("tpu", "xla") and requested == "CPU":
+        rank_zero_warn(f"accelerator={accelerator!r}, but PJRT_DEVICE is CPU: running on the XLA CPU runtime.")
+    if num_nodes > 1 and requested == "CPU":
+        raise ValueError(f"num_nodes={num_nodes}: the XLA CPU runtime runs on one host; use devices=N for N replicas.")
+
+
+def seconds(max_time: Any) -> float | None:
+    """``max_time`` as seconds: ``"DD:HH:MM:SS"``, a ``timedelta``, or a dict of its fields."""
+    if max_time is None:
+        return None
+    if isinstance(max_time, datetime.timedelta):
+        return max_time.total_seconds()
+    if isinstance(max_time, dict):
+        try:
+            return datetime.timedelta(**max_time).total_seconds()
+        except TypeError:
+            raise ValueError(f"max_time={max_time!r}: a dict takes timedelta's fields (days, hours, minutes, "
+                             "seconds).") from None
+    if isinstance(max_time, str):
+        parts = max_time.split(":")
+        if len(parts) == 4 and all(p.strip().isdigit() for p in parts):
+            days, hours, minutes, secs = (int(p) for p in parts)
+            return datetime.timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
+    raise ValueError(f"max_time={max_time!r}: give 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a timedelta or a dict "
+                     "such as {'hours': 12}.")
+
+
+def note_lightning_only(settings: TrainerSettings) -> None:
+    """One line for each Lightning setting that XLA changes or makes meaningless."""
+    if settings.benchmark is not None:
+        rank_zero_info("xtrainer: benchmark= chooses cuDNN algorithms; XLA has no cuDNN, so it is ignored.")
+    if settings.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=settings.deterministic == "warn")
+        rank_zero_warn("deterministic=True: torch's deterministic algorithms are on for the host's ops; XLA's "
+                       "compiled graphs do not read that switch (on one device kind, the same program and seed "
+                       "give the same results; xtrainer's resume tests check this bitwise).")
+    if settings.sync_batchnorm:
+        rank_zero_warn("sync_batchnorm=True: BatchNorm statistics are not synchronised across replicas on XLA here; "
+                       "each replica normalises with the statistics of its own share of the batch.")
+    if settings.detect_anomaly:
+        rank_zero_warn("detect_anomaly=True: autograd's anomaly mode would read every intermediate result back "
+                       "from the device; it is not switched on. detect_nonfinite='raise' (the default) stops at a "
+                       "NaN or infinite loss without host syncs.")
+    if not settings.inference_mode:
+        rank_zero_info("xtrainer: inference_mode=False: evaluation runs under torch.no_grad() as always.")
+
+
+def profiler_callback(profiler: str) -> Callback:
+    from xtrainer.callbacks import XlaProfiler
+
+    if profiler not in ("xla", "simple", "advanced", "pytorch"):
+        raise ValueError(f"profiler={profiler!r}: use 'xla' (an XLA trace for TensorBoard's profile plugin), or "
+                         "pass an XlaProfiler callback.")
+    if profiler != "xla":
+        rank_zero_warn(f"profiler={profiler!r}: host-side timings mean little on XLA, where the device works "
+                       "asynchronously; an XLA trace (XlaProfiler) is taken instead.")
+    return XlaProfiler()
