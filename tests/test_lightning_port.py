@@ -331,3 +331,18 @@ def test_the_lightning_script_on_two_replicas(tmp_path, strategy):
     assert tested[0]["test_target_sum"] == pytest.approx(expected)  # all_gather saw both replicas' halves
     restored = LitRegressor.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)
     assert restored.hparams.hidden == 12
+
+
+def test_reload_dataloaders_every_n_epochs_asks_the_hook_again(tmp_path):
+    class Growing(RegressionDataModule):
+        def train_dataloader(self):
+            self.calls.append("train_dataloader")
+            size = 16 * self.calls.count("train_dataloader")  # a bigger loader each time it is asked
+            return DataLoader(torch.utils.data.Subset(self.train_set, range(size)), batch_size=8)
+
+    dm = Growing()
+    trainer = Trainer(max_epochs=4, reload_dataloaders_every_n_epochs=2, num_sanity_val_steps=0,
+                      enable_checkpointing=False, **quiet(tmp_path))
+    trainer.fit(LitRegressor(), datamodule=dm)
+    assert dm.calls.count("train_dataloader") == 2  # at the start, then for epoch 2
+    assert trainer.global_step == 2 * 2 + 2 * 4  # epochs 0-1: 16 samples, epochs 2-3: 32
