@@ -231,9 +231,23 @@ def _sync(wait: bool = False, reset_scope: bool = True) -> None:
 
 
 def _read_after_cut(convert: Callable[[Any], Any], data: Any, *args: Any, **kwargs: Any) -> Any:
-    """Device-to-host reads run the pending graph through the serialised cut first."""
-    _sync()
+    """Device-to-host reads run the pending graph through the serialised cut first. Host data
+    (a rendezvous of Python objects) needs no cut: a cut would also advance the replica's XLA
+    random generator, so a run that rendezvouses more often (a resumed one) would draw other
+    numbers."""
+    if _holds_xla_tensor(data):
+        _sync()
     return convert(data, *args, **kwargs)
+
+
+def _holds_xla_tensor(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return _xla.is_xla_tensor(data)
+    if isinstance(data, dict):
+        return any(_holds_xla_tensor(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return any(_holds_xla_tensor(v) for v in data)
+    return False
 
 
 def _rendezvous(payload: bytes = b"", ordinals: Any = None, tag: str | None = None) -> list[bytes]:
