@@ -1,20 +1,34 @@
-"""Where xtrainer stands against a hand-written torch_xla loop, per strategy and workload.
+"""Where xtrainer stands against a hand-written torch_xla loop, Hugging Face's Trainer and
+Accelerate, per strategy and workload.
 
-    python benchmarks/run.py                       # both workloads, every contender, 3 repeats
+    python benchmarks/run.py                       # every workload and contender, 3 repeats
     python benchmarks/run.py --quick               # fewer steps and repeats, to try it out
     python benchmarks/run.py --workloads lm --contenders xla_native xla_ddp --no-scaling
+    python benchmarks/run.py --workloads hf_llama --contenders xla_native hf_trainer accelerate --no-scaling
 
-Workloads: ``mlp`` (the digits-sized MLP: framework overhead shows) and ``lm`` (a 4-layer decoder
-transformer, width 256, sequence 128, on synthetic tokens: compute dominates). Contenders: the
-hand-written loop (torch_xla's documented recipe: ``MpDeviceLoader``, ``xm.optimizer_step``), the
-same loop in eager PyTorch on the CPU (a reference point), and the Trainer with ``xla_native``,
-``xla_ddp``, ``xla_fsdp`` (ZeRO-3), ``xla_fsdp_zero2``, ``xla_spmd`` and ``xla_fsdpv2``. Then a
-scaling run of the Trainer's strategies at 1, 2 and 4 replicas (SPMD: devices) on the CPU runtime.
+Workloads: ``mlp`` (the digits-sized MLP: framework overhead shows), ``lm`` (a 4-layer decoder
+transformer, width 256, sequence 128, on synthetic tokens: compute dominates) and ``hf_llama``
+(a 2-layer ``LlamaForCausalLM`` from ``transformers``, random init from a ``LlamaConfig``, no
+download; batches of 8 x 64 synthetic tokens as a tokenizer gives them: ``input_ids``,
+``attention_mask``, ``labels``). Every contender trains the same model on the same data with
+AdamW(lr=1e-3) for the same steps.
+
+Contenders: the hand-written loop (torch_xla's documented recipe: ``MpDeviceLoader``,
+``xm.optimizer_step``) with torch's default AdamW (its per-tensor path on XLA, ``hand``) and with
+``foreach=True`` (``hand_foreach``); the same loop in eager PyTorch on the CPU (a reference
+point); the Trainer with ``xla_native`` (also ``xla_native_foreach``: AdamW(foreach=True) given
+explicitly), ``xla_ddp``, ``xla_fsdp`` (ZeRO-3), ``xla_fsdp_zero2``, ``xla_spmd`` and
+``xla_fsdpv2``; Accelerate's documented loop (``accelerate``); and on ``hf_llama`` the Hugging
+Face Trainer (``optim="adamw_torch"``) on its torch_xla path, plain (``hf_trainer``), with
+XLA FSDP (``hf_trainer_fsdp``) and with SPMD FSDPv2 (``hf_trainer_fsdpv2``). Then a scaling run of
+the Trainer's strategies at 1, 2 and 4 replicas (SPMD: devices) on the CPU runtime.
 
 Every measurement is a process of its own (``--one``), run interleaved with the others and
 repeated, so that noise shows. Inside it, the steady-state rate and the CPU time per step are
 measured between host reads after a warm-up (compilation excluded); the time to the first step
-includes compiling. Ratios to the hand loop pair each run with the hand loop of the same repeat.
+includes compiling. Ratios to the hand loop pair each run with the hand loop of the same repeat
+that uses the same AdamW path (``hand`` or ``hand_foreach``); the head-to-head table pairs each
+of xtrainer's strategies with the Hugging Face Trainer's and Accelerate's runs of the same repeat.
 Writes ``benchmarks/RESULTS.md`` and ``benchmarks/results.png``.
 """
 
@@ -40,13 +54,20 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from xtrainer import Trainer, XModule, _xla  # noqa: E402
 from xtrainer.callbacks import Callback  # noqa: E402
-from xtrainer.strategies import XlaFSDP  # noqa: E402
+from xtrainer.strategies import XlaFSDP, XlaFSDPv2  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONTENDERS = ["hand", "eager", "xla_native", "xla_ddp", "xla_fsdp", "xla_fsdp_zero2", "xla_spmd", "xla_fsdpv2"]
-SPMD = ("xla_spmd", "xla_fsdpv2")
+CONTENDERS = ["hand", "hand_foreach", "eager", "xla_native", "xla_native_foreach", "xla_ddp", "xla_fsdp",
+              "xla_fsdp_zero2", "xla_spmd", "xla_fsdpv2", "accelerate", "hf_trainer", "hf_trainer_fsdp",
+              "hf_trainer_fsdpv2"]
+SPMD = ("xla_spmd", "xla_fsdpv2", "hf_trainer_fsdpv2")
 SCALING = ["xla_native", "xla_ddp", "xla_fsdp", "xla_spmd", "xla_fsdpv2"]
-WORKLOADS = {"mlp": {"batch": 64}, "lm": {"batch": 4, "seq": 128, "vocab": 1024, "width": 256, "layers": 4}}
+HF_TRAINER = ("hf_trainer", "hf_trainer_fsdp", "hf_trainer_fsdpv2")
+#: xtrainer's strategy and the peer run it is set against in the head-to-head table (hf_llama).
+HEAD_TO_HEAD = [("xla_native", "hf_trainer"), ("xla_native", "accelerate"), ("xla_fsdp", "hf_trainer_fsdp"),
+                ("xla_fsdpv2", "hf_trainer_fsdpv2")]
+WORKLOADS = {"mlp": {"batch": 64}, "lm": {"batch": 4, "seq": 128, "vocab": 1024, "width": 256, "layers": 4},
+             "hf_llama": {"batch": 8, "seq": 64, "vocab": 2048, "width": 256, "ffn": 688, "layers": 2, "heads": 4}}
 
 
 # ---- the workloads ----------------------------------------------------------------------------
@@ -54,7 +75,44 @@ def make_net(workload: str) -> nn.Module:
     torch.manual_seed(0)
     if workload == "mlp":
         return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    if workload == "hf_llama":
+        return make_llama()
     return TinyLM(**{k: v for k, v in WORKLOADS["lm"].items() if k != "batch"})
+
+
+#: transformers' default attention (sdpa) reads the device in every forward on XLA (see FINDINGS.md);
+#: eager attention with the tokenizer's attention_mask reads nothing. ``--hf-attention`` chooses.
+HF_ATTENTION = os.environ.get("XTRAINER_BENCH_HF_ATTENTION", "eager")
+
+
+def make_llama() -> nn.Module:
+    """A 2-layer Llama from a config (random init, no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = WORKLOADS["hf_llama"]
+    config = LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["width"], intermediate_size=cfg["ffn"],
+                         num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                         num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["seq"],
+                         use_cache=False,  # training: no key/value cache
+                         attn_implementation=HF_ATTENTION)
+    return LlamaForCausalLM(config)
+
+
+class TokenBatches(torch.utils.data.Dataset):
+    """Synthetic tokenized text as a tokenizer gives it (no padding): input_ids, attention_mask,
+    labels (the model shifts them itself)."""
+
+    def __init__(self, tokens: torch.Tensor, mask: bool = True) -> None:
+        self.tokens, self.mask = tokens, torch.ones_like(tokens[0]) if mask else None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+        if self.mask is not None:
+            item["attention_mask"] = self.mask
+        return item
 
 
 class TinyLM(nn.Module):
@@ -76,6 +134,8 @@ class TinyLM(nn.Module):
 
 
 def loss_of(workload: str, net: nn.Module, batch) -> torch.Tensor:
+    if workload == "hf_llama":
+        return net(**batch).loss
     x, y = batch
     out = net(x)
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
@@ -88,6 +148,11 @@ def make_loader(workload: str, steps: int, samples_per_batch: int) -> DataLoader
     if workload == "mlp":
         x = torch.randn(n, 64, generator=g)
         y = torch.randint(0, 10, (n,), generator=g)
+    elif workload == "hf_llama":
+        cfg = WORKLOADS["hf_llama"]
+        tokens = torch.randint(0, cfg["vocab"], (n, cfg["seq"]), generator=g)
+        return DataLoader(TokenBatches(tokens, mask=HF_ATTENTION == "eager"), batch_size=samples_per_batch,
+                          shuffle=False, drop_last=True)
     else:
         cfg = WORKLOADS["lm"]
         tokens = torch.randint(0, cfg["vocab"], (n, cfg["seq"] + 1), generator=g)
@@ -95,10 +160,21 @@ def make_loader(workload: str, steps: int, samples_per_batch: int) -> DataLoader
     return DataLoader(TensorDataset(x, y), batch_size=samples_per_batch, shuffle=False, drop_last=True)
 
 
+def make_optimizer(params, foreach: bool | None = None) -> torch.optim.Optimizer:
+    """AdamW(lr=1e-3) for every contender; ``foreach`` None leaves torch's (or the framework's) choice."""
+    return torch.optim.AdamW(params, lr=1e-3, **({} if foreach is None else {"foreach": foreach}))
+
+
+def uses_foreach(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps through torch's multi-tensor path: only with ``foreach=True``
+    on XLA tensors (torch's default picks it for CUDA tensors only)."""
+    return all(group.get("foreach") is True for group in optimizer.param_groups)
+
+
 class Model(XModule):
-    def __init__(self, workload: str) -> None:
+    def __init__(self, workload: str, foreach: bool | None = None) -> None:
         super().__init__()
-        self.workload = workload
+        self.workload, self.foreach = workload, foreach
         self.net = make_net(workload)
 
     def training_step(self, batch, batch_idx):
@@ -107,7 +183,7 @@ class Model(XModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return make_optimizer(self.parameters(), self.foreach)
 
 
 # ---- one measurement ----------------------------------------------------------------------------
@@ -120,6 +196,10 @@ class Probe(Callback):
         self.marks: list[tuple[int, float]] = []
         self.first_step = None
         self.counts: dict[str, int] = {}
+        self.foreach = None
+
+    def on_train_start(self, trainer, module):
+        self.foreach = uses_foreach(trainer.optimizers[0])
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         step = trainer.global_step
@@ -134,7 +214,7 @@ class Probe(Callback):
 
     def state_dict(self):
         end = getattr(self, "counts_end", self.counts)
-        return {"marks": self.marks, "first_step": self.first_step,
+        return {"marks": self.marks, "first_step": self.first_step, "foreach": self.foreach,
                 "compiles": end.get("compiles", 0) - self.counts.get("compiles", 0),
                 "transfers": end.get("transfers", 0) - self.counts.get("transfers", 0)}
 
@@ -149,25 +229,75 @@ def measure(workload: str, contender: str, steps: int, warmup: int, devices: int
     else:  # one loader per replica, each yielding `batch`
         loader = make_loader(workload, steps * devices, batch)
     started = time.time()
-    if contender in ("hand", "eager"):
-        return hand_loop(workload, loader, warmup, every, started, xla=contender == "hand")
-    strategy = XlaFSDP(reshard_after_forward=False) if contender == "xla_fsdp_zero2" else contender
+    if contender in ("hand", "hand_foreach", "eager"):
+        return hand_loop(workload, loader, warmup, every, started, xla=contender != "eager",
+                         foreach=True if contender == "hand_foreach" else None)
+    if contender == "accelerate":
+        return accelerate_loop(workload, loader, warmup, every, started)
+    if contender in HF_TRAINER:
+        return hf_trainer_loop(workload, contender, loader, steps, warmup, every, started)
+    # FSDP units: on the Llama, each decoder layer, as the Hugging Face Trainer wraps them by default
+    # (from the model's _no_split_modules); elsewhere only the whole module, as before.
+    policy = "no_split_modules" if workload == "hf_llama" else None
+    if contender == "xla_fsdp_zero2":
+        strategy = XlaFSDP(reshard_after_forward=False, auto_wrap_policy=policy)
+    elif contender == "xla_fsdp":
+        strategy = XlaFSDP(auto_wrap_policy=policy)
+    elif contender == "xla_fsdpv2":
+        strategy = XlaFSDPv2(auto_wrap_policy=policy)
+    else:
+        strategy = contender.replace("_foreach", "")
     probe = Probe(warmup, started)
     trainer = Trainer(strategy=strategy, devices=devices, max_epochs=1, log_every_n_steps=every, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_xla_health=False,
-                      default_root_dir=os.path.join(HERE, ".runs"), callbacks=[probe])
-    trainer.fit(Model(workload), loader)
+                      enable_model_summary=False, default_root_dir=os.path.join(HERE, ".runs"), callbacks=[probe])
+    trainer.fit(Model(workload, foreach=True if contender.endswith("_foreach") else None), loader)
     # A fit that ran in other processes hands rank 0's callback state back through load_state_dict.
     state = probe.result if hasattr(probe, "result") else probe.state_dict()
     return summarize(state, batch * devices)
 
 
-def hand_loop(workload: str, loader: DataLoader, warmup: int, every: int, started: float, xla: bool) -> dict:
+class Marks:
+    """The measurement of a loop that is not xtrainer's: a mark at each host read after the
+    warm-up (the steady state lies between the first and the last), the first step's end, and
+    the compilations and transfers between the first and the last mark."""
+
+    def __init__(self, warmup: int, every: int, started: float, xla: bool = True) -> None:
+        self.warmup, self.every, self.started, self.xla = warmup, every, started, xla
+        self.marks: list[tuple[int, float, float]] = []
+        self.first = None
+        self.counts = self.ends = {"compiles": 0, "transfers": 0}
+
+    def first_step(self) -> None:
+        if self.xla:
+            _xla.sync()  # the loader cuts the graph only when the next batch is taken
+            _xla.wait_device_ops()  # host sync: the first step's end, compile included
+        self.first = time.time() - self.started
+
+    def due(self, step: int) -> bool:
+        return step >= self.warmup and step % self.every == 0 and (not self.marks or self.marks[-1][0] != step)
+
+    def mark(self, step: int) -> None:
+        """Called just after the loop read its logged values (the interval's host read)."""
+        if self.xla:
+            self.ends = {"compiles": _xla.compile_count(), "transfers": _xla.transfer_from_device_count()}
+            if not self.marks:
+                self.counts = self.ends
+        self.marks.append((step, time.perf_counter(), time.process_time()))
+
+    def state(self, foreach: bool) -> dict:
+        return {"marks": self.marks, "first_step": self.first, "foreach": foreach,
+                "compiles": self.ends["compiles"] - self.counts["compiles"],
+                "transfers": self.ends["transfers"] - self.counts["transfers"]}
+
+
+def hand_loop(workload: str, loader: DataLoader, warmup: int, every: int, started: float, xla: bool,
+              foreach: bool | None = None) -> dict:
     """torch_xla's documented loop (``xla``), or the same loop in eager PyTorch on the CPU."""
     device = _xla.device() if xla else torch.device("cpu")
     net = make_net(workload).to(device)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    marks, first, counts = [], None, {"compiles": 0, "transfers": 0}
+    opt = make_optimizer(net.parameters(), foreach)
+    marks = Marks(warmup, every, started, xla)
     if xla:  # the documented torch_xla loader, as a hand-written loop uses it
         from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
@@ -183,21 +313,91 @@ def hand_loop(workload: str, loader: DataLoader, warmup: int, every: int, starte
         else:
             opt.step()
         if step == 1:
-            if xla:
-                _xla.sync()  # the loader cuts the graph only when the next batch is taken
-                _xla.wait_device_ops()  # host sync: the first step's end, compile included
-            first = time.time() - started
-        if step >= warmup and step % every == 0:
+            marks.first_step()
+        if marks.due(step):
             if xla:
                 _xla.sync()
             loss.item()  # host sync: read the loss, as a training loop logs it
-            if not marks and xla:
-                counts = {"compiles": _xla.compile_count(), "transfers": _xla.transfer_from_device_count()}
-            marks.append((step, time.perf_counter(), time.process_time()))
-    ends = {"compiles": _xla.compile_count(), "transfers": _xla.transfer_from_device_count()} if xla else counts
-    state = {"marks": marks, "first_step": first, "compiles": ends["compiles"] - counts["compiles"],
-             "transfers": ends["transfers"] - counts["transfers"]}
-    return summarize(state, loader.batch_size)
+            marks.mark(step)
+    return summarize(marks.state(uses_foreach(opt) and xla), loader.batch_size)
+
+
+def accelerate_loop(workload: str, loader: DataLoader, warmup: int, every: int, started: float) -> dict:
+    """Accelerate's documented training loop (its XLA path: ``MpDeviceLoader``, gradients
+    all-reduced in ``optimizer.step()``); the loss read as the hand loop reads it."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    net = make_net(workload)
+    opt = make_optimizer(net.parameters())
+    net, opt, batches = accelerator.prepare(net, opt, loader)
+    marks = Marks(warmup, every, started)
+    for step, batch in enumerate(batches, start=1):
+        opt.zero_grad()
+        loss = loss_of(workload, net, batch)
+        accelerator.backward(loss)
+        opt.step()
+        if step == 1:
+            marks.first_step()
+        if marks.due(step):
+            _xla.sync()
+            loss.item()  # host sync: read the loss, as a training loop logs it
+            marks.mark(step)
+    return summarize(marks.state(uses_foreach(opt.optimizer)), loader.batch_size)
+
+
+def hf_trainer_loop(workload: str, contender: str, loader: DataLoader, steps: int, warmup: int, every: int,
+                    started: float) -> dict:
+    """The Hugging Face Trainer on its torch_xla path, as its documentation sets it up:
+    ``optim="adamw_torch"`` (its default, ``adamw_torch_fused``, fails on XLA tensors), the
+    learning rate held constant and no clipping (so that it does the hand loop's work; it still
+    computes the gradient norm it logs), ``fsdp_config={"xla": True}`` for XLA FSDP (auto-wrapping
+    the model's ``_no_split_modules``) and ``{"xla": True, "xla_fsdp_v2": True}`` with SPMD and
+    a global mesh for FSDPv2."""
+    if workload != "hf_llama":
+        raise SystemExit(f"{contender} trains Hugging Face models: workload hf_llama only.")
+    if contender == "hf_trainer_fsdpv2":
+        _xla.use_spmd()  # before any XLA tensor exists, as torch_xla's SPMD needs
+        count = _xla.spmd_device_count()
+        _xla.spmd().set_global_mesh(_xla.mesh((count, 1), ("fsdp", "tensor")))
+    import transformers
+    from transformers import TrainerCallback, TrainingArguments
+
+    marks = Marks(warmup, every, started)
+
+    class HFProbe(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                marks.first_step()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # after the Trainer read the logged values
+            if marks.due(state.global_step):
+                marks.mark(state.global_step)
+
+    class HFTrainer(transformers.Trainer):
+        def _wrap_model(self, model, *args, **kwargs):
+            # transformers 5.x delays creating the optimizer under XLA FSDP until the model is
+            # wrapped, then never creates it (`_prepare_for_training` skips `accelerator.prepare`
+            # for a wrapped model): the documented XLA FSDP set-up fails with "'NoneType' object has
+            # no attribute 'param_groups'". Creating it here, from the wrapped model, is the fix.
+            wrapped = super()._wrap_model(model, *args, **kwargs)
+            if self.is_fsdp_xla_enabled and self.optimizer is None:
+                self.create_optimizer(wrapped)
+            return wrapped
+
+    fsdp = {}
+    if contender == "hf_trainer_fsdp":
+        fsdp = {"fsdp": "full_shard", "fsdp_config": {"xla": True}}
+    elif contender == "hf_trainer_fsdpv2":
+        fsdp = {"fsdp": "full_shard", "fsdp_config": {"xla": True, "xla_fsdp_v2": True}}
+    args = TrainingArguments(
+        output_dir=os.path.join(HERE, ".runs", "hf"), per_device_train_batch_size=loader.batch_size,
+        max_steps=steps, logging_steps=every, report_to="none", optim="adamw_torch", learning_rate=1e-3,
+        weight_decay=0.01, lr_scheduler_type="constant", max_grad_norm=0.0, save_strategy="no",
+        dataloader_drop_last=True, disable_tqdm=True, seed=0, **fsdp)
+    trainer = HFTrainer(model=make_net(workload), args=args, train_dataset=loader.dataset, callbacks=[HFProbe()])
+    trainer.train()
+    return summarize(marks.state(uses_foreach(trainer.optimizer)), loader.batch_size)
 
 
 def summarize(state: dict, samples_per_step: int) -> dict:
@@ -208,7 +408,8 @@ def summarize(state: dict, samples_per_step: int) -> dict:
     return {"steps_per_s": rate, "samples_per_s": rate * samples_per_step,
             "cpu_ms_per_step": 1000 * (c1 - c0) / steps,  # every thread of the process that ran the steps
             "first_step_s": state["first_step"], "compiles": state["compiles"],
-            "transfers_per_step": state["transfers"] / max(steps, 1), "peak_mb": peak / 1024}
+            "transfers_per_step": state["transfers"] / max(steps, 1), "peak_mb": peak / 1024,
+            "foreach": bool(state.get("foreach"))}
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -223,12 +424,28 @@ def run_one(workload: str, contender: str, args: argparse.Namespace, devices: in
     return json.loads(lines[-1])
 
 
+def runs_on(workload: str, contender: str) -> bool:
+    """The Hugging Face Trainer trains Hugging Face models only: the hf_llama workload."""
+    return contender not in HF_TRAINER or workload == "hf_llama"
+
+
+def hf_installed() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("transformers", "accelerate"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 repeat, fewer steps")
+    parser.add_argument("--steps", type=int, help="steps per run for every workload (default: mlp 300, lm 40, "
+                        "hf_llama 60; --quick: 120, 25, 30)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    parser.add_argument("--hf-attention", choices=("eager", "sdpa"), default=HF_ATTENTION,
+                        help="the Llama's attention: eager with the tokenizer's attention_mask (default), or "
+                             "transformers' default sdpa without one (which reads the device every forward on XLA)")
     parser.add_argument("--no-scaling", action="store_true")
     parser.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -236,19 +453,33 @@ def main() -> None:
         workload, contender, steps, warmup, devices, every = args.one
         print(json.dumps(measure(workload, contender, int(steps), int(warmup), int(devices), int(every))), flush=True)
         return
-    args.steps = {"mlp": 300, "lm": 40} if not args.quick else {"mlp": 120, "lm": 25}
+    os.environ["XTRAINER_BENCH_HF_ATTENTION"] = args.hf_attention  # read by the --one processes
+    steps = {"mlp": 300, "lm": 40, "hf_llama": 60} if not args.quick else {"mlp": 120, "lm": 25, "hf_llama": 30}
+    args.steps = steps if args.steps is None else dict.fromkeys(steps, args.steps)
     args.warmup, args.every = 10, 10
     args.repeats = 1 if args.quick else args.repeats
-    contenders = ["hand"] + [c for c in args.contenders if c != "hand"]  # the ratios' reference comes first
+    if not hf_installed():
+        dropped = [c for c in args.contenders if c == "accelerate" or c in HF_TRAINER]
+        print("transformers and accelerate are not installed (pip install -e '.[hf]'): skipping the hf_llama "
+              f"workload and {', '.join(dropped) or 'no contender'}.", flush=True)
+        args.workloads = [w for w in args.workloads if w != "hf_llama"]
+        args.contenders = [c for c in args.contenders if c not in dropped]
+    # the ratios' references come first: the hand loop, with each AdamW path
+    contenders = ["hand", "hand_foreach"] + [c for c in args.contenders if c not in ("hand", "hand_foreach")]
     results: Results = {}
     for r in range(args.repeats):
         for workload in args.workloads:
             for contender in contenders:  # interleaved: every contender once per repeat
-                record(results, (workload, contender, 1), r, run_one(workload, contender, args))
+                if runs_on(workload, contender):
+                    record(results, (workload, contender, 1), r, run_one(workload, contender, args))
         if not args.no_scaling:
             for devices in (2, 4):
                 for contender in SCALING:
                     record(results, ("mlp", contender, devices), r, run_one("mlp", contender, args, devices))
+    os.makedirs(os.path.join(HERE, ".runs"), exist_ok=True)
+    with open(os.path.join(HERE, ".runs", "results.json"), "w") as f:  # every measurement, for a second look
+        json.dump([{"workload": w, "contender": c, "devices": d, "repeat": r, **out}
+                   for (w, c, d), runs in results.items() for r, out in runs.items()], f, indent=1)
     write_results(results, args, contenders)
 
 
@@ -261,18 +492,23 @@ def record(results: Results, key: tuple[str, str, int], repeat: int, out: dict |
         return
     results.setdefault(key, {})[repeat] = out
     workload, contender, devices = key
-    print(f"repeat {repeat} {workload:<4} x{devices} {contender:<15} {out['steps_per_s']:8.2f} steps/s "
-          f"{out['cpu_ms_per_step']:9.1f} CPU ms/step", flush=True)
+    print(f"repeat {repeat} {workload:<8} x{devices} {contender:<18} {out['steps_per_s']:8.2f} steps/s "
+          f"{out['cpu_ms_per_step']:9.1f} CPU ms/step {out['transfers_per_step']:.2f} reads/step "
+          f"{out['compiles']} compilations", flush=True)
 
 
 def median(runs: dict[int, dict], key: str) -> float:
     return statistics.median(r[key] for r in runs.values())
 
 
+def ratios(runs: dict[int, dict], base: dict[int, dict], ratio: Callable[[dict, dict], float]) -> list[float]:
+    return sorted(ratio(runs[r], base[r]) for r in runs if r in base)
+
+
 def paired(runs: dict[int, dict], base: dict[int, dict], ratio: Callable[[dict, dict], float]) -> str:
     """Median and range of the ratio to the reference measured in the same repeat (next to it in
     time), so that the machine's drift between repeats cancels."""
-    values = sorted(ratio(runs[r], base[r]) for r in runs if r in base)
+    values = ratios(runs, base, ratio)
     if not values:
         return "n/a"
     spread = f" ({values[0]:.2f}-{values[-1]:.2f})" if len(values) > 1 else ""
@@ -287,34 +523,51 @@ def cpu_ratio(run: dict, base: dict) -> float:
     return base["cpu_ms_per_step"] / run["cpu_ms_per_step"]
 
 
+def reference(results: Results, workload: str, runs: dict[int, dict]) -> dict[int, dict]:
+    """The hand loop a contender is compared with: the one whose AdamW takes the same path (eager
+    PyTorch: the XLA hand loop with torch's default)."""
+    name = "hand_foreach" if any(run.get("foreach") for run in runs.values()) else "hand"
+    return results.get((workload, name, 1), {})
+
+
 def write_results(results: Results, args: argparse.Namespace, contenders: list[str]) -> None:
     lines = ["# Benchmark results", "",
              f"{datetime.date.today()}; {platform.machine()} with {os.cpu_count()} cores, Python "
-             f"{platform.python_version()}, torch {torch.__version__}, torch_xla {_xla.TORCH_XLA_VERSION}, "
-             f"XLA CPU runtime; {args.repeats} repeat(s), medians (ranges in brackets); `python benchmarks/run.py`.",
+             f"{platform.python_version()}, torch {torch.__version__}, torch_xla {_xla.TORCH_XLA_VERSION}"
+             f"{versions()}, XLA CPU runtime; {args.repeats} repeat(s), medians (ranges in brackets); "
+             "`python benchmarks/run.py`.",
              "",
-             "*vs hand loop* compares each contender with the hand loop of the same repeat. *Wall* is steps/s; "
-             "*CPU* is the hand loop's CPU time per step over the contender's (all threads of the process: the "
-             "host's tracing and the CPU runtime's execution). On a shared virtual machine the wall clock drifts "
-             "with other tenants' load; CPU time does not, so it is the steadier of the two.", ""]
+             "*vs hand loop* compares each contender with the hand loop of the same repeat whose AdamW takes the "
+             "same path (*AdamW path*: `per-tensor`, torch's default for XLA tensors, or `foreach`; the reference "
+             "is `hand` or `hand_foreach`). *Wall* is steps/s; *CPU* is the hand loop's CPU time per step over "
+             "the contender's (all threads of the process: the host's tracing and the CPU runtime's execution). "
+             "On a shared virtual machine the wall clock drifts with other tenants' load; CPU time does not, so "
+             "it is the steadier of the two.", ""]
     for workload in args.workloads:
-        base = results.get((workload, "hand", 1), {})
         lines += [f"## {workload}: {args.steps[workload]} steps, batch {WORKLOADS[workload]['batch']}", "",
-                  "| contender | steps/s | samples/s | vs hand loop (wall) | vs hand loop (CPU) | CPU ms/step "
-                  "| first step (s) | compilations after warm-up | host reads per step | peak host memory (MB) |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| contender | AdamW path | steps/s | samples/s | vs hand loop (wall) | vs hand loop (CPU) "
+                  "| CPU ms/step | first step (s) | compilations after warm-up | host reads per step "
+                  "| peak host memory (MB) |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for contender in contenders:
             runs = results.get((workload, contender, 1))
             if not runs:
                 continue
+            base = reference(results, workload, runs)
             compiles, reads = (f"{median(runs, 'compiles'):.0f}", f"{median(runs, 'transfers_per_step'):.2f}") \
                 if contender != "eager" else ("-", "-")  # eager PyTorch compiles nothing and has no device
+            path = "foreach" if any(run.get("foreach") for run in runs.values()) else "per-tensor"
             lines.append(
-                f"| {contender} | {median(runs, 'steps_per_s'):.2f} | {median(runs, 'samples_per_s'):.0f} "
+                f"| {contender} | {path if contender != 'eager' else '-'} | {median(runs, 'steps_per_s'):.2f} "
+                f"| {median(runs, 'samples_per_s'):.0f} "
                 f"| {paired(runs, base, wall_ratio)} | {paired(runs, base, cpu_ratio)} "
                 f"| {median(runs, 'cpu_ms_per_step'):.1f} | {median(runs, 'first_step_s'):.1f} "
                 f"| {compiles} | {reads} | {median(runs, 'peak_mb'):.0f} |")
-        lines.append("")
+        gain = paired(results.get((workload, "hand_foreach", 1), {}), results.get((workload, "hand", 1), {}), cpu_ratio)
+        lines += ["", f"AdamW(foreach=True) against torch's default per-tensor path, hand loop, CPU time: {gain} "
+                  "(above 1: foreach costs less).", ""]
+    if "hf_llama" in args.workloads:
+        lines += head_to_head(results)
     if any(key[2] > 1 for key in results):
         lines += ["## Scaling on the CPU runtime (mlp, samples/s over all replicas or devices)", "",
                   "| strategy | 1 | 2 | 4 | efficiency at 4 |", "| --- | ---: | ---: | ---: | ---: |"]
@@ -338,6 +591,42 @@ def write_results(results: Results, args: argparse.Namespace, contenders: list[s
     print("\n".join(lines))
 
 
+def versions() -> str:
+    try:
+        import accelerate
+        import transformers
+    except ImportError:
+        return ""
+    return f", transformers {transformers.__version__}, accelerate {accelerate.__version__}"
+
+
+def head_to_head(results: Results) -> list[str]:
+    """xtrainer's strategies against the Hugging Face Trainer's and Accelerate's on hf_llama,
+    each pair from the same repeat."""
+    lines = ["## Head to head on hf_llama: xtrainer against the Hugging Face Trainer and Accelerate", "",
+             "Each row pairs an xtrainer strategy with a peer's run of the same repeat. *Peer CPU / xtrainer CPU* "
+             "above 1: xtrainer's step costs less CPU time; *xtrainer / peer (wall)* above 1: xtrainer is faster.",
+             "",
+             "| xtrainer | peer | xtrainer CPU ms/step | peer CPU ms/step | peer CPU / xtrainer CPU "
+             "| xtrainer / peer (wall) | compilations after warm-up (xtrainer / peer) "
+             "| host reads per step (xtrainer / peer) | first step, s (xtrainer / peer) "
+             "| peak host MB (xtrainer / peer) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    pairs = HEAD_TO_HEAD + [("xla_native_foreach", "hf_trainer")]
+    for ours, theirs in pairs:
+        mine, peer = results.get(("hf_llama", ours, 1)), results.get(("hf_llama", theirs, 1))
+        if not mine or not peer:
+            continue
+        lines.append(
+            f"| {ours} | {theirs} | {median(mine, 'cpu_ms_per_step'):.1f} | {median(peer, 'cpu_ms_per_step'):.1f} "
+            f"| {paired(mine, peer, cpu_ratio)} | {paired(mine, peer, wall_ratio)} "
+            f"| {median(mine, 'compiles'):.0f} / {median(peer, 'compiles'):.0f} "
+            f"| {median(mine, 'transfers_per_step'):.2f} / {median(peer, 'transfers_per_step'):.2f} "
+            f"| {median(mine, 'first_step_s'):.1f} / {median(peer, 'first_step_s'):.1f} "
+            f"| {median(mine, 'peak_mb'):.0f} / {median(peer, 'peak_mb'):.0f} |")
+    return lines + [""]
+
+
 def plot(results: Results, args: argparse.Namespace, contenders: list[str]) -> None:
     import matplotlib
 
@@ -346,17 +635,16 @@ def plot(results: Results, args: argparse.Namespace, contenders: list[str]) -> N
 
     figure, axes = plt.subplots(1, len(args.workloads), figsize=(6 * len(args.workloads), 3.8), squeeze=False)
     for ax, workload in zip(axes[0], args.workloads):
-        base = results.get((workload, "hand", 1))
-        if not base:
-            continue
-        names = [c for c in contenders if (workload, c, 1) in results]
+        names = [c for c in contenders if (workload, c, 1) in results
+                 and ratios(results[(workload, c, 1)], reference(results, workload, results[(workload, c, 1)]), cpu_ratio)]
         for offset, (label, ratio) in zip((-0.2, 0.2), (("wall", wall_ratio), ("CPU time", cpu_ratio))):
-            values = [statistics.median(ratio(run, base[r]) for r, run in results[(workload, c, 1)].items()
-                                        if r in base) for c in names]
+            values = [statistics.median(ratios(results[(workload, c, 1)],
+                                               reference(results, workload, results[(workload, c, 1)]), ratio))
+                      for c in names]
             ax.bar([i + offset for i in range(len(names))], values, width=0.4, label=label)
-        ax.set_xticks(range(len(names)), names, rotation=30)
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_title(f"{workload}: relative to the hand loop (higher is faster)")
+        ax.set_title(f"{workload}: vs the hand loop, same AdamW path\n(higher is faster)", fontsize=10)
         ax.legend()
     figure.tight_layout()
     figure.savefig(os.path.join(HERE, "results.png"), dpi=100)

@@ -7,7 +7,9 @@ From the repository's root folder:
     xtrainer fit --config examples/digits.yaml trainer.devices=4 strategy=xla_ddp   # 4 replicas, even on a CPU
     python examples/digits.py trainer.max_epochs=5                    # the same, as a script
 
-``data.batch_size`` is per replica: with ``trainer.devices=N`` each step trains on N of them.
+``data.batch_size`` is what each loader yields: per replica with ``xla_native``, ``xla_ddp`` and
+``xla_fsdp`` (with ``trainer.devices=N`` a step trains on N such batches), and the step's whole
+batch (each host's share on a pod), split over the devices, with ``xla_spmd`` and ``xla_fsdpv2``.
 Everything the run writes (TensorBoard logs, checkpoints, the resolved config.yaml) lands in one
 run folder, ``<trainer.default_root_dir>/version_N``; ``xtrainer fit --config <run folder>/config.yaml``
 runs it again.

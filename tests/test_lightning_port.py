@@ -294,6 +294,8 @@ def test_lightning_names_and_refusals(tmp_path):
         Trainer(**quiet(tmp_path)).fit(LitRegressor(), DataLoader(make_data()), datamodule=RegressionDataModule())
     with pytest.raises(ValueError, match="has not fitted one"):
         Trainer(**quiet(tmp_path)).validate()
+    with pytest.raises(TypeError, match="unexpected argument 'max_epoch'. Did you mean 'max_epochs'"):
+        Trainer(max_epoch=1)
     with pytest.raises(ValueError, match="plugins=...: Lightning's plugins"):
         Trainer(plugins=[object()])
 

@@ -7,6 +7,7 @@ import os
 import pytest
 from conftest import Regressor, make_data, make_loader
 from tbparse import SummaryReader
+from torch import nn
 
 from xtrainer import Trainer, _xla
 from xtrainer.callbacks import ProgressBar, RecompilationError, TensorBoardLogger, XlaHealth, XlaProfiler
@@ -107,6 +108,37 @@ def test_progress_bar_lines_off_a_terminal_and_a_rich_bar_on_one(tmp_path):
     assert "epoch 1" in out and "8/8" in out and "it/s" in out and "\x1b[" in out  # drawn with terminal codes
 
 
+class BarModel(Regressor):
+    """Logs its training loss per step and per epoch, and a validation value, on the bar."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), prog_bar=True)
+
+
+def test_progress_bar_shows_the_users_names_and_no_stale_epoch_values(tmp_path):
+    plain = io.StringIO()
+    Trainer(max_epochs=2, log_every_n_steps=4, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+            num_sanity_val_steps=0, callbacks=[ProgressBar(plain)]).fit(BarModel(), make_loader(),
+                                                                        make_loader(n=16, seed=1))
+    lines = plain.getvalue().splitlines()
+    names = [{value.split("=")[0] for value in line.split(") ", 1)[1].split()} for line in lines]
+    assert [line.split(" step")[0] for line in lines] == ["epoch 0 batch 4/8", "epoch 0 batch 8/8", "epoch 0 done",
+                                                         "epoch 1 batch 4/8", "epoch 1 batch 8/8", "epoch 1 done"]
+    assert names[0] == {"train_loss_step"}  # not also loss= with the same value
+    assert names[2] == {"train_loss_step", "train_loss_epoch", "val_loss"}  # the epoch's values at its end
+    assert names[3] == {"train_loss_step", "val_loss"}  # epoch 1, mid-way: epoch 0's train_loss_epoch is gone
+    assert names[5] == {"train_loss_step", "train_loss_epoch", "val_loss"}
+    epoch_end = [float(v.split("=")[1]) for v in lines[2].split() if v.startswith("train_loss_epoch=")]
+    assert epoch_end and all(f"train_loss_epoch={epoch_end[0]:.4g}" not in line for line in lines[3:5])
+
+
 def test_no_progress_bar_when_turned_off(tmp_path, capsys):
     Trainer(max_epochs=1, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_xla_health=False, enable_model_summary=False).fit(Regressor(), make_loader())
@@ -134,3 +166,44 @@ def test_a_named_logger_puts_the_run_folder_under_its_name(tmp_path):
                     logger=TensorBoardLogger(name="exp"))
     again.fit(Regressor(), make_loader(), ckpt_path="last")  # found under exp/
     assert again.log_dir.endswith("version_1") and again.global_step == 16
+
+
+class FakeTrainer:
+    """What ``XlaHealth`` reads of a Trainer, for its arithmetic."""
+
+    def __init__(self, world_size):
+        self.world_size, self.global_step, self.checkpoint_compilations = world_size, 0, 0
+        self.is_global_zero, self.state, self.current_epoch = True, "fit", 0
+
+
+@pytest.mark.parametrize("threads, expected", [
+    (False, "fit: 88 steps in 2.0 s (44.0 steps/s, 0 samples/s); 14 compilations (6.0 s), 0 after the first epoch; "
+            "2.00 device-to-host transfers per step"),
+    (True, "fit: 88 steps in 2.0 s (44.0 steps/s, 0 samples/s); per replica (2 in this process): 7 compilations "
+           "(3.0 s), 1.00 device-to-host transfers per step; 0 graph(s) compiled after the first epoch in this "
+           "process"),
+])
+def test_health_figures_are_per_replica_where_one_process_runs_several(monkeypatch, capsys, threads, expected):
+    from xtrainer.callbacks import health
+    from xtrainer.strategies import cpu_replicas
+
+    counters = {"compile_count": 0, "compile_seconds": 0.0, "execute_count": 0, "transfer_from_device_count": 0}
+    for name in counters:
+        monkeypatch.setattr(health._xla, name, lambda name=name: counters[name])
+    monkeypatch.setattr(health._xla, "memory_info", lambda: None)
+    clock = iter([10.0, 11.0, 12.0])
+    monkeypatch.setattr(health.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(cpu_replicas, "installed", lambda: threads)
+    trainer, callback = FakeTrainer(world_size=2), XlaHealth()
+    callback.on_fit_start(trainer, None)
+    # Two replicas in the process: 14 compilations, 176 transfers over 88 steps between them.
+    counters.update(compile_count=14, compile_seconds=6.0, execute_count=176, transfer_from_device_count=176)
+    trainer.global_step = 88
+    logged = {}
+    callback.on_metrics(trainer, None, logged, 88)
+    share = 2 if threads else 1
+    assert logged["xla/compilations"] == 14 / share and logged["xla/transfers_to_host"] == 176 / share
+    assert logged["xla/executions"] == 176 / share and logged["throughput/steps_per_second"] == 88.0
+    callback.on_fit_end(trainer, None)
+    assert capsys.readouterr().out == expected + "\n"
+    assert callback.totals["replicas_in_process"] == share and callback.totals["compilations"] == 14 / share

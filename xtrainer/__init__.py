@@ -8,6 +8,7 @@ torch and torch_xla are imported when one of the names below is first used (PEP 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -33,6 +34,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerl
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        # A subpackage (xtrainer.callbacks, ...), as ``import xtrainer`` used to make them reachable.
+        if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module 'xtrainer' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # once imported, a plain attribute

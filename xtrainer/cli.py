@@ -1,12 +1,16 @@
 """The ``xtrainer`` command.
 
     xtrainer fit --config run.yaml [key=value ...]       # also validate, test, predict
-    xtrainer config --config run.yaml [key=value ...]    # print the resolved configuration
+    xtrainer config --config run.yaml [key=value ...]    # check, then print the resolved configuration
     xtrainer consolidate CHECKPOINT_DIR -o full.pt       # one state dict from a sharded folder
+    xtrainer --version
 
 A configuration mistake is a one-line message and exit code 2, before anything trains. A fit
 writes the resolved configuration to ``<run folder>/config.yaml``; ``xtrainer fit --config`` on
 that file runs the same configuration again.
+
+This module imports nothing heavy at the top: ``xtrainer --help`` and ``--version`` answer without
+importing torch or torch_xla (several seconds); each command imports what it needs.
 """
 
 from __future__ import annotations
@@ -14,35 +18,115 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+import warnings
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from xtrainer import checkpoint as ckpt_io
-from xtrainer import interrupts
-from xtrainer import config as cfg_io
+if TYPE_CHECKING:
+    from xtrainer.config import RunConfig
 
 _STAGES = ("fit", "validate", "test", "predict")
+_COMMANDS = (*_STAGES, "config")
 _EXAMPLE = "examples: --config run.yaml   --config base.yaml --config small.yaml trainer.max_epochs=3 model.lr=1e-3"
+#: The data each stage runs on: ``<name>_dataloader()`` of ``data`` (or of the model).
+_LOADER = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
+#: The step method each evaluation stage needs (``predict_step`` has a default).
+_STEP = {"validate": "validation_step", "test": "test_step"}
 
 
-def run_stage(stage: str, config: cfg_io.RunConfig) -> tuple[Any, Any]:
-    """Build the run ``config`` describes and run ``stage``; returns (trainer, what it returned)."""
+def run_stage(stage: str, config: "RunConfig") -> tuple[Any, Any]:
+    """Build the run ``config`` describes and run ``stage``; returns (trainer, what it returned).
+    What the configuration lacks for ``stage`` (its data, its step method, the checkpoint
+    ``ckpt_path`` names) is refused before the run folder is claimed; a run that fails before it
+    wrote anything but its ``config.yaml`` leaves no folder behind."""
+    from xtrainer import config as cfg_io
+
     run = cfg_io.build(config, stage)
-    trainer, data = run.trainer, run.data
-    loaders = {name: _dataloader(data, name) for name in ("train", "val", "test", "predict")}
+    trainer, model = run.trainer, run.model
+    _check_step(stage, model)
+    names = ("train", "val") if stage == "fit" else (_LOADER[stage],)
+    if stage == "fit" and not _has_step(model, "validation_step"):
+        names = ("train",)  # as Lightning does: no validation_step, no validation loop
+    loaders = {name: _dataloader(run.data, name) for name in names}
+    _check_data(stage, run, loaders[_LOADER[stage]])
     if stage == "fit":
         _check_train_batches(config, loaders["train"])
     # The saved configuration names the checkpoint actually used (not "last"), so running it
     # again starts from the same state.
-    config.ckpt_path = trainer.resolve_ckpt_path(run.ckpt_path)
+    config.ckpt_path = _resolve_checkpoint(trainer, stage, run.ckpt_path)
     path = cfg_io.save_config(config, trainer.log_dir)
     print(f"xtrainer {stage}: run folder {trainer.log_dir} (configuration: {path})", flush=True)
-    if stage == "fit":
-        return trainer, trainer.fit(run.model, loaders["train"], loaders["val"], ckpt_path=run.ckpt_path)
-    if stage == "validate":
-        return trainer, trainer.validate(run.model, loaders["val"], ckpt_path=run.ckpt_path)
-    if stage == "test":
-        return trainer, trainer.test(run.model, loaders["test"], ckpt_path=run.ckpt_path)
-    return trainer, trainer.predict(run.model, loaders["predict"], ckpt_path=run.ckpt_path)
+    try:
+        if stage == "fit":
+            return trainer, trainer.fit(model, loaders["train"], loaders.get("val"), ckpt_path=run.ckpt_path)
+        method = {"validate": trainer.validate, "test": trainer.test, "predict": trainer.predict}[stage]
+        return trainer, method(model, loaders[_LOADER[stage]], ckpt_path=run.ckpt_path)
+    except BaseException:
+        _remove_unused_run_folder(trainer.log_dir, path)
+        raise
+
+
+def _has_step(model: Any, step: str) -> bool:
+    from xtrainer.module import XModule
+
+    return getattr(type(model), step, None) is not getattr(XModule, step)
+
+
+def _check_step(stage: str, model: Any) -> None:
+    step = _STEP.get(stage)
+    if step is not None and not _has_step(model, step):
+        cls = type(model)
+        raise _config_error(f"model: {cls.__module__}.{cls.__qualname__} has no {step}(self, batch, batch_idx) to "
+                            f"{stage} with: add one, or set model._target_ to a class that has one.")
+
+
+def _check_data(stage: str, run: Any, loader: Any) -> None:
+    """Refuse a stage with nothing to run on: no ``<name>_dataloader()`` in ``data`` nor in the model."""
+    hook = f"{_LOADER[stage]}_dataloader"
+    if loader is not None or callable(getattr(run.model, hook, None)):
+        return
+    model = f"{type(run.model).__module__}.{type(run.model).__qualname__}"
+    if run.data is None:
+        where = f"the configuration has no data, and the model ({model}) has no {hook}()"
+    else:
+        data = f"{type(run.data).__module__}.{type(run.data).__qualname__}"
+        has = callable(getattr(run.data, hook, None))
+        where = (f"data ({data}).{hook}() returned None" if has else f"data ({data}) has no {hook}()") + \
+            f", and the model ({model}) has none either"
+    raise _config_error(f"nothing to {stage} on: {where}. Set data._target_ to a class with a {hook}() method "
+                        f"(its arguments as data.<name>=...).")
+
+
+def _resolve_checkpoint(trainer: Any, stage: str, ckpt_path: Any) -> Any:
+    """``trainer.resolve_ckpt_path``; for validate/test/predict, ``ckpt_path=last`` that finds no
+    checkpoint is an error (evaluating untrained weights is never what was asked), not the
+    warning a fit gives before it starts from scratch."""
+    if stage == "fit" or ckpt_path is None:
+        return trainer.resolve_ckpt_path(ckpt_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolved = trainer.resolve_ckpt_path(ckpt_path)
+    found_none = [w for w in caught if "found no checkpoint" in str(w.message)]
+    if resolved is None:
+        from xtrainer.checkpoint import CheckpointNotFoundError
+
+        where = str(found_none[0].message).split(" in ", 1)[-1].split(": ", 1)[0] if found_none else None
+        raise CheckpointNotFoundError(
+            f"ckpt_path={ckpt_path!r}: no checkpoint" + (f" in {where}" if where else "") + f" to {stage}. "
+            "Run xtrainer fit with this configuration first, or set ckpt_path=<a checkpoint's path> "
+            "(ckpt_path=null uses the model as its constructor builds it).")
+    for w in caught:  # anything else (a checkpoint skipped on the way) still shows
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return resolved
+
+
+def _remove_unused_run_folder(folder: str, config_file: str) -> None:
+    """Remove ``folder`` if the run wrote nothing into it but its ``config.yaml``."""
+    try:
+        if os.listdir(folder) == [os.path.basename(config_file)]:
+            os.remove(config_file)
+            os.rmdir(folder)
+    except OSError:
+        pass
 
 
 def _dataloader(data: Any, name: str) -> Any:
@@ -54,11 +138,11 @@ def _dataloader(data: Any, name: str) -> Any:
     try:
         return method()
     except (TypeError, ValueError) as err:
-        raise cfg_io.ConfigError(f"data: {type(data).__name__}.{name}_dataloader() failed: "
-                                 f"{' '.join(str(err).split())}") from None
+        raise _config_error(f"data: {type(data).__name__}.{name}_dataloader() failed: "
+                            f"{' '.join(str(err).split())}") from None
 
 
-def _check_train_batches(config: cfg_io.RunConfig, loader: Any) -> None:
+def _check_train_batches(config: "RunConfig", loader: Any) -> None:
     """Refuse a ``trainer.limit_train_batches`` fraction that leaves none of the loader's batches."""
     limit = getattr(config.trainer, "limit_train_batches", 1.0)
     try:
@@ -66,11 +150,19 @@ def _check_train_batches(config: cfg_io.RunConfig, loader: Any) -> None:
     except TypeError:
         return
     if isinstance(limit, float) and 0.0 < limit < 1.0 and length > 0 and int(length * limit) == 0:
-        raise cfg_io.ConfigError(f"trainer.limit_train_batches={limit} leaves none of the {length} training batches: "
-                                 "give a larger fraction or a number of batches.")
+        raise _config_error(f"trainer.limit_train_batches={limit} leaves none of the {length} training batches: "
+                            "give a larger fraction or a number of batches.")
+
+
+def _config_error(message: str) -> Exception:
+    from xtrainer.config import ConfigError
+
+    return ConfigError(message)
 
 
 def _stage_command(args: argparse.Namespace) -> int:
+    from xtrainer import config as cfg_io
+
     config = cfg_io.load(args.items)
     trainer, result = run_stage(args.command, config)
     if args.command == "fit":
@@ -89,12 +181,21 @@ def _stage_command(args: argparse.Namespace) -> int:
 
 
 def _config_command(args: argparse.Namespace) -> int:
-    print(cfg_io.to_yaml(cfg_io.load(args.items)), end="")
+    """Check the configuration as ``fit`` would (everything but constructing the model and the
+    data), then print it."""
+    from xtrainer import config as cfg_io
+
+    config = cfg_io.load(args.items)
+    cfg_io.check_run(config, "fit")
+    print(cfg_io.to_yaml(config), end="")
     return 0
 
 
 def _consolidate_command(args: argparse.Namespace) -> int:
-    source, output = os.path.realpath(args.checkpoint), os.path.realpath(args.output)
+    from xtrainer import checkpoint as ckpt_io
+
+    source, output = (ckpt_io.fs.normpath(p) if ckpt_io.fs.is_url(p) else os.path.realpath(p)
+                      for p in (args.checkpoint, args.output))
     if output == source or output.startswith(source.rstrip(os.sep) + os.sep):
         raise ckpt_io.CheckpointError(f"-o {args.output} would overwrite the checkpoint it reads ({args.checkpoint}); "
                                       "write the consolidated weights somewhere else.")
@@ -106,12 +207,55 @@ def _consolidate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def version() -> str:
+    """``xtrainer 0.1.0 (torch 2.9.0, torch_xla 2.9.0, Python 3.11.9)``: read from the installed
+    packages' metadata, without importing torch."""
+    from importlib import metadata
+
+    from xtrainer import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            return f"{name} not installed"
+
+    python = ".".join(str(n) for n in sys.version_info[:3])
+    return f"xtrainer {__version__} ({installed('torch')}, {installed('torch_xla')}, Python {python})"
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
+        print(version())
+        parser.exit()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (and exit code 2) like every other mistake."""
+
+    def error(self, message: str) -> NoReturn:
+        from xtrainer.suggest import did_you_mean
+
+        hint = ""
+        if "invalid choice:" in message:  # a command given wrong
+            given = message.split("invalid choice:", 1)[1].split("(", 1)[0].strip().strip("'")
+            hint = did_you_mean(given, (*_COMMANDS, "consolidate"))
+        what = "the commands" if self.prog == "xtrainer" else "its arguments"
+        self.exit(2, f"{self.prog}: error: {message}.{hint} Run {self.prog} --help for {what}.\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xtrainer", description="Train PyTorch models on XLA devices.")
+    parser = _Parser(prog="xtrainer", description="Train PyTorch models on XLA devices.")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of xtrainer, torch, torch_xla and Python, and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for stage in (*_STAGES, "config"):
-        what = "print the resolved configuration (defaults included)" if stage == "config" else \
-            f"{stage} the model a configuration describes"
+    for stage in _COMMANDS:
+        verb = {"config": "", "predict": "predict with"}.get(stage, stage)
+        what = f"{verb} the model a configuration describes" if verb else \
+            "check the configuration as fit does, then print it resolved (defaults included)"
         sub = commands.add_parser(stage, help=what, description=what + ". " + _EXAMPLE)
         sub.add_argument("items", nargs="*", metavar="key=value",
                          help="--config FILE.yaml (repeatable, merged in order), then key=value overrides")
@@ -129,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # "--config" would look like an option of ours to argparse: hand everything after the
     # command to the configuration loader as items.
-    if argv and argv[0] in (*_STAGES, "config") and not {"-h", "--help"} & set(argv[1:]):
+    if argv and argv[0] in _COMMANDS and not {"-h", "--help"} & set(argv[1:]):
         args = argparse.Namespace(command=argv[0], items=argv[1:],
                                   run=_config_command if argv[0] == "config" else _stage_command)
     else:
@@ -137,15 +281,29 @@ def main(argv: list[str] | None = None) -> int:
     # Targets are imported as `python -m` would: from the current folder too.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    from xtrainer import interrupts
+    from xtrainer.config import ConfigError
+
     try:
         return args.run(args)
     except interrupts.TrainingInterrupted as err:
         print(f"xtrainer {args.command}: {err}", file=sys.stderr, flush=True)
         return err.exit_code
-    except (cfg_io.ConfigError, ckpt_io.CheckpointError) as err:
-        message = " ".join(str(err).split()) if isinstance(err, cfg_io.ConfigError) else err
-        print(f"xtrainer {args.command}: error: {message}", file=sys.stderr)
-        return 2 if isinstance(err, cfg_io.ConfigError) else 1
+    except ConfigError as err:
+        print(f"xtrainer {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        if not _is_checkpoint_error(err):
+            raise
+        print(f"xtrainer {args.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _is_checkpoint_error(err: BaseException) -> bool:
+    """Whether ``err`` is a ``CheckpointError`` (without importing the checkpoint package, and
+    torch with it, when nothing could have raised one)."""
+    module = sys.modules.get("xtrainer.checkpoint.format")
+    return module is not None and isinstance(err, module.CheckpointError)
 
 
 if __name__ == "__main__":

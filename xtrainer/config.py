@@ -158,7 +158,7 @@ def _read_yaml(path: str) -> Any:
 def _parse_overrides(overrides: list[str]) -> DictConfig:
     try:
         return OmegaConf.from_dotlist(overrides)
-    except yaml.YAMLError as err:
+    except yaml.YAMLError:
         for item in overrides:  # name the item that does not parse
             try:
                 OmegaConf.from_dotlist([item])
@@ -249,7 +249,14 @@ def to_yaml(config: Any) -> str:
 
 def save_config(config: Any, directory: str | os.PathLike) -> str:
     """Write the resolved ``config`` as ``config.yaml`` in ``directory``; returns its path.
-    ``xtrainer fit --config <that file>`` runs the same configuration again."""
+    ``xtrainer fit --config <that file>`` runs the same configuration again. ``directory`` may be
+    an fsspec URL (``s3://...``)."""
+    from xtrainer.checkpoint import fs
+
+    if fs.is_url(os.fspath(directory)):
+        path = fs.join(os.fspath(directory), CONFIG_FILE)
+        fs.write_text(path, to_yaml(config))
+        return path
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(os.fspath(directory), CONFIG_FILE)
     with open(path, "w") as f:

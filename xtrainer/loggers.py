@@ -35,10 +35,14 @@ import enum
 import errno
 import io
 import os
+import socket
+import uuid
 import warnings
 from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any, Iterable
+
+from xtrainer.checkpoint import fs
 
 __all__ = ["CSVLogger", "Logger", "TensorBoardLogger", "claim_run_folder", "claim_version_dir",
            "move_run_folder", "run_folder_root"]
@@ -127,6 +131,8 @@ class Logger:
 
 # ---- the run folder ------------------------------------------------------------------------------
 _VERSION_PREFIX = "version_"
+#: On an object store, the object whose exclusive creation claims ``version_N`` (``fs.claim``).
+CLAIM_FILE = ".xtrainer-claim"
 
 
 def _folder_error(err: OSError, folder: str, what: str) -> OSError:
@@ -144,6 +150,9 @@ def _folder_error(err: OSError, folder: str, what: str) -> OSError:
 
 
 def _make_root(root: str) -> None:
+    if fs.is_url(root):  # an object store has no folders to make
+        fs.require(root)
+        return
     if os.path.exists(root) and not os.path.isdir(root):
         raise NotADirectoryError(f"Cannot create run folders under {root!r}: it is a file, not a folder. "
                                  "Choose another save_dir (or default_root_dir).")
@@ -155,7 +164,7 @@ def _make_root(root: str) -> None:
 
 def _existing_versions(root: str) -> list[int]:
     try:
-        names = os.listdir(root)
+        names = fs.listdir(root)
     except OSError:
         return []
     return [int(n[len(_VERSION_PREFIX):]) for n in names
@@ -174,6 +183,14 @@ def _claim_version(root: str, start: int | None = None) -> int:
     moment get different folders."""
     _make_root(root)
     version = max(_next_version(root), start or 0)
+    while fs.is_url(root):  # no mkdir on an object store: an exclusive claim object (see fs.claim)
+        path = fs.join(root, f"{_VERSION_PREFIX}{version}")
+        try:
+            if fs.claim(fs.join(path, CLAIM_FILE), f"{socket.gethostname()} {os.getpid()} {uuid.uuid4().hex}"):
+                return version
+        except OSError as err:  # no such bucket, no permission
+            raise _folder_error(err, path, "create the run folder") from err
+        version += 1
     while True:
         path = os.path.join(root, f"{_VERSION_PREFIX}{version}")
         try:
@@ -341,12 +358,12 @@ class _FolderLogger(Logger):
                                "Trainer, which gives it its default_root_dir.")
         self.set_default_save_dir(default_root_dir)
         root = self.root_dir
-        if self._claimed and os.path.isdir(self.version_dir):
+        if self._claimed and fs.isdir(self.version_dir):
             pass
         elif self._explicit_version:
             _make_root(root)
             try:
-                os.makedirs(self.version_dir, exist_ok=True)
+                fs.makedirs(self.version_dir)
             except OSError as err:
                 raise _folder_error(err, self.version_dir, "create the run folder") from err
         elif shared is not None and root in shared:
@@ -365,13 +382,13 @@ class _FolderLogger(Logger):
 
     def use_run_folder(self, folder: str) -> None:
         """Write into ``folder`` (an existing version folder) from now on."""
-        folder = os.path.normpath(os.fspath(folder))
-        if self._claimed and self.version_dir and folder == os.path.normpath(self.version_dir):
+        folder = fs.normpath(os.fspath(folder))
+        if self._claimed and self.version_dir and folder == fs.normpath(self.version_dir):
             return
         if self._experiment is not None:
             raise RuntimeError(f"{type(self).__name__} has already written into {self.log_dir}; it cannot move.")
-        parent, base = os.path.split(folder)
-        if parent != os.path.normpath(self.root_dir or ""):
+        parent, base = fs.dirname(folder), fs.basename(folder)
+        if parent != fs.normpath(self.root_dir or ""):
             self._save_dir, self._name = parent, ""
         self._version = (int(base[len(_VERSION_PREFIX):])
                          if base.startswith(_VERSION_PREFIX) and base[len(_VERSION_PREFIX):].isdigit() else base)
@@ -468,7 +485,11 @@ def _flatten(params: Mapping[str, Any], separator: str = "/", prefix: str = "") 
 
 
 def _atomic_write(path: str, text: str) -> None:
-    """Write ``path`` whole or not at all: a temporary file beside it, synced, then renamed."""
+    """Write ``path`` whole or not at all: a temporary file beside it, synced, then renamed (on an
+    object store: one object, which appears whole when its upload completes)."""
+    if fs.is_url(path):
+        fs.write_text(path, text)
+        return
     folder = os.path.dirname(path) or "."
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
     try:
@@ -590,7 +611,7 @@ class TensorBoardLogger(_FolderLogger):
 
             folder = self._ensure_claimed()
             try:
-                os.makedirs(folder, exist_ok=True)
+                fs.makedirs(folder)
             except OSError as err:
                 raise _folder_error(err, folder, "create the log folder") from err
             self._experiment = SummaryWriter(log_dir=folder, **self._kwargs)
@@ -622,7 +643,7 @@ class TensorBoardLogger(_FolderLogger):
         self.hparams.update(_params_dict(params))
         if self.hparams:
             folder = self._ensure_claimed()
-            os.makedirs(folder, exist_ok=True)
+            fs.makedirs(folder)
             _write_hparams_yaml(os.path.join(folder, self.NAME_HPARAMS_FILE), self.hparams)
         if metrics is not None and not isinstance(metrics, Mapping):
             metrics = {"hp_metric": metrics}
@@ -690,6 +711,9 @@ class _CSVWriter:
     NAME_HPARAMS_FILE = "hparams.yaml"
 
     def __init__(self, log_dir: str) -> None:
+        if fs.is_url(log_dir):  # it appends rows and renames files: neither exists on an object store
+            raise ValueError(f"CSVLogger writes local files only, not {log_dir!r}: give it a local save_dir (the "
+                             "TensorBoardLogger and checkpoints can stay on the object store).")
         self.log_dir = log_dir
         self.metrics_file_path = os.path.join(log_dir, self.NAME_METRICS_FILE)
         self.metrics: list[dict[str, Any]] = []  # rows not written yet

@@ -29,6 +29,7 @@ from xtrainer.results import Results, batch_size
 from xtrainer.settings import TrainerSettings
 from xtrainer.state import seed_everything
 from xtrainer.strategies import Strategy, resolve_strategy
+from xtrainer.suggest import did_you_mean
 from xtrainer.strategies.base import sequential_dataloader
 
 __all__ = ["Trainer", "seed_everything"]
@@ -142,7 +143,13 @@ class Trainer:
         barebones: bool = False,
         plugins: Any = None,
         model_registry: str | None = None,
+        **unexpected: Any,
     ) -> None:
+        if unexpected:
+            name = sorted(unexpected)[0]
+            known = [p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self", "unexpected")]
+            raise TypeError(f"Trainer() got an unexpected argument {name!r}.{did_you_mean(name, known)} "
+                            "The README's 'Coming from Lightning' table lists every argument.")
         settings, callbacks, logger = arguments.resolve(
             {name: value for name, value in locals().items() if name in TrainerSettings.names()},
             callbacks, logger, plugins, model_registry)
@@ -430,7 +437,7 @@ class Trainer:
                     "ckpt_path='best': no best checkpoint is known. It needs a fit with a ModelCheckpoint(monitor=...) "
                     "in this Trainer; pass a path instead.")
             ckpt_path = best
-        if ckpt_path != "last" and not os.path.exists(ckpt_path):
+        if ckpt_path != "last" and not ckpt_io.fs.exists(ckpt_path):
             raise ckpt_io.CheckpointNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (or pass ckpt_path='last').")
         extra = [cb.dirpath for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
         planned = next((lg.version_dir for lg in self.loggers if getattr(lg, "version_dir", None)), None)

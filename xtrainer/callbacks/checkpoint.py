@@ -15,7 +15,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.callbacks.monitor import Monitor
-from xtrainer.checkpoint import default_dirpath, storage
+from xtrainer.checkpoint import default_dirpath, fs, storage
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -154,7 +154,10 @@ class ModelCheckpoint(Callback):
         self.filename = filename
         self._check_filename(filename)
         self._given_dirpath = dirpath is not None
-        self.dirpath = os.path.realpath(os.path.expanduser(os.fspath(dirpath))) if dirpath is not None else None
+        dirpath = os.fspath(dirpath) if dirpath is not None else None
+        if dirpath is not None and "://" not in dirpath:  # a local folder, resolved as Lightning does
+            dirpath = os.path.realpath(os.path.expanduser(dirpath))
+        self.dirpath = dirpath
 
         # What Lightning users read; saved in checkpoints.
         self.best_k_models: dict[str, torch.Tensor] = {}
@@ -175,7 +178,6 @@ class ModelCheckpoint(Callback):
         self._validation_ran = False
         self._saves = 0
         self._warned: set[str] = set()
-        self._weights_only_now = False
 
     # ---- configuration --------------------------------------------------------------------------
     @property
@@ -269,14 +271,6 @@ class ModelCheckpoint(Callback):
             rank_zero_warn(f"ModelCheckpoint: the checkpoint holds the bookkeeping of {others[0]} for {self.dirpath}, "
                            f"not of this one ({self.state_key}), so this one starts with no best checkpoints; the "
                            "files the other one kept are left alone.")
-
-    def on_save_checkpoint(self, trainer: "Trainer", module: "XModule", checkpoint: dict[str, Any]) -> None:
-        if self._weights_only_now:  # save_weights_only: the module's weights, the counters, nothing to resume
-            checkpoint["optimizer_states"] = []
-            checkpoint["lr_schedulers"] = []
-            checkpoint["callbacks"] = {}
-            checkpoint.pop("rng_states", None)
-            checkpoint["weights_only"] = True
 
     # ---- hooks ----------------------------------------------------------------------------------
     def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
@@ -502,16 +496,14 @@ class ModelCheckpoint(Callback):
         if trainer.is_global_zero and getattr(trainer.strategy.checkpoint_layout, "kind", "file") != "file" \
                 and os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
             os.remove(path)  # a checkpoint folder is renamed into place, which a link or a file would block
-        self._weights_only_now = weights_only
-        try:
-            trainer.save_checkpoint(path)
-        finally:
-            self._weights_only_now = False
+        trainer.save_checkpoint(path, weights_only=weights_only)
 
     def _link(self, trainer: "Trainer", last: str, target: str) -> None:
         """Point ``last`` at ``target`` (a complete checkpoint), atomically: a new relative link under
-        a temporary name renamed over the old one."""
-        if trainer.is_global_zero:
+        a temporary name renamed over the old one. On an object store (no links): a copy."""
+        if trainer.is_global_zero and fs.is_url(last):
+            storage.copy_checkpoint(target, last)
+        elif trainer.is_global_zero:
             folder = os.path.dirname(last)
             tmp = os.path.join(folder, storage.temp_name(os.path.basename(last)))
             try:
@@ -531,7 +523,8 @@ class ModelCheckpoint(Callback):
             for path in paths:
                 if self._owns(path):
                     storage.remove(path)
-                    self._remove_empty_folders(os.path.dirname(path))
+                    if not fs.is_url(path):  # an object store has no empty folders
+                        self._remove_empty_folders(os.path.dirname(path))
         trainer.strategy.barrier("xtrainer_checkpoint_cleanup")
 
     def _remove_empty_folders(self, folder: str) -> None:
@@ -634,7 +627,7 @@ class ModelCheckpoint(Callback):
         path = name + self.FILE_EXTENSION
         if not self.dirpath:
             return path
-        path = os.path.normpath(os.path.join(self.dirpath, path))
+        path = fs.normpath(fs.join(self.dirpath, path))
         if check and not self._inside(path):
             raise ValueError(f"ModelCheckpoint: the checkpoint name {name!r} leads outside {self.dirpath}; a logged "
                              "metric in filename= must not make '..' or an absolute path.")
@@ -655,10 +648,12 @@ class ModelCheckpoint(Callback):
 
     def file_exists(self, filepath: str | os.PathLike, trainer: "Trainer", broadcast: bool = True) -> bool:
         """Whether ``filepath`` exists on rank 0 (told to every replica)."""
-        exists = os.path.lexists(os.fspath(filepath))
+        exists = fs.exists(os.fspath(filepath)) if fs.is_url(os.fspath(filepath)) else os.path.lexists(os.fspath(filepath))
         return bool(trainer.strategy.broadcast(exists)) if broadcast and trainer.world_size > 1 else exists
 
     def _inside(self, path: str) -> bool:
+        if fs.is_url(self.dirpath) or fs.is_url(path):
+            return fs.is_url(path) and fs.normpath(path).startswith(fs.normpath(self.dirpath).rstrip("/") + "/")
         top = os.path.realpath(self.dirpath)
         parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
         return parent == top or parent.startswith(top + os.sep)
@@ -673,11 +668,11 @@ class ModelCheckpoint(Callback):
     def _foreign_checkpoints(self) -> bool:
         known = set(self.best_k_models) | set(self._kept) | {self.last_model_path, self._last_target,
                                                               self.best_model_path}
-        known |= {os.path.join(self.dirpath, storage.LAST)}
-        return os.path.isdir(self.dirpath) and any(
+        known |= {fs.join(self.dirpath, storage.LAST)}
+        return fs.isdir(self.dirpath) and any(
             name.endswith(self.FILE_EXTENSION) and not name.startswith(".")
-            and os.path.join(self.dirpath, name) not in known
-            for name in os.listdir(self.dirpath))
+            and fs.join(self.dirpath, name) not in known
+            for name in fs.listdir(self.dirpath))
 
     def to_yaml(self, filepath: str | os.PathLike | None = None) -> None:
         """Write ``best_k_models`` as ``{path: score}`` to a YAML file (default

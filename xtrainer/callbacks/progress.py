@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from xtrainer.callbacks.base import Callback
+from xtrainer.publishing import LOSS_KEY
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -21,6 +22,12 @@ class ProgressBar(Callback):
     host sync or changes a graph (a bar that reads device values every step stalls XLA
     training). Rank 0 only; ``Trainer(enable_progress_bar=False)`` turns it off.
 
+    It shows the ``prog_bar=True`` values under the names they were logged with; the step's
+    ``loss`` only when nothing else is on the bar (it is the value ``training_step`` returned,
+    usually also logged by name). Within an epoch, values read at the previous epoch's end (a
+    ``train_loss_epoch``) are left out until they are new: they describe the last epoch, not
+    this one. Validation values stay, as the latest validation's.
+
     Args:
         stream: where to write (default: standard output).
         rich: ``None`` (a bar if ``stream`` is a terminal), ``True`` or ``False``.
@@ -31,6 +38,8 @@ class ProgressBar(Callback):
         self._progress: Any = None
         self._task: Any = None
         self._start, self._start_step, self._due = 0.0, 0, False
+        self._last: set[str] = set()  # the names of the latest read of logged values
+        self._stale: set[str] = set()  # read at the last epoch's end and not since
 
     def _out(self) -> TextIO:
         return self.stream or sys.stdout
@@ -65,6 +74,8 @@ class ProgressBar(Callback):
     def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
         if trainer.state == "fit":
             self._due = True  # fresh values: shown once the batch ends (no read of our own)
+            self._last = set(metrics)
+            self._stale -= self._last
 
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -74,8 +85,11 @@ class ProgressBar(Callback):
         self._show(trainer, batch_idx + 1, f"batch {batch_idx + 1}/{_fmt_total(trainer.num_training_batches)}")
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
+        # The epoch's last read (its epoch values) came just before this hook; from the next
+        # epoch's first batch on they belong to the past.
+        self._stale, self._last, self._due = set(self._last), set(), False  # shown here, not again at batch 1
         if trainer.is_global_zero:
-            self._show(trainer, None, "done")
+            self._show(trainer, None, "done", mid_epoch=False)
 
     def on_train_end(self, trainer: "Trainer", module: "XModule") -> None:
         if self._progress is not None:
@@ -87,14 +101,21 @@ class ProgressBar(Callback):
 
     # ---- evaluation ----------------------------------------------------------------------------
     def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
+        self._last = set()  # validation values are not the training epoch's
         if trainer.is_global_zero and trainer.state != "fit":
             values = " ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.callback_metrics.items()))
             print(f"{trainer.state}: {values}", file=self._out(), flush=True)
 
-    def _show(self, trainer: "Trainer", completed: int | None, where: str) -> None:
+    def _values(self, trainer: "Trainer", mid_epoch: bool) -> str:
+        shown = {k: v for k, v in trainer.progress_bar_metrics.items() if not (mid_epoch and k in self._stale)}
+        if len(shown) > 1:
+            shown.pop(LOSS_KEY, None)
+        return " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
+
+    def _show(self, trainer: "Trainer", completed: int | None, where: str, mid_epoch: bool = True) -> None:
         elapsed = time.perf_counter() - self._start
         rate = (trainer.global_step - self._start_step) / elapsed if elapsed > 0 else 0.0
-        values = " ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.progress_bar_metrics.items()))
+        values = self._values(trainer, mid_epoch)
         if self._progress is not None and self._task is not None:
             task = self._progress.tasks[-1]
             done = completed if completed is not None else (task.total or task.completed)

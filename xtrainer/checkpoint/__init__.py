@@ -2,6 +2,8 @@
 
 - ``format``: what a checkpoint dict holds, and the rule that it holds plain data only;
 - ``safe``: every read, weights-only (nothing in a checkpoint runs);
+- ``fs``: paths that are local or fsspec URLs (``s3://``, ``gs://``, ``memory://``), and what an
+  object store guarantees;
 - ``storage``: atomic writes, manifests and checksums, disk errors, leftovers of crashed saves;
 - ``layout``, ``whole``, ``fsdp``, ``distributed``: the three layouts on disk;
 - ``resume``: which checkpoint ``ckpt_path`` (``"last"``) means for a run.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from xtrainer.checkpoint import distributed, fsdp, layout, storage, whole
+from xtrainer.checkpoint import distributed, fs, fsdp, layout, storage, whole
 from xtrainer.checkpoint.format import CheckpointError, CheckpointNotFoundError, UnreadableCheckpointError
 from xtrainer.checkpoint.layout import TRAINER_FILE
 from xtrainer.checkpoint.safe import UnsafeCheckpointError
@@ -25,7 +27,7 @@ __all__ = ["CheckpointError", "CheckpointNotFoundError", "UnreadableCheckpointEr
 
 def default_dirpath(log_dir: str) -> str:
     """Where a run's checkpoints go unless told otherwise."""
-    return os.path.join(log_dir, "checkpoints")
+    return fs.join(log_dir, "checkpoints")
 
 
 def verify(path: str | os.PathLike) -> layout.Header:
@@ -53,9 +55,9 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
     checked against its checksums first: an FSDP folder's shards stitched, an SPMD folder's
     shards assembled, a whole file's ``state_dict`` as it is."""
     path = os.fspath(path)
-    if not os.path.exists(path):
+    if not fs.exists(path):
         raise CheckpointError(f"{path!r} does not exist.")
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         state_dict = whole.read(path, verify=True).get("state_dict")  # a whole file holds them whole already
         if not isinstance(state_dict, dict):
             raise UnreadableCheckpointError(f"{path!r} has no state_dict.")
@@ -71,9 +73,9 @@ def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, di
     checksums: the module's hyperparameters, the ``__init__`` argument that held them whole (or
     None), and the full state dict."""
     path = os.fspath(path)
-    if not os.path.exists(path):
+    if not fs.exists(path):
         raise CheckpointNotFoundError(f"{path!r} does not exist.")
-    state = whole.read(path, verify=True) if not os.path.isdir(path) else None
+    state = whole.read(path, verify=True) if not fs.isdir(path) else None
     weights = consolidate(path) if state is None else state.get("state_dict")
     if state is None:
         state = layout.trainer_state(path)

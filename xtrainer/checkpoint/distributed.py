@@ -12,18 +12,36 @@ value weights-only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
-from typing import Any
+import warnings
+from typing import Any, Iterator
 
 import torch
 
-from xtrainer.checkpoint import safe, storage
+from xtrainer.checkpoint import fs, safe, storage
 from xtrainer.checkpoint.format import OPTIMIZER_STATES, STATE_DICT, UnreadableCheckpointError, check_savable
 from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, Layout, Replicas, entry, save_folder, trainer_state
 
 #: The ``torch.distributed.checkpoint`` folder inside an SPMD checkpoint folder.
 STATE_DIR = "state"
+
+#: UserWarnings torch.distributed.checkpoint gives on every SPMD save or load that xtrainer's own
+#: calls cause and nobody can act on: ``no_dist=True`` is asked for on purpose (one host, no
+#: process group); torch_xla 2.9's SPMD save planner predates ``set_up_planner(storage_meta=)``;
+#: torch's own file writer calls the deprecated ``tensor.storage()``.
+_DCP_NOISE = ("torch.distributed is disabled, unavailable or uninitialized",
+              "The function definition for SavePlanner.set_up_planner has been updated",
+              "TypedStorage is deprecated")
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """Around a torch.distributed.checkpoint call: hide ``_DCP_NOISE``, nothing else."""
+    with warnings.catch_warnings():
+        for message in _DCP_NOISE:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +85,7 @@ class Distributed(Layout):
         save_folder(replicas, path, DISTRIBUTED, checkpoint, write_state)
 
     def load(self, replicas: Replicas, path: str) -> dict[str, Any]:
-        if os.path.isdir(path):
+        if fs.isdir(path):
             return read_lazily(path)
         from xtrainer.checkpoint import whole
 
@@ -84,20 +102,34 @@ def _save_state(state: dict[str, Any], folder: str, rank: int) -> dict[str, Any]
 
     from xtrainer import _xla
 
-    target = os.path.join(folder, STATE_DIR)
+    target = fs.join(folder, STATE_DIR)
     planner, _ = _xla.spmd_checkpoint_planners()
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(target), planner=planner,
-                 no_dist=not dist.is_initialized())
+        with _quiet_dcp():
+            dcp.save(state, storage_writer=_writer(target), planner=planner,
+                     no_dist=not dist.is_initialized())
     except Exception as err:
         raise storage.write_error(err, target) from err
     # torch.distributed.checkpoint names each process's files __<rank>_<n>.distcp; process 0
     # writes .metadata.
-    mine = [name for name in os.listdir(target)
+    mine = [name for name in fs.listdir(target)
             if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata")]
-    return {f"{STATE_DIR}/{name}": entry(storage.Written(os.path.getsize(os.path.join(target, name)),
-                                                          storage.sha256_of(os.path.join(target, name))), rank)
+    return {f"{STATE_DIR}/{name}": entry(storage.Written(fs.getsize(fs.join(target, name)),
+                                                          storage.sha256_of(fs.join(target, name))), rank)
             for name in mine}
+
+
+def _writer(target: str) -> Any:
+    """torch.distributed.checkpoint's writer of ``target``: its local one for a local path (as
+    before), its fsspec one for a URL."""
+    import torch.distributed.checkpoint as dcp
+
+    if fs.is_url(target):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        fs.require(target)
+        return FsspecWriter(target)
+    return dcp.FileSystemWriter(target)
 
 
 def entries(path: str) -> dict[str, list[DistributedEntry]]:
@@ -105,7 +137,7 @@ def entries(path: str) -> dict[str, list[DistributedEntry]]:
     ...), from its metadata (read with the restricted unpickler)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = safe.dcp_reader(os.path.join(path, STATE_DIR)).read_metadata()
+    metadata = safe.dcp_reader(fs.join(path, STATE_DIR)).read_metadata()
     parts: dict[str, list[DistributedEntry]] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
         where = tuple(metadata.planner_data[fqn])
@@ -132,7 +164,7 @@ def load_into(target: dict[str, Any], path: str) -> None:
 
     from xtrainer import _xla
 
-    folder = os.path.join(path, STATE_DIR)
+    folder = fs.join(path, STATE_DIR)
     reader = safe.dcp_reader(folder)
     reader.read_metadata()  # refused here, with its own message, if it is not plain metadata
     _, planner = _xla.spmd_checkpoint_planners()
@@ -141,8 +173,9 @@ def load_into(target: dict[str, Any], path: str) -> None:
     _xla.sync()
     _xla.wait_device_ops()  # host sync: before reading the checkpoint, not in a training step
     try:
-        dcp.load(target, storage_reader=reader, planner=safe.safe_load_planner(planner),
-                 no_dist=not dist.is_initialized())
+        with _quiet_dcp():
+            dcp.load(target, storage_reader=reader, planner=safe.safe_load_planner(planner),
+                     no_dist=not dist.is_initialized())
     except Exception as err:
         _raise_refusal(err)
         raise UnreadableCheckpointError(f"The distributed checkpoint {path!r} could not be read "
@@ -159,11 +192,12 @@ def read_state(path: str, only: str | None = None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    reader = safe.dcp_reader(os.path.join(path, STATE_DIR))
+    reader = safe.dcp_reader(fs.join(path, STATE_DIR))
     reader.read_metadata()  # refused here, with its own message, if it is not plain metadata
     planner = safe.safe_load_planner(_EmptyStateDictLoadPlanner(keys=None if only is None else [only]))
     try:
-        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+        with _quiet_dcp():
+            _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as err:
         _raise_refusal(err)
         raise UnreadableCheckpointError(f"The distributed checkpoint {path!r} could not be read "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from xtrainer.checkpoint import safe, storage
+from xtrainer.checkpoint import fs, safe, storage
 from xtrainer.checkpoint.format import (DISPATCHER_PREFIX, OPTIMIZER_STATES, STATE_DICT, CheckpointError,
                                         UnreadableCheckpointError, check_savable)
 from xtrainer.checkpoint.layout import FSDP, Layout, Replicas, entry, save_folder, trainer_state
@@ -43,7 +43,7 @@ class FsdpShards(Layout):
         name = shard_file_name(replicas.global_rank, replicas.world_size)
 
         def write_shard(folder: str) -> dict[str, Any]:
-            return {name: entry(storage.write_file(shard, os.path.join(folder, name)), replicas.global_rank)}
+            return {name: entry(storage.write_file(shard, fs.join(folder, name)), replicas.global_rank)}
 
         save_folder(replicas, path, FSDP, checkpoint, write_shard)
 
@@ -66,8 +66,8 @@ def read_shard(path: str, rank: int, world_size: int) -> dict[str, Any]:
 
 def _read_shard_file(path: str, rank: int, world_size: int) -> dict[str, Any]:
     name = shard_file_name(rank, world_size)
-    file = os.path.join(path, name)
-    if not os.path.exists(file):
+    file = fs.join(path, name)
+    if not fs.exists(file):
         raise UnreadableCheckpointError(f"{file!r} is missing: all {world_size} shards are needed.")
     shard = safe.load(file, f"shard of rank {rank}")
     if not isinstance(shard, dict) or shard.get("rank") != rank or shard.get("world_size") != world_size:

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from xtrainer.checkpoint import safe, storage
+from xtrainer.checkpoint import fs, safe, storage
 from xtrainer.checkpoint.format import (FORMAT, FORMAT_VERSION, LOOPS, STATE_DICT, STRATEGY, WORLD_SIZE,
                                         CheckpointError, UnreadableCheckpointError, check_header)
 
@@ -89,9 +89,9 @@ class Layout:
 
 def layout_of(path: str) -> str:
     """The layout of the checkpoint at ``path``, from what is on disk."""
-    if os.path.isfile(path):
+    if fs.isfile(path):
         return FILE
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         raise CheckpointError(f"The checkpoint {path!r} does not exist.")
     manifest = storage.read_manifest(path)
     layout = manifest.get("layout")
@@ -109,7 +109,7 @@ def verify(path: str) -> Header:
     layout = layout_of(path)
     if layout == FILE:
         storage.verify_zip(path)
-        checkpoint = safe.load(path, "checkpoint", mmap=True)
+        checkpoint = safe.load(path, "checkpoint", mmap=not fs.is_url(path))
         check_header(checkpoint, path)
         if not isinstance(checkpoint.get(STATE_DICT), dict):
             raise UnreadableCheckpointError(f"{path!r} has no state_dict (a dict of tensors).")
@@ -127,7 +127,7 @@ def verify(path: str) -> Header:
 def trainer_state(path: str) -> dict[str, Any]:
     """The ``trainer.pt`` of a sharded checkpoint folder (everything but module and optimizer
     state), read weights-only and checked to be xtrainer's."""
-    state = safe.load(os.path.join(path, TRAINER_FILE), "checkpoint trainer state")
+    state = safe.load(fs.join(path, TRAINER_FILE), "checkpoint trainer state")
     check_header(state, path)
     return state
 
@@ -155,14 +155,25 @@ def save_folder(replicas: Replicas, path: str, layout: str, trainer_state: dict[
     """Write a sharded checkpoint folder. Every replica calls ``write_shards(folder)`` into one
     staging folder (named by rank 0) and returns ``{file name: {"size", "sha256"}}`` for the files
     it wrote; then rank 0 writes ``trainer.pt`` and, last, ``manifest.json``, and renames the
-    folder into place: a folder under the final name is always complete."""
+    folder into place: a folder under the final name is always complete.
+
+    On an object store (no rename) the folder is written in place, an older one of the same name
+    removed first (its manifest before anything else); the manifest, written last, is what marks
+    the new one complete."""
     from xtrainer import _xla
 
-    staging = os.path.join(os.path.dirname(path), storage.temp_name(os.path.basename(path)))
+    in_place = fs.is_url(path)
+    staging = path if in_place else os.path.join(os.path.dirname(path), storage.temp_name(os.path.basename(path)))
     staging = replicas.broadcast(staging) if replicas.world_size > 1 else staging
     if replicas.is_global_zero:
         try:
-            os.makedirs(staging)
+            if in_place:
+                fs.require(path)
+                storage.remove(fs.join(path, storage.MANIFEST))  # first: the old folder is no checkpoint now
+                storage.remove(path)
+                fs.makedirs(path)
+            else:
+                os.makedirs(staging)
         except OSError as err:
             raise storage.write_error(err, staging) from err
     replicas.barrier("xtrainer_sharded_checkpoint_staged")
@@ -174,7 +185,7 @@ def save_folder(replicas: Replicas, path: str, layout: str, trainer_state: dict[
             for name, info in written.items():
                 listing[name] = {**info, "rank": info.get("rank", rank)}
         trainer_state = _xla.to_cpu(trainer_state)  # host sync: written from the host
-        written = storage.write_file(trainer_state, os.path.join(staging, TRAINER_FILE))
+        written = storage.write_file(trainer_state, fs.join(staging, TRAINER_FILE))
         listing[TRAINER_FILE] = {"size": written.size, "sha256": written.sha256, "rank": None}
         storage.write_manifest(staging, listing, manifest_header(layout, trainer_state))
         storage.publish(staging, path)

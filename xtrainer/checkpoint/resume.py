@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import warnings
 from typing import Iterable
 
 from xtrainer.checkpoint import layout as layouts
-from xtrainer.checkpoint import storage
+from xtrainer.checkpoint import fs, storage
 from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointError
 from xtrainer.checkpoint.layout import Header, Layout
 
@@ -25,8 +26,13 @@ from xtrainer.checkpoint.layout import Header, Layout
 def lineage_dirs(log_dir: str, extra: Iterable[str] = ()) -> list[str]:
     """The checkpoint folders of every run in ``log_dir``'s lineage (its parent's ``version_*``)."""
     dirs = list(extra)
-    dirs += sorted(glob.glob(os.path.join(glob.escape(os.path.dirname(log_dir)), "version_*", "checkpoints")))
-    return list(dict.fromkeys(os.path.abspath(d) for d in dirs))
+    if fs.is_url(log_dir):  # an object store: the version_* prefixes under the parent
+        parent = fs.dirname(log_dir)
+        dirs += sorted(fs.join(parent, name, "checkpoints") for name in fs.listdir(parent)
+                       if name.startswith("version_"))
+    else:
+        dirs += sorted(glob.glob(os.path.join(glob.escape(os.path.dirname(log_dir)), "version_*", "checkpoints")))
+    return list(dict.fromkeys(fs.normalize(d) for d in dirs))
 
 
 def candidates(dirpaths: Iterable[str]) -> list[str]:
@@ -35,20 +41,27 @@ def candidates(dirpaths: Iterable[str]) -> list[str]:
     among them."""
     found = []
     for dirpath in dict.fromkeys(dirpaths):
-        if os.path.isdir(dirpath):
-            for name in os.listdir(dirpath):
-                path = os.path.join(dirpath, name)
-                if name.endswith(".ckpt") and not name.startswith(".") and os.path.exists(path):
+        if fs.isdir(dirpath):
+            for name in fs.listdir(dirpath):
+                path = fs.join(dirpath, name)
+                if name.endswith(".ckpt") and not name.startswith(".") and fs.exists(path):
                     found.append(path)
-    found.sort(key=lambda p: (os.path.basename(p) == storage.LAST, _mtime(p)), reverse=True)
-    return list(dict.fromkeys(os.path.realpath(p) for p in found))
+    # An object store dates objects to the second: ties are broken by the name, numbers compared
+    # as numbers (epoch=1-step=12 after epoch=0-step=8), which the default file names order right.
+    found.sort(key=lambda p: (fs.basename(p) == storage.LAST, _mtime(p)) + ((_natural(p),) if fs.is_url(p) else ()),
+               reverse=True)
+    return list(dict.fromkeys(p if fs.is_url(p) else os.path.realpath(p) for p in found))
+
+
+def _natural(path: str) -> list:
+    return [(1, int(part), "") if part.isdigit() else (0, 0, part) for part in re.split(r"(\d+)", fs.basename(path))]
 
 
 def _mtime(path: str) -> float:
-    target = os.path.join(path, storage.MANIFEST) if os.path.isdir(path) else path
+    target = fs.join(path, storage.MANIFEST) if fs.isdir(path) else path
     try:
-        return os.path.getmtime(target)
-    except OSError:
+        return fs.mtime(target)
+    except (OSError, NotImplementedError):
         return 0.0
 
 
@@ -67,7 +80,7 @@ def resolve(ckpt_path: str, search: list[str], layout: Layout, strategy: str,
         storage.remove_leftovers(dirpath)
     found = candidates(search)
     if not found:
-        where = ", ".join([os.path.join(root, "version_*", "checkpoints")] * bool(root) + search)
+        where = ", ".join([fs.join(root, "version_*", "checkpoints")] * bool(root) + search)
         warnings.warn(f"ckpt_path='last' found no checkpoint in {where}: training starts from scratch.",
                       UserWarning, stacklevel=3)
         return None

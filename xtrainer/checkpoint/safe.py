@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import torch
 
+from xtrainer.checkpoint import fs
 from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointError
 
 
@@ -29,6 +30,8 @@ def load(source: str | IO[bytes], what: str, mmap: bool = False) -> Any:
     """``torch.load`` a file xtrainer wrote, with ``weights_only=True`` and errors that name it."""
     name = source if isinstance(source, str) else getattr(source, "name", what)
     try:
+        if isinstance(source, str) and fs.is_url(source):  # read whole, then loaded from memory
+            source, mmap = io.BytesIO(fs.read_bytes(source)), False
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         if "unsupported global" in str(err).lower() or "weights only load failed" in str(err).lower():
@@ -110,11 +113,18 @@ def load_bytes(value: io.BytesIO) -> Any:
 
 def dcp_reader(folder: str) -> Any:
     """A ``torch.distributed.checkpoint`` reader of ``folder`` whose metadata is read with the
-    restricted unpickler (torch's own reader unpickles it with plain ``pickle``)."""
+    restricted unpickler (torch's own reader unpickles it with plain ``pickle``); its fsspec
+    reader for a URL."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class _SafeReader(dcp.FileSystemReader):
+    base = dcp.FileSystemReader
+    if fs.is_url(folder):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as base
+
+        fs.require(folder)
+
+    class _SafeReader(base):  # type: ignore[misc, valid-type]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             path = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(path, "rb") as stream:

@@ -13,6 +13,12 @@
   names the path (and, for a full disk, the bytes needed and free); files keep the user's umask.
 - **Tidy.** Leftovers of saves interrupted by a crash (temporary files and staging folders whose
   process is gone) are removed when the next run starts saving in that folder.
+- **Object stores** (an fsspec URL: ``s3://``, ``gs://``, ``memory://``; see ``fs``): no rename
+  exists, so files are written under their final name (an object appears whole when its upload
+  completes) and a folder's ``manifest.json`` is still written last: a folder whose manifest is
+  missing or does not verify is an unfinished save and is skipped. Whole files are verified by
+  their zip directory as on disk. No temporary names, hence no leftovers to tidy: an unfinished
+  folder stays until overwritten or removed (it is never resumed from).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from xtrainer.checkpoint import fs
 from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointError
 
 LAST = "last.ckpt"
@@ -57,12 +64,17 @@ class _HashingWriter:
     """A write-only file that hashes what passes through it, so a file's checksum costs no
     second read."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, stream: Any = None) -> None:
         self.fd, self.size, self.hash = fd, 0, hashlib.sha256()
+        self.stream = stream  # an fsspec file (object stores) instead of a file descriptor
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.hash.update(view)
+        if self.stream is not None:
+            self.stream.write(view)
+            self.size += len(view)
+            return len(view)
         total = 0
         while total < len(view):
             total += os.write(self.fd, view[total:])
@@ -92,6 +104,8 @@ def write_bytes(data: bytes, path: str) -> Written:
 def write_with(produce: Callable[[_HashingWriter], Any], path: str, needed: int = 0,
                advice: str = TRAINING_ADVICE) -> Written:
     path = os.fspath(path)
+    if fs.is_url(path):
+        return _write_url(produce, path, needed, advice)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
@@ -113,6 +127,25 @@ def write_with(produce: Callable[[_HashingWriter], Any], path: str, needed: int 
         raise
     except Exception as err:  # noqa: BLE001 - every failure to write is reported the same way
         _remove_quietly(tmp)
+        raise write_error(err, path, needed, advice) from err
+
+
+def _write_url(produce: Callable[[_HashingWriter], Any], path: str, needed: int, advice: str) -> Written:
+    """Write an object under its final name: an object store makes it visible, whole, when the
+    upload completes (closing the file); a failed or killed upload leaves no new object."""
+    fs.require(path)  # a missing client names its extra, not a write error
+    stream = None
+    try:
+        stream = fs.open(path, "wb")
+        writer = _HashingWriter(-1, stream)
+        produce(writer)
+        stream.close()  # the upload completes here
+        return Written(writer.size, writer.hash.hexdigest())
+    except (KeyboardInterrupt, SystemExit):
+        fs.abandon(stream)
+        raise
+    except Exception as err:  # noqa: BLE001 - every failure to write is reported the same way
+        fs.abandon(stream)
         raise write_error(err, path, needed, advice) from err
 
 
@@ -165,6 +198,8 @@ def _nbytes(obj: Any) -> int:
 
 
 def _free_bytes(path: str) -> int | None:
+    if fs.is_url(path):
+        return None
     folder = os.path.dirname(os.path.abspath(path))
     while folder and not os.path.isdir(folder):
         parent = os.path.dirname(folder)
@@ -210,7 +245,7 @@ def _remove_quietly(path: str | None) -> None:
 
 def sha256_of(path: str) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    with (fs.open(path, "rb") if fs.is_url(path) else open(path, "rb", buffering=0)) as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -221,8 +256,12 @@ def verify_zip(path: str) -> None:
     """Check a ``torch.save`` file against its zip directory: every record there, at its size,
     with its CRC-32. Raises ``UnreadableCheckpointError`` naming the file and the damage."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
+        if fs.is_url(path):
+            with fs.open(path, "rb") as stream, zipfile.ZipFile(stream) as archive:
+                bad = archive.testzip()
+        else:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, zipfile.LargeZipFile) as err:
         raise UnreadableCheckpointError(
             f"{path!r} is truncated or corrupt ({type(err).__name__}: {err}); resume from an earlier checkpoint "
@@ -235,14 +274,14 @@ def verify_zip(path: str) -> None:
 def write_manifest(folder: str, files: dict[str, dict[str, Any]], header: dict[str, Any]) -> None:
     """Write ``manifest.json`` last: it marks the folder complete."""
     manifest = {**header, "files": files}
-    write_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), os.path.join(folder, MANIFEST))
+    write_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), fs.join(folder, MANIFEST))
 
 
 def read_manifest(folder: str) -> dict[str, Any]:
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.isfile(path):
-        inside = sorted(name for name in os.listdir(folder) if name.endswith(".ckpt")) if os.path.isdir(folder) else []
-        if inside or not os.path.exists(os.path.join(folder, "trainer.pt")):
+    path = fs.join(folder, MANIFEST)
+    if not fs.isfile(path):
+        inside = sorted(name for name in fs.listdir(folder) if name.endswith(".ckpt")) if fs.isdir(folder) else []
+        if inside or not fs.exists(fs.join(folder, "trainer.pt")):
             listing = f" It holds {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''}." if inside else ""
             raise CheckpointError(f"{folder!r} is a folder, not a checkpoint (a checkpoint folder holds "
                                   f"{MANIFEST}).{listing}")
@@ -250,7 +289,7 @@ def read_manifest(folder: str) -> dict[str, Any]:
             f"{folder!r} has no {MANIFEST}: the save that wrote it did not finish (or an xtrainer older than "
             "0.2 wrote it). Resume from an earlier checkpoint instead.")
     try:
-        with open(path, "rb") as f:
+        with fs.open(path, "rb") as f:
             manifest = json.loads(f.read().decode())
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not all(
                 isinstance(info, dict) for info in manifest["files"].values()):
@@ -266,13 +305,13 @@ def verify_folder(folder: str) -> dict[str, Any]:
     manifest. Raises ``UnreadableCheckpointError`` naming the first bad file."""
     manifest = read_manifest(folder)
     for name, info in sorted(manifest["files"].items()):
-        file = os.path.join(folder, name)
+        file = fs.join(folder, name)
         if os.path.isabs(name) or ".." in name.split("/"):
             raise UnreadableCheckpointError(f"The manifest of {folder!r} names {name!r}, outside the folder.")
-        if not os.path.isfile(file):
+        if not fs.isfile(file):
             raise UnreadableCheckpointError(f"{file!r} is missing: the checkpoint {folder!r} is incomplete; resume "
                                             "from an earlier checkpoint instead.")
-        size = os.path.getsize(file)
+        size = fs.getsize(file)
         if size != info.get("size"):
             raise UnreadableCheckpointError(
                 f"{file!r} has {size} bytes, but its manifest says {info.get('size')}: truncated or replaced. "
@@ -299,7 +338,29 @@ def link_last(dirpath: str, target: str) -> None:
         raise write_error(err, last) from err
 
 
+def copy_checkpoint(source: str, target: str) -> None:
+    """Make ``target`` a copy of the complete checkpoint ``source`` on an object store (which has
+    no links): ``last.ckpt`` there. A file is one server-side copy (whole when it completes); a
+    folder is copied file by file after the old ``target``'s manifest is removed, and its
+    manifest is copied last, so ``target`` is never a mix of two checkpoints that verifies."""
+    try:
+        if fs.isdir(target):
+            remove(fs.join(target, MANIFEST))
+            remove(target)
+        if fs.isdir(source):
+            for name in sorted(read_manifest(source)["files"]):
+                fs.copy(fs.join(source, name), fs.join(target, name))
+            fs.copy(fs.join(source, MANIFEST), fs.join(target, MANIFEST))
+        else:
+            fs.copy(source, target)
+    except OSError as err:
+        raise write_error(err, target) from err
+
+
 def remove(path: str) -> None:
+    if fs.is_url(path):
+        fs.remove(path)
+        return
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
@@ -307,7 +368,10 @@ def remove(path: str) -> None:
 
 
 def publish(staging: str, path: str) -> None:
-    """Rename a completely written checkpoint folder into place (replacing an older one)."""
+    """Rename a completely written checkpoint folder into place (replacing an older one). On an
+    object store the folder was written in place (``staging`` is ``path``): nothing to do."""
+    if fs.is_url(path):
+        return
     if os.path.isdir(path):
         old = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path) + ".old"))
         os.replace(path, old)
@@ -321,8 +385,9 @@ def publish(staging: str, path: str) -> None:
 def remove_leftovers(dirpath: str) -> list[str]:
     """Remove what interrupted saves left in ``dirpath``: temporary files and staging folders of
     processes of this host that no longer run. Another host's (on shared storage) are left alone:
-    whether it still runs cannot be told from here. Returns the names removed."""
-    if not os.path.isdir(dirpath):
+    whether it still runs cannot be told from here. Returns the names removed. Nothing on an object
+    store, where nothing is written under a temporary name."""
+    if fs.is_url(dirpath) or not os.path.isdir(dirpath):
         return []
     removed, host = [], socket.gethostname()
     for name in os.listdir(dirpath):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from xtrainer.checkpoint import distributed, safe, storage
+from xtrainer.checkpoint import distributed, fs, safe, storage
 from xtrainer.checkpoint.format import CheckpointError, check_header, check_savable
 from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, Layout, Replicas
 
@@ -35,9 +35,9 @@ class WholeFile(Layout):
 def read(path: str, verify: bool = True) -> dict[str, Any]:
     """A whole checkpoint, checked against its checksums first (unless the caller just did)."""
     path = os.fspath(path)
-    if os.path.isdir(path):
+    if fs.isdir(path):
         return distributed.read_whole(path, verify=verify)
-    if not os.path.exists(path):
+    if not fs.exists(path):
         raise CheckpointError(f"The checkpoint {path!r} does not exist.")
     if verify:
         storage.verify_zip(path)

@@ -256,8 +256,10 @@ class XlaFSDPv2(XlaSPMD):
     same axis.
 
     Args:
-        auto_wrap_policy: wrap submodules in their own unit: an int (parameter count) or a set of
-            layer classes (e.g. transformer blocks), as for ``XlaFSDP``.
+        auto_wrap_policy: wrap submodules in their own unit, as for ``XlaFSDP``: an int
+            (parameter count), layer classes or their names (``{"transformer_layer_cls":
+            ["LlamaDecoderLayer"]}`` in YAML), or ``"no_split_modules"`` (a Hugging Face model's
+            decoder layers).
         activation_checkpointing: recompute each wrapped unit's activations in backward.
         mesh_shape, axis_names: the mesh; default every device on ``("fsdp",)``. Add a second
             axis (e.g. ``axis_names=("fsdp", "model")``) and ``shardings`` for tensor parallelism.
@@ -270,7 +272,10 @@ class XlaFSDPv2(XlaSPMD):
     def __init__(self, auto_wrap_policy: Any = None, activation_checkpointing: bool = False,
                  mesh_shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] | None = None,
                  shardings: dict[str, tuple] | None = None) -> None:
+        from xtrainer.strategies.fsdp import check_wrap_policy
+
         super().__init__(mesh_shape, axis_names, "fsdp", shardings)
+        check_wrap_policy(auto_wrap_policy)
         if activation_checkpointing and auto_wrap_policy is None:
             raise ValueError("activation_checkpointing=True checkpoints each auto-wrapped unit: give an "
                              "auto_wrap_policy as well (a parameter count or a set of layer classes).")
@@ -282,7 +287,7 @@ class XlaFSDPv2(XlaSPMD):
         module = super().setup_module(module)  # configure_model(), to the device, user shardings
         fsdpv2 = _xla.fsdpv2_class()
         kwargs: dict[str, Any] = {"mesh": self.mesh, "shard_output": _leave_output}
-        policy = wrap_policy(self.auto_wrap_policy)
+        policy = wrap_policy(self.auto_wrap_policy, module)
         if policy is not None:
             kwargs["auto_wrap_policy"] = policy
             if self.activation_checkpointing:
