@@ -20,7 +20,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STRATEGIES = ("xla_native", "xla_ddp", "xla_fsdp")
 
 
 def curves(log_dir: str, tags: tuple[str, ...]) -> dict[str, tuple[list[int], list[float]]]:
@@ -34,15 +33,17 @@ def main(argv: list[str], out: str = os.path.join(ROOT, "docs", "compare_strateg
     from examples.digits import CONFIG
     from xtrainer.cli import run_stage
     from xtrainer.config import load
+    from xtrainer.strategies import STRATEGIES  # every registered strategy
 
     runs = {}
     for strategy in STRATEGIES:
-        config = load(["--config", CONFIG, f"strategy={strategy}", "trainer.enable_progress_bar=false",
+        config = load(["--config", CONFIG, f"trainer.strategy={strategy}", "trainer.enable_progress_bar=false",
                        f"trainer.default_root_dir={os.path.join('runs', 'compare', strategy)}", *argv])
         trainer, _ = run_stage("fit", config)
         runs[strategy] = curves(trainer.log_dir, ("val_acc", "val_loss"))
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-    styles = {"xla_native": ("-", "o", 9), "xla_ddp": ("--", "s", 6), "xla_fsdp": (":", "^", 4)}
+    styles = {"xla_native": ("-", "o", 11), "xla_ddp": ("--", "s", 8), "xla_fsdp": (":", "^", 6),
+              "xla_spmd": ("-.", "D", 4), "xla_fsdpv2": (":", "x", 4)}
     for strategy, data in runs.items():
         line, marker, size = styles.get(strategy, ("-", "o", 5))
         for ax, tag in zip(axes, ("val_acc", "val_loss")):

@@ -190,7 +190,9 @@ class SaveWeights(Callback):
 
 
 @pytest.mark.multi_device
-@pytest.mark.parametrize("strategy", ["xla_native", "xla_ddp"])
+# xla_native's wrapped step is its automatic step (reduce, clip, step), compared at 2 replicas in
+# test_replicas; DDP's re-armed reducer is what manual optimization adds.
+@pytest.mark.parametrize("strategy", ["xla_ddp"])
 def test_a_gan_on_two_replicas_equals_one_replica_on_the_global_batch(tmp_path, strategy):
     chosen = XlaDDP(find_unused_parameters=True) if strategy == "xla_ddp" else strategy
     model = GAN(clip=0.5)
