@@ -68,6 +68,7 @@ def test_defaults_then_files_in_order_then_overrides(base, tmp_path, monkeypatch
                                                          "a class"),
     (["--epochs", "3"], "Unexpected argument '--epochs'"),
     (["strategy=xla_ddp", "trainer.strategy=xla_fsdp"], "Both strategy and trainer.strategy are set"),
+    (["trainer.strategy={name:xla_fsdp}"], "has a key 'name:xla_fsdp': YAML needs a space after the colon"),
     (["trainer.logger={_target_: os.system, command: true}"], "trainer.logger._target_='os.system' is refused"),
     (["trainer.callbacks=[{_target_: xtrainer.callbacks.EarlyStopping}]"], "trainer.callbacks[0].monitor is required"),
 ])

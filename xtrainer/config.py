@@ -544,6 +544,11 @@ def _build_trainer(config: RunConfig, stage: Optional[str]) -> Any:
     try:
         if isinstance(strategy, dict):
             options = dict(strategy)
+            glued = [k for k, v in options.items() if isinstance(k, str) and ":" in k and v is None]
+            if glued:
+                key, value = glued[0].split(":", 1)
+                raise ConfigError(f"{where} has a key {glued[0]!r}: YAML needs a space after the colon, "
+                                  f"{{{key}: {value}}}.")
             name = LIGHTNING_NAMES.get(options.get("name"), options.pop("name", None))
             if name not in STRATEGIES:
                 raise ConfigError(f"{where}.name={name!r}: use one of {', '.join(STRATEGIES)}.")
