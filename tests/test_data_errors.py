@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from conftest import Regressor, make_data, make_loader
-from failing_data import DataError, FailingCollate, FailingData, FailingDataset, FailingSampler
+from failing_data import DataError, FailingCollate, FailingDataset, FailingSampler
 from torch.utils.data import DataLoader
 
 from xtrainer import Trainer

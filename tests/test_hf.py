@@ -126,6 +126,7 @@ def test_wrap_policy_attacks_are_refused_clearly_and_import_nothing(hf):
     (0, "at least 1"),
     ([3], "neither a layer class nor a class name"),
     ({"min_num_params": "many"}, "min_num_params is a parameter count"),
+    ("no_split_module", "Did you mean 'no_split_modules'"),
 ])
 def test_malformed_policies_are_refused_when_the_strategy_is_made(policy, message):
     for strategy in (XlaFSDP, XlaFSDPv2):
@@ -157,6 +158,12 @@ def test_tiny_llama_trains_under_xla_fsdpv2_from_no_split_modules(tmp_path, hf):
     assert sorted(units.units) == [("LlamaDecoderLayer", True), ("LlamaDecoderLayer", True),
                                    ("_StepDispatcher", False)]
     assert len(units.losses) == 8 and units.losses[-1] < 0.8 * units.losses[0]
+    # given back whole: Hugging Face's own format saves and loads the trained weights
+    model.model.save_pretrained(tmp_path / "pretrained")
+    again = hf.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
+    assert again.state_dict().keys() == model.model.state_dict().keys()
+    for name, tensor in model.model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
 
 
 @pytest.mark.slow

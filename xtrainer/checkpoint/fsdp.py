@@ -8,7 +8,6 @@ its size, SHA-256 and rank.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from xtrainer.checkpoint import fs, safe, storage

@@ -323,6 +323,9 @@ def _checked_name(name: Any) -> str:
     if not _CLASS_NAME.fullmatch(name):
         raise ValueError(f"auto_wrap_policy: {name!r} is not a class name (such as LlamaDecoderLayer). Names are "
                          "matched against the classes of the model's own submodules; nothing is imported.")
+    hint = did_you_mean(name, [NO_SPLIT_MODULES]) if name.islower() else ""
+    if hint:  # a layer class is named in CamelCase; this is the keyword, mistyped
+        raise ValueError(f"auto_wrap_policy: {name!r} is neither a layer class's name nor {NO_SPLIT_MODULES!r}.{hint}")
     return name
 
 
