@@ -232,7 +232,7 @@ def test_runs_claiming_at_once_never_share_a_folder(tmp_path):
     root = str(tmp_path)
     start = time.time() + 1.5
     procs = [subprocess.Popen([sys.executable, "-c", RACE, root, str(start)], stdout=subprocess.PIPE, text=True)
-             for _ in range(6)]
+             for _ in range(3)]
     folders = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     barrier = threading.Barrier(8)
@@ -249,8 +249,8 @@ def test_runs_claiming_at_once_never_share_a_folder(tmp_path):
     for t in threads:
         t.join()
     folders += claimed
-    assert len(folders) == len(set(folders)) == 14
-    assert sorted(folders) == sorted(os.path.join(root, "exp", f"version_{i}") for i in range(14))
+    assert len(folders) == len(set(folders)) == 11
+    assert sorted(folders) == sorted(os.path.join(root, "exp", f"version_{i}") for i in range(11))
 
 
 def test_loggers_pickle_without_their_writers(tmp_path):
