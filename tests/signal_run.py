@@ -3,7 +3,7 @@
 ``WHEN``: ``self-term:S`` (the fit sends itself SIGTERM after step S), ``self-int2:S`` (two SIGINTs
 after step S), ``wait`` (it writes ``ROOT/pid`` with the replicas' process id at step 2 and goes on
 slowly, for the test to signal it from outside), or ``resume`` (from ``last``, to the end). The
-final weights go to OUT. Exit status: 143 or 130 after a graceful stop, as the command's.
+final weights go to OUT; ``SIGNAL_RUN_STRATEGY`` names the strategy (default ``auto``). Exit status: 143 or 130 after a graceful stop, as the command's.
 """
 
 import os
@@ -46,7 +46,7 @@ class SignalAt(Callback):
 def run(root, devices, when, ckpt_path=None):
     torch.manual_seed(0)
     model = DropoutRegressor()
-    trainer = Trainer(devices=devices, max_epochs=3, default_root_dir=root, enable_progress_bar=False, logger=False,
+    trainer = Trainer(strategy=os.environ.get("SIGNAL_RUN_STRATEGY", "auto"), devices=devices, max_epochs=3, default_root_dir=root, enable_progress_bar=False, logger=False,
                       log_every_n_steps=2, enable_xla_health=False,
                       callbacks=[ModelCheckpoint(every_n_epochs=1), SignalAt(when)])
     trainer.fit(model, make_loader(shuffle=True, batch_size=8 // devices), ckpt_path=ckpt_path)

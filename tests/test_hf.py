@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_loader
+from conftest import Regressor, make_loader
 from torch import nn
 
 from xtrainer import Trainer, _xla
@@ -212,3 +212,27 @@ def test_prefer_foreach_steps_exactly_as_the_per_tensor_path():
         results.append([p.cpu() for p in net.parameters()])
     for per_tensor, multi in zip(*results):
         assert torch.equal(per_tensor, multi)
+
+
+class AdamRegressor(Regressor):
+    def __init__(self, foreach=None) -> None:
+        super().__init__()
+        self.foreach = foreach
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, foreach=self.foreach)
+
+
+def test_the_trainer_turns_foreach_on_unless_the_user_chose_and_a_resume_keeps_the_choice(tmp_path):
+    quiet = dict(enable_progress_bar=False, num_sanity_val_steps=0, logger=False)
+    default = Trainer(max_epochs=1, default_root_dir=str(tmp_path / "a"), **quiet)
+    default.fit(AdamRegressor(), make_loader())
+    assert [group["foreach"] for group in default.optimizers[0].param_groups] == [True]
+    opted_out = Trainer(max_epochs=1, enable_checkpointing=False, default_root_dir=str(tmp_path / "b"), **quiet)
+    opted_out.fit(AdamRegressor(foreach=False), make_loader())
+    assert [group["foreach"] for group in opted_out.optimizers[0].param_groups] == [False]
+    # resumed from the checkpoint of the run that stepped with foreach: the opt-out still holds
+    resumed = Trainer(max_epochs=2, enable_checkpointing=False, default_root_dir=str(tmp_path / "c"), **quiet)
+    resumed.fit(AdamRegressor(foreach=False), make_loader(), ckpt_path=default.checkpoint_callback.last_model_path)
+    assert resumed.global_step == 2 * len(make_loader())
+    assert [group["foreach"] for group in resumed.optimizers[0].param_groups] == [False]

@@ -16,9 +16,10 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "PJRT_DEVICE": "CPU"}
 
 
-def start(root, devices, when, out=None):
+def start(root, devices, when, out=None, **env):
     args = [sys.executable, signal_run.__file__, str(root), str(devices), when] + ([str(out)] if out else [])
-    return subprocess.Popen(args, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen(args, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, **env})
 
 
 def finish(proc, timeout=300):
@@ -26,9 +27,9 @@ def finish(proc, timeout=300):
     return proc.returncode, err
 
 
-def start_training_with_two_replicas(root):
-    """A 2-replica fit, returned once its replicas train (they wrote their process id)."""
-    proc = start(root, 2, "wait")
+def start_training_with_two_replicas(root, devices=2, **env):
+    """A fit (two replicas unless told), returned once it trains (rank 0 wrote its process id)."""
+    proc = start(root, devices, "wait", **env)
     deadline = time.monotonic() + 240
     while not (root / "pid").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
@@ -81,6 +82,24 @@ def test_sigterm_to_the_caller_stops_every_replica_together_and_resumes_bitwise(
     assert "Stopped by SIGTERM" in err and "checkpoint: " in err
     assert took < 30  # within Kubernetes' default grace period
     resume_and_compare(tmp_path, root, 2)
+
+
+def test_spmd_stops_on_xlas_preemption_sync_at_one_agreed_step(tmp_path):
+    """XLA's preemption sync owns SIGTERM in the SPMD process (as on a TPU pod, where it makes the
+    hosts stop at one step): Python's handler never sees the signal, so only the agreed step stops
+    the fit, and the checkpoint is written there."""
+    root = tmp_path / "run"
+    proc = start_training_with_two_replicas(root, devices=1, SIGNAL_RUN_STRATEGY="xla_spmd",
+                                            XTRAINER_PREEMPTION_SYNC="1")
+    proc.send_signal(signal.SIGTERM)  # the caller forwards it to the SPMD process
+    code, err = finish(proc)
+    assert code == 143, err[-3000:]
+    assert "SIGTERM caught" in err  # by XLA's preemption notifier, not Python's handler
+    line = next(line for line in err.splitlines() if "Stopped by SIGTERM" in line)
+    path = line.split("checkpoint: ")[1].split(". Resume")[0]
+    step = int(line.split(" at step ")[1].split(",")[0])
+    saved = load_checkpoint(path)
+    assert saved["loops"]["global_step"] == step > 2 and not saved["loops"]["epoch_finished"]
 
 
 @pytest.mark.multi_device

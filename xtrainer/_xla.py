@@ -343,6 +343,28 @@ def process_index() -> int:
     return xr.process_index()
 
 
+class PreemptionNotice:
+    """XLA's preemption sync (the one torch_xla's ``CheckpointManager`` uses): once any process of
+    the job gets SIGTERM (a TPU VM's maintenance or preemption notice, or Kubernetes' stop), the
+    processes agree, through the runtime's coordination service, on one step at which every one of
+    them sees ``reached(step)`` true, with no collective of the training program.
+
+    While active it owns SIGTERM in this process (a C-level handler replaces Python's); SIGINT
+    stays with Python. On TPU pods the coordination service spans the hosts (untested here: no
+    pod); on the CPU runtime it runs for one process, which is how the tests exercise it."""
+
+    def __init__(self) -> None:
+        count = xr.process_count()
+        master = xr.get_master_ip() if count > 1 else "localhost"  # the IP lookup exists on TPU/Neuron only
+        torch_xla._XLAC._ensure_xla_coordinator_initialized(xr.process_index(), count, master)
+        torch_xla._XLAC._activate_preemption_sync_manager()
+
+    def reached(self, step: int) -> bool:
+        """Whether the job agreed to stop at ``step`` (true at that one step only; a host call,
+        no device sync)."""
+        return bool(torch_xla._XLAC._sync_point_reached(step))
+
+
 def spmd():
     """torch_xla's SPMD package (``Mesh``, ``mark_sharding``, ``ShardingSpec``)."""
     import torch_xla.distributed.spmd as xs

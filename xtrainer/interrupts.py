@@ -13,9 +13,12 @@ process group of its own (so a terminal's Ctrl-C reaches it once, through the ca
 within a second when its caller dies, SIGKILL included (Linux's parent-death signal, and a
 thread that watches the parent as a fallback elsewhere).
 
-On a TPU pod every replica process receives the platform's SIGTERM itself; torch_xla's own
-preemption notice (``torch_xla.distributed.xla_multiprocessing``'s preemption sync, on TPU VMs)
-is not used: it needs the TPU metadata service, which cannot be tested here.
+On a TPU pod every replica process receives the platform's SIGTERM itself. The SPMD strategies
+(one process per host) stop on XLA's preemption sync there (``_xla.PreemptionNotice``, the one
+torch_xla's ``CheckpointManager`` uses): the hosts agree through the runtime's coordination
+service on one step at which all of them stop, without waiting for the next logging step. The
+mechanism runs here for one process on the CPU runtime (``XTRAINER_PREEMPTION_SYNC=1``); across
+the hosts of a pod it is untested here.
 """
 
 from __future__ import annotations
@@ -54,6 +57,14 @@ class TrainingInterrupted(Exception):
 def requested() -> int | None:
     """The signal that asked this process to stop, if one did."""
     return _requested
+
+
+def request(signum: int) -> None:
+    """Record a stop request that came by other means than this process's handler (XLA's
+    preemption sync, which owns SIGTERM while it is active)."""
+    global _requested
+    if _requested is None:
+        _requested = signum
 
 
 def _handle(signum: int, frame: object) -> None:

@@ -9,8 +9,9 @@ optimization (``automatic_optimization = False``), as in Lightning 2.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -146,8 +147,9 @@ def prefer_foreach(optimizer: torch.optim.Optimizer) -> int:
     step of a small MLP with AdamW, see ``benchmarks/RESULTS.md``). A group where the user chose
     (``foreach=False`` or ``True``), asked for ``fused=True`` or ``differentiable=True`` (neither
     combines with ``foreach``), or whose optimizer has no ``foreach`` option (a third-party one)
-    is left alone: ``foreach=False`` is the way to opt out. Call it before the first step (and
-    after loading an optimizer state, which restores the saved groups' settings)."""
+    is left alone: ``foreach=False`` is the way to opt out. The Trainer calls it on every optimizer
+    ``configure_optimizers`` returns, before the first step, and keeps the choice across a resume
+    (``keeping_foreach``)."""
     if "foreach" not in getattr(optimizer, "defaults", {}):
         return 0
     changed = 0
@@ -159,3 +161,15 @@ def prefer_foreach(optimizer: torch.optim.Optimizer) -> int:
             group["foreach"] = True
             changed += 1
     return changed
+
+
+@contextlib.contextmanager
+def keeping_foreach(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Keep each group's ``foreach`` across a ``load_state_dict``, which would otherwise put back
+    the saved run's: which implementation computes a step is this run's setting (``prefer_foreach``
+    or the user's own), not state to resume."""
+    chosen = [group.get("foreach") for group in optimizer.param_groups]
+    yield
+    for group, foreach in zip(optimizer.param_groups, chosen):
+        if "foreach" in group:
+            group["foreach"] = foreach

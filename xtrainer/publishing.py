@@ -104,13 +104,13 @@ class Publisher:
         watched = check_loss and self.watch is not None
         if watched:
             tensors = {**tensors, _NONFINITE_KEY: trainer.strategy.reduce(self.watch.first, "min")}
-        if shares_stop:
-            flag = torch.tensor([1.0 if trainer.should_stop else 0.0]).to(trainer.strategy.device)
-            tensors = {**tensors, _STOP_KEY: trainer.strategy.reduce(flag, "max")}
-        if not tensors:
-            return {}
-        values = to_floats(tensors)  # host sync: the only place logged values reach the host
-        if shares_stop and values.pop(_STOP_KEY) > 0:
+        stop = trainer.strategy.any_replica(trainer.should_stop) if shares_stop else False
+        if isinstance(stop, torch.Tensor):  # rides along with the values read
+            tensors = {**tensors, _STOP_KEY: stop}
+        values = to_floats(tensors) if tensors else {}  # host sync: the only place logged values reach the host
+        if isinstance(stop, torch.Tensor):
+            stop = values.pop(_STOP_KEY) > 0
+        if stop:
             trainer.should_stop = self.stop_agreed = True
         if watched:
             self._report_nonfinite(trainer, values.pop(_NONFINITE_KEY))

@@ -17,6 +17,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from xtrainer import _xla
 from xtrainer.checkpoint import format as ckpt_format
 from xtrainer.checkpoint.format import CheckpointError
+from xtrainer.optim import keeping_foreach
 
 try:
     import numpy as _numpy
@@ -92,7 +93,8 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
             raise CheckpointError(f"{path!r} holds {len(states)} optimizer states; this module configures "
                                   f"{len(trainer.optimizers)} optimizers.")
         for optimizer, state in zip(trainer.optimizers, states):
-            strategy.load_optimizer_state_dict(optimizer, state)
+            with keeping_foreach(optimizer):
+                strategy.load_optimizer_state_dict(optimizer, state)
         for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
             config.scheduler.load_state_dict(state)
         loops = checkpoint["loops"]

@@ -22,7 +22,7 @@ from xtrainer.checkpoint import resume
 from xtrainer.datamodule import LOADER_HOOKS, XDataModule
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
 from xtrainer.module import MODULE_HOOKS, XModule
-from xtrainer.optim import SchedulerConfig, StrategyOptimizer, parse_optimizers, step_schedulers
+from xtrainer.optim import SchedulerConfig, StrategyOptimizer, parse_optimizers, prefer_foreach, step_schedulers
 from xtrainer.precision import Precision
 from xtrainer.publishing import LOSS_KEY, Publisher
 from xtrainer.results import Results, batch_size
@@ -594,6 +594,8 @@ class Trainer:
         config = self.strategy.setup_optimizers(self._wrapped, module.configure_optimizers)
         name = type(module).__name__
         self._optimizers, self._schedulers = parse_optimizers(config, name, self._automatic)
+        for optimizer in self._optimizers:  # torch's multi-tensor path on XLA tensors, unless the user chose
+            prefer_foreach(optimizer)
         if not self._automatic:
             if self.gradient_clip_val is not None:
                 raise ValueError(f"gradient_clip_val with manual optimization ({name}.automatic_optimization is "
@@ -651,6 +653,9 @@ class Trainer:
                 self._train_batch(batch, batch_idx)
                 if self._validation_pending:
                     self._run_validation(val)
+                if interrupts.requested() is None and self.strategy.preempted(self.global_step):
+                    interrupts.request(signal.SIGTERM)  # the preemption notice: every process stops at this step
+                    self._publisher.stop_agreed = True
                 if interrupts.requested() is not None:
                     self.should_stop = True  # a signal: stop as should_stop does (all replicas at one step)
                 elif self.max_time is not None and time.monotonic() - self._started_at >= self.max_time:

@@ -273,6 +273,16 @@ class Strategy(abc.ABC):
             return tensor
         return _xla.all_reduce(tensor, op)
 
+    def any_replica(self, flag: bool) -> torch.Tensor | bool:
+        """Whether any replica's ``flag`` is set: a device value recorded in the graph (read with
+        the values it rides along with), or a bool where the replicas agree on the host."""
+        return self.reduce(torch.tensor([1.0 if flag else 0.0]).to(self.device), "max")
+
+    def preempted(self, step: int) -> bool:
+        """Whether the platform's preemption notice stops the fit at ``step``, agreed by every
+        replica (only strategies that use XLA's preemption sync say so)."""
+        return False
+
     def all_gather_tensors(self, data: Any) -> Any:
         """Every replica's tensors in ``data``, stacked on a new first dimension, in the graph."""
         def gather(tensor: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,7 @@ class XlaSPMD(Strategy):
         self.mesh: Any = None
         self._specs: dict[int, tuple] = {}  # id(parameter) -> its partition spec
         self._owns_process_group = False
+        self._preemption: _xla.PreemptionNotice | None = None
 
     # ---- launching: one new process, SPMD on -------------------------------------------------
     @property
@@ -100,6 +101,8 @@ class XlaSPMD(Strategy):
             _xla.register_xla_process_group_backend()
             dist.init_process_group("gloo", init_method="xla://")
             self._owns_process_group = True
+        if preemption_sync_wanted():
+            self._preemption = _xla.PreemptionNotice()
 
     # ---- where we are: one process per host ----------------------------------------------------
     def planned_world_size(self) -> int | None:
@@ -136,6 +139,18 @@ class XlaSPMD(Strategy):
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def any_replica(self, flag: bool) -> torch.Tensor | bool:
+        """On the host, over the CPU process group: a host's own flag is not a global value of the
+        program, so it cannot ride in the graph (untested here: no pod)."""
+        if self.world_size == 1:
+            return flag
+        votes = torch.tensor([1 if flag else 0])
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        return bool(votes.item())  # a CPU tensor: no device sync
+
+    def preempted(self, step: int) -> bool:
+        return self._preemption is not None and self._preemption.reached(step)
 
     # ---- the module ----------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -350,3 +365,14 @@ def _spmd_main(job: Callable[[], None]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # the error is in the job's error file; the caller raises it
+
+
+def preemption_sync_wanted() -> bool:
+    """Whether to stop on XLA's preemption sync (``_xla.PreemptionNotice``): on TPU by default, where
+    the platform's SIGTERM reaches every host and the hosts must stop at one step;
+    ``XTRAINER_PREEMPTION_SYNC=1`` or ``0`` chooses (1 on the CPU runtime runs the same mechanism for
+    one process; untested on TPU here)."""
+    choice = os.environ.get("XTRAINER_PREEMPTION_SYNC", "")
+    if choice not in ("", "0", "1"):
+        raise ValueError(f"XTRAINER_PREEMPTION_SYNC={choice!r}: use 1 (stop on XLA's preemption sync) or 0 (don't).")
+    return choice == "1" if choice else _xla.device_type() == "TPU"
