@@ -23,6 +23,7 @@ and the optimizer step's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -91,29 +92,86 @@ def measure(workload: str, variant: str, steps: int, warmup: int, every: int) ->
     return run.summarize(probe.state_dict(), loader.batch_size)
 
 
-def cprofile(workload: str, steps: int, warmup: int, every: int) -> None:
-    """Both loops under cProfile in this process (the Trainer second: its compilations are cached by
-    then, which does not matter for the per-step host time of the functions listed)."""
+def cprofile(workload: str, steps: int, warmup: int, every: int, order: list[str]) -> None:
+    """Both loops in this process, each under cProfile from its first host read after the warm-up
+    to its last (the steady state ``run.py`` times: no compilation in it): the host time of the
+    functions that differ, per step."""
     loader = run.make_loader(workload, steps, run.WORKLOADS[workload]["batch"])
-    for name, fn in (("hand", lambda: run.hand_loop(workload, loader, warmup, every, time.time(), xla=True)),
-                     ("trainer", lambda: measure(workload, "trainer", steps, warmup, every))):
+    loops = {"hand": lambda: run.hand_loop(workload, loader, warmup, every, time.time(), xla=True),
+             "trainer": lambda: measure(workload, "trainer", steps, warmup, every)}
+    for name in order:
+        fn = loops[name]
         profile = cProfile.Profile()
-        profile.enable()
-        fn()
-        profile.disable()
+        with profiled_between_marks(profile, steps):
+            fn()
         stats = pstats.Stats(profile)
+        timed = steps - warmup
         total = sum(row[2] for row in stats.stats.values())  # own time of every function
-        print(f"\n== {name}: {1000 * total / steps:.1f} ms of profiled host time per step "
-              f"(all {steps} steps, compilation included)")
+        print(f"\n== {name}: {1000 * total / timed:.1f} ms of host time per step under the profiler "
+              f"(steps {warmup}-{steps})")
+        groups: dict[str, float] = {}
+        for (path, line, func), (_, calls, own, cumulative, _) in stats.stats.items():
+            groups[category(path, func)] = groups.get(category(path, func), 0.0) + own
+        print("  own host time by where it is spent, ms/step: " + ", ".join(
+            f"{name} {1000 * value / timed:.2f}" for name, value in sorted(groups.items(), key=lambda kv: -kv[1])))
         rows = []
         for (path, line, func), (_, calls, own, cumulative, _) in stats.stats.items():
-            interesting = ("xtrainer" in path or "parallel_loader" in path or func in ("optimizer_step", "sync")
-                           or "adamw" in path or "optimizer.py" in path)
-            if interesting and cumulative / steps > 1e-4:
-                rows.append((cumulative, own, calls, f"{os.path.relpath(path) if 'xtrainer' in path else os.path.basename(path)}:{line}({func})"))
-        for cumulative, own, calls, where in sorted(rows, reverse=True)[:30]:
-            print(f"  {1000 * cumulative / steps:8.2f} ms/step cumulative {1000 * own / steps:7.2f} own "
-                  f"{calls / steps:6.1f} calls/step  {where}")
+            if cumulative / timed > 2e-5:
+                where = os.path.relpath(path) if "xtrainer" in path else os.path.basename(path)
+                rows.append((cumulative, own, calls, f"{where}:{line}({func})"))
+        for cumulative, own, calls, where in sorted(rows, reverse=True)[:45]:
+            print(f"  {1000 * cumulative / timed:8.2f} ms/step cumulative {1000 * own / timed:7.2f} own "
+                  f"{calls / timed:6.1f} calls/step  {where}")
+
+
+def category(path: str, func: str) -> str:
+    """Where a profiled function belongs, for the per-step summary."""
+    if "_xla_step_marker" in func:
+        return "graph cut (torch_xla.sync: trace, hash, launch, wait)"
+    if "run_backward" in func:
+        return "autograd (backward trace)"
+    if f"{os.sep}xtrainer{os.sep}" in path:
+        return "xtrainer's own Python"
+    if "parallel_loader" in path or "queue" in path or "threading" in path or "dataloader" in path:
+        return "loaders and their threads"
+    if f"{os.sep}optim{os.sep}" in path or "_meta_registrations" in path or "_prims" in path or "_refs" in path:
+        return "optimizer (incl. its meta functions)"
+    if "transformers" in path:
+        return "model (transformers)"
+    return "other (torch ops, tensors, benchmark)"
+
+
+@contextlib.contextmanager
+def profiled_between_marks(profile: cProfile.Profile, steps: int):
+    """``profile`` on from the first steady-state mark (``run.Marks.mark``, ``run.Probe``) to the
+    last (at step ``steps``)."""
+    on = [False]
+
+    def marked(step: int) -> None:
+        if step >= steps:
+            profile.disable()
+        elif not on[0]:
+            on[0] = True
+            profile.enable()
+
+    mark, probe_end = run.Marks.mark, run.Probe.on_train_batch_end
+
+    def hand_mark(self, step):
+        mark(self, step)
+        marked(step)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        before = len(self.marks)
+        probe_end(self, trainer, module, outputs, batch, batch_idx)
+        if len(self.marks) > before:
+            marked(trainer.global_step)
+
+    run.Marks.mark, run.Probe.on_train_batch_end = hand_mark, on_train_batch_end
+    try:
+        yield
+    finally:
+        profile.disable()
+        run.Marks.mark, run.Probe.on_train_batch_end = mark, probe_end
 
 
 def main() -> None:
@@ -125,20 +183,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--order", nargs=2, default=["hand", "trainer"], choices=["hand", "trainer"],
+                        help="--cprofile: which loop runs first in the process")
+    parser.add_argument("--clock", choices=("process", "thread"), default="process",
+                        help="CPU time of the whole process (run.py's measure: tracing and the CPU runtime's "
+                             "execution), or of the main thread only (the host's tracing and the loop: what "
+                             "a framework adds, less disturbed by other tenants)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.clock == "thread":  # run.py's marks read time.process_time(); the main thread takes them all
+        time.process_time = time.thread_time
     if args.one:
         print(json.dumps(measure(args.workload, args.one, args.steps, args.warmup, args.every)), flush=True)
         return
     if args.cprofile:
-        cprofile(args.workload, args.steps, args.warmup, args.every)
+        cprofile(args.workload, args.steps, args.warmup, args.every, args.order)
         return
     runs: dict[str, dict[int, dict]] = {}
     variants = ["hand"] + [v for v in args.variants if v != "hand"]
     for repeat in range(args.repeats):
         for variant in variants:
             cmd = [sys.executable, __file__, "--one", variant, "--workload", args.workload, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--every", str(args.every)]
+                   "--warmup", str(args.warmup), "--every", str(args.every), "--clock", args.clock]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode or not lines:
@@ -149,7 +215,7 @@ def main() -> None:
                   f"{out['steps_per_s']:6.2f} steps/s {out['transfers_per_step']:.2f} reads/step "
                   f"{out['compiles']} compilations", flush=True)
     hand = runs.get("hand", {})
-    print(f"\n{args.workload}, {args.steps} steps, {args.repeats} repeats: CPU time per step, and the hand loop's "
+    print(f"\n{args.workload}, {args.steps} steps, {args.repeats} repeats: CPU time per step ({args.clock}), and the hand loop's "
           "over the variant's in the same repeat (median, range; above 1: the variant costs less)")
     for variant in variants:
         if variant not in runs:

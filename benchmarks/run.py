@@ -359,7 +359,7 @@ def hf_trainer_loop(workload: str, contender: str, loader: DataLoader, steps: in
     if contender == "hf_trainer_fsdpv2":
         _xla.use_spmd()  # before any XLA tensor exists, as torch_xla's SPMD needs
         count = _xla.spmd_device_count()
-        _xla.spmd().set_global_mesh(_xla.mesh((count, 1), ("fsdp", "tensor")))
+        _xla.set_global_mesh(_xla.mesh((count, 1), ("fsdp", "tensor")))
     import transformers
     from transformers import TrainerCallback, TrainingArguments
 

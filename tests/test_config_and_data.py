@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from xtrainer.config import ConfigError, TrainerConfig, load_config, save_config, trainer_kwargs
 from xtrainer.strategies import STRATEGIES, Strategy, XlaNative, resolve_strategy
-from xtrainer.strategies.base import distribute_dataloader
+from xtrainer.strategies.data import distribute_dataloader
 
 
 @dataclass

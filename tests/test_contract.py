@@ -1,14 +1,18 @@
 """Contracts that tie the parts together: the Trainer's settings and the config schema agree,
-hook names come from the base classes, and every registered strategy fits, saves, and validates
-from its own checkpoint (a new strategy is covered by registering it)."""
+hook names come from the base classes, every registered strategy fits, saves, and validates
+from its own checkpoint (a new strategy is covered by registering it), and no module imports
+another that imports it back."""
 
+import ast
 import dataclasses
+import importlib.util
 import inspect
 import os
 
 import pytest
 from conftest import Regressor, make_loader
 
+import xtrainer
 from xtrainer import Trainer
 from xtrainer.callbacks import Callback
 from xtrainer.callbacks.base import CALLBACK_HOOKS
@@ -54,3 +58,57 @@ def test_every_registered_strategy_fits_saves_and_validates_from_its_checkpoint(
     [metrics] = again.validate(Regressor(), make_loader(n=16, seed=1), ckpt_path="last")
     assert again.ckpt_path == last
     assert metrics["val_loss"] == pytest.approx(trainer.callback_metrics["val_loss"], rel=1e-5)
+
+
+def _module_level_imports(path: str, name: str) -> set[str]:
+    """The xtrainer modules ``path`` imports when it is imported: module level, not under
+    ``if TYPE_CHECKING:``, not inside functions or classes."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.parse(open(path).read()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or (
+                isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)):
+            continue
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Import):
+                found |= {alias.name for alias in sub.names if alias.name.startswith("xtrainer")}
+            elif isinstance(sub, ast.ImportFrom):
+                base = sub.module or ""
+                if sub.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - sub.level + 1] + ([base] if base else []))
+                if base.startswith("xtrainer"):  # `from xtrainer import x` imports the module x if there is one
+                    found |= {f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base for a in sub.names}
+    return found - {name}
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def test_no_import_cycles_beyond_type_checking_imports():
+    root = os.path.dirname(os.path.abspath(xtrainer.__file__))
+    graph = {}
+    for folder, _, files in os.walk(root):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                name = os.path.relpath(path, os.path.dirname(root))[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                graph[name] = _module_level_imports(path, name)
+    assert {"xtrainer.trainer", "xtrainer.module", "xtrainer.callbacks.base"} <= set(graph)
+    done, cycles = set(), []
+
+    def visit(name, path):
+        if name in path:
+            cycles.append(" -> ".join(path[path.index(name):] + [name]))
+        elif name not in done:
+            for dep in graph.get(name, ()):
+                visit(dep, path + [name])
+            done.add(name)
+
+    for name in graph:
+        visit(name, [])
+    assert not cycles

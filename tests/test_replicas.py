@@ -20,7 +20,7 @@ from xtrainer import Trainer, _xla
 from xtrainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from xtrainer.checkpoint import CheckpointError, consolidate
 from xtrainer.strategies import XlaFSDP
-from xtrainer.strategies.base import ReplicaFailure
+from xtrainer.strategies.launch import ReplicaFailure
 
 pytestmark = pytest.mark.multi_device
 

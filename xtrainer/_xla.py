@@ -5,10 +5,11 @@ version difference, a deprecated name or a private API lives in one place. Impor
 does not initialise the XLA runtime: ``torch_xla.launch`` refuses to start replicas if the parent
 process has touched the runtime, so nothing here talks to a device until a function is called.
 
-Checked against torch_xla 2.9 (``TORCH_XLA_VERSION`` below). Functions marked *private API* use
-torch_xla internals that may move in another release; ``private_internals()`` at the end hands
-torch_xla's modules to ``xtrainer/strategies/cpu_replicas.py``, whose recipe for several replicas
-on the CPU runtime patches them.
+It hands out functions and small classes of xtrainer's own, never torch_xla's modules. Checked
+against torch_xla 2.9 (``TORCH_XLA_VERSION`` below). Functions marked *private API* use torch_xla
+internals that may move in another release; the section at the end serves only
+``xtrainer/strategies/cpu_replicas.py``, whose recipe for several replicas on the CPU runtime
+patches and calls them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import socket
 import sys
-import types
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -28,6 +29,7 @@ import torch_xla.distributed.parallel_loader as _parallel_loader
 import torch_xla.runtime as xr
 from lightning_utilities.core.imports import RequirementCache
 from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
+from torch import nn
 
 TORCH_XLA_VERSION = torch_xla.__version__
 #: The release every private API used below was checked against.
@@ -355,8 +357,13 @@ class PreemptionNotice:
 
     def __init__(self) -> None:
         count = xr.process_count()
-        master = xr.get_master_ip() if count > 1 else "localhost"  # the IP lookup exists on TPU/Neuron only
-        torch_xla._XLAC._ensure_xla_coordinator_initialized(xr.process_index(), count, master)
+        if count > 1:  # every host reaches the coordinator at the default port, as torch_xla's CheckpointManager does
+            torch_xla._XLAC._ensure_xla_coordinator_initialized(xr.process_index(), count, xr.get_master_ip())
+        else:  # one process: a free port, so that two runs on one machine do not collide
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            torch_xla._XLAC._ensure_xla_coordinator_initialized(0, 1, "localhost", str(port))
         torch_xla._XLAC._activate_preemption_sync_manager()
 
     def reached(self, step: int) -> bool:
@@ -365,8 +372,8 @@ class PreemptionNotice:
         return bool(torch_xla._XLAC._sync_point_reached(step))
 
 
-def spmd():
-    """torch_xla's SPMD package (``Mesh``, ``mark_sharding``, ``ShardingSpec``)."""
+def _spmd():
+    """torch_xla's SPMD package (``Mesh``, ``mark_sharding``, ``ShardingSpec``); this module's own."""
     import torch_xla.distributed.spmd as xs
 
     return xs
@@ -376,7 +383,18 @@ def mesh(shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Any:
     """A device mesh over every device, in device order."""
     import numpy as np
 
-    return spmd().Mesh(np.arange(spmd_device_count()), tuple(shape), tuple(axis_names))
+    return _spmd().Mesh(np.arange(spmd_device_count()), tuple(shape), tuple(axis_names))
+
+
+def set_global_mesh(device_mesh: Any) -> None:
+    """Make ``device_mesh`` the mesh that torch_xla's SPMD helpers use when given none."""
+    _spmd().set_global_mesh(device_mesh)
+
+
+def mark_sharding(tensor: torch.Tensor, device_mesh: Any, spec: tuple) -> None:
+    """Annotate ``tensor`` to be laid out over ``device_mesh`` by the partition ``spec`` (one mesh
+    axis name, or None, per dimension of the tensor)."""
+    _spmd().mark_sharding(tensor, device_mesh, spec)
 
 
 def sharding_of(tensor: torch.Tensor) -> str:
@@ -421,7 +439,7 @@ class BatchSharding:
             return None
         if rank not in self._specs:
             spec = (self.axis,) + (None,) * (rank - 1)
-            self._specs[rank] = spmd().ShardingSpec(self.mesh, spec, minibatch=self.minibatch)
+            self._specs[rank] = _spmd().ShardingSpec(self.mesh, spec, minibatch=self.minibatch)
         return self._specs[rank].xla_spec(tensor)
 
 
@@ -456,11 +474,51 @@ def register_xla_process_group_backend() -> None:
     import torch_xla.distributed.xla_backend  # noqa: F401
 
 
-def fsdp_module():
-    """torch_xla's FSDP package (``XlaFullyShardedDataParallel`` and its helpers)."""
+def _fsdp():
+    """torch_xla's FSDP package (``XlaFullyShardedDataParallel`` and its helpers); this module's own."""
     import torch_xla.distributed.fsdp as fsdp
 
     return fsdp
+
+
+def fsdp_wrapper_class() -> type:
+    """``XlaFullyShardedDataParallel``."""
+    return _fsdp().XlaFullyShardedDataParallel
+
+
+def checkpoint_module(module: nn.Module) -> nn.Module:
+    """``module`` with its activations recomputed in backward instead of stored (torch_xla's
+    ``checkpoint_module``, which FSDP units wrap)."""
+    return _fsdp().checkpoint_module(module)
+
+
+def consolidate_shards(state_dicts: list[dict[str, Any]], shard_metadata: dict[str, Any]) -> dict[str, Any]:
+    """One full state dict from every rank's FSDP shard state dict (in rank order) and the shard
+    metadata of any rank (torch_xla's ``consolidate_sharded_state_dicts``)."""
+    return _fsdp().consolidate_sharded_state_dicts(state_dicts, shard_metadata)
+
+
+def fsdp_size_wrap_policy(min_num_params: int) -> Callable[..., Any]:
+    """The auto-wrap policy that gives every submodule of at least ``min_num_params`` parameters
+    its own FSDP unit."""
+    return functools.partial(_fsdp().wrap.size_based_auto_wrap_policy, min_num_params=min_num_params)
+
+
+def fsdp_layer_wrap_policy(classes: set[type]) -> Callable[..., Any]:
+    """The auto-wrap policy that gives every submodule of one of ``classes`` its own FSDP unit."""
+    return functools.partial(_fsdp().wrap.transformer_auto_wrap_policy, transformer_layer_cls=classes)
+
+
+def set_checkpoint_status(status: Any) -> None:
+    """Make torch_xla's activation checkpointing and its FSDP read their "inside a checkpoint's
+    backward" flag (``in_chkpt_bwd``) from ``status``. *Private API*: the module-level
+    ``chkpt_status`` of ``torch_xla.utils.checkpoint`` and of FSDP's own module."""
+    import torch_xla.utils.checkpoint as checkpoint
+
+    fsdp = sys.modules[fsdp_wrapper_class().__module__]
+    for owner in (checkpoint, fsdp):
+        if getattr(owner, "chkpt_status", None) is not status:
+            owner.chkpt_status = status
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,16 +526,83 @@ def fsdp_module():
 # lets several replicas run as threads of one process on the CPU runtime. Nothing else may use
 # these; they are checked against torch_xla 2.9 only (``TESTED_TORCH_XLA``).
 # --------------------------------------------------------------------------------------------
-@functools.cache
-def private_internals() -> Any:
-    """The torch_xla modules the CPU thread-replica recipe patches and calls, and ``run_threads``:
-    what ``torch_xla.launch`` does inside its child process on the CPU runtime (start the runtime,
-    set the replication devices, run ``fn(index, *args)`` in one thread per device)."""
+def run_thread_per_device(fn: Callable[..., Any], args: tuple = ()) -> None:
+    """What ``torch_xla.launch`` does inside its child process on the CPU runtime: start the
+    runtime, set the replication devices, run ``fn(index, *args)`` in one thread per device."""
     import torch_xla._internal.pjrt as pjrt
 
-    def run_threads(fn: Callable[..., Any], args: tuple = ()) -> None:
-        pjrt._run_thread_per_device(0, 1, pjrt._SpawnFn(fn, *args), pjrt.initialize_multiprocess)
+    pjrt._run_thread_per_device(0, 1, pjrt._SpawnFn(fn, *args), pjrt.initialize_multiprocess)
 
-    return types.SimpleNamespace(torch_xla=torch_xla, xla_model=xm, XLAC=torch_xla._XLAC,
-                                 run_threads=run_threads)
 
+def replace_sync(sync_fn: Callable[..., None]) -> None:
+    """Make ``torch_xla.sync()`` (under both of its names) call ``sync_fn``: every graph cut of the
+    process, from xtrainer, torch_xla (FSDP, DDP's process group, rendezvous) or user code."""
+    torch_xla.sync = torch_xla.torch_xla.sync = sync_fn
+
+
+def replace_to_cpu(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``xm._maybe_convert_to_cpu`` (batched device-to-host reads) by ``make(original)``."""
+    xm._maybe_convert_to_cpu = make(xm._maybe_convert_to_cpu)
+
+
+def replace_collectives(all_reduce_fn: Callable[..., Any], all_gather_fn: Callable[..., Any],
+                        reduce_scatter_fn: Callable[..., Any]) -> None:
+    """Replace ``xm.all_reduce``, ``xm.all_gather`` and ``xm.reduce_scatter`` (before any FSDP module
+    binds ``xm.all_gather``)."""
+    xm.all_reduce, xm.all_gather, xm.reduce_scatter = all_reduce_fn, all_gather_fn, reduce_scatter_fn
+
+
+def replace_rendezvous(rendezvous_fn: Callable[..., list[bytes]]) -> None:
+    """Replace ``xm.xla_rendezvous``, through which every host-side rendezvous passes."""
+    xm.xla_rendezvous = rendezvous_fn
+
+
+def default_device_name() -> str:
+    """This thread's XLA device, as the runtime names it (``"xla:0"``)."""
+    return torch_xla._XLAC._xla_get_default_device()
+
+
+def step_marker(device_name: str, reset_scope: bool) -> None:
+    """Cut the lazy graph of ``device_name`` and launch its execution, without waiting for it."""
+    torch_xla._XLAC._xla_step_marker(device_name, [], wait=False, reset_scope=reset_scope)
+
+
+def wait_device_ops_of(device_name: str) -> None:
+    """Wait, with the GIL released, until the executions pending on ``device_name`` are done."""
+    xlac = torch_xla._XLAC
+    xlac._xla_wait_device_ops(xlac._xla_real_devices([device_name]))
+
+
+def end_step() -> None:
+    """What ``torch_xla.sync()`` does after the cut: run the step closures, then drop the
+    all-reduce token."""
+    context = xm._run_step_closures()
+    torch_xla._XLAC._set_all_reduce_token(context.device, None)
+
+
+def collective_broadcast(tensors: list[torch.Tensor], root: int) -> None:
+    """Give every replica ``root``'s values of ``tensors``, in place (recorded in the graph)."""
+    xm.collective_broadcast(tensors, root)
+
+
+def all_reduce_on_channel(reduce_type: str, flat: torch.Tensor, scale: float,
+                          groups: list[list[int]]) -> torch.Tensor:
+    """An all-reduce of the 1-D ``flat`` lowered with a channel id (SPMD's lowering)."""
+    return torch_xla._XLAC._xla_spmd_all_reduce(reduce_type, flat, scale, groups)
+
+
+def all_gather_on_channel(flat: torch.Tensor, count: int, groups: list[list[int]], channel: int) -> torch.Tensor:
+    """An all-gather of the 1-D ``flat`` over ``count`` replicas, lowered with ``channel``."""
+    return torch_xla._XLAC._xla_all_gather(flat, 0, count, groups, False, channel, True)
+
+
+def reduce_scatter_on_channel(reduce_type: str, flat: torch.Tensor, scale: float, shard_count: int,
+                              groups: list[list[int]], channel: int) -> torch.Tensor:
+    """A reduce-scatter of the 1-D ``flat`` into ``shard_count`` shards, lowered with ``channel``,
+    ordered after the collectives before it by torch_xla's all-reduce token."""
+    xlac = torch_xla._XLAC
+    token, context = xm._get_all_reduce_token()
+    flat, token = xlac._xla_reduce_scatter(reduce_type, flat, token, scale, 0, shard_count, groups,
+                                           False, channel, True)
+    xlac._set_all_reduce_token(context.device, token)
+    return flat

@@ -70,6 +70,24 @@ def with_defaults(settings: TrainerSettings, given: list[Any]) -> list[Callback]
     return found
 
 
+def with_module_callbacks(callbacks: list[Callback], model: Any) -> list[Callback]:
+    """``callbacks`` with the module's ``configure_callbacks()`` added: one of the same type as a
+    given one replaces it, and checkpoint callbacks go last, as in Lightning (they see what the
+    others did)."""
+    extra = as_list(model.configure_callbacks())
+    if not extra:
+        return callbacks
+    for cb in extra:
+        if not isinstance(cb, Callback):
+            raise TypeError(f"{type(model).__name__}.configure_callbacks() returned a {type(cb).__name__}, "
+                            "not a Callback.")
+        check_hook_names(cb, CALLBACK_HOOKS, Callback)
+    types_ = {type(cb) for cb in extra}
+    kept = [cb for cb in callbacks if type(cb) not in types_]
+    rest = [cb for cb in kept + extra if not isinstance(cb, ModelCheckpoint)]
+    return rest + [cb for cb in kept + extra if isinstance(cb, ModelCheckpoint)]
+
+
 def as_list(items: Any) -> list:
     if items is None:
         return []

@@ -198,7 +198,7 @@ class XModule(HyperparametersMixin, nn.Module):
             raise ValueError("self.all_gather(group=...) is not supported: it gathers over every replica.")
         if sync_grads:
             raise ValueError("self.all_gather(sync_grads=True) is not supported on XLA; gather outside autograd.")
-        return self.trainer.strategy.all_gather_tensors(data)
+        return self.trainer.strategy.collectives.all_gather_tensors(data)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: Any = None,
@@ -248,7 +248,7 @@ class XModule(HyperparametersMixin, nn.Module):
         """The optimizers (one, or a list of several) wrapped so that ``step()`` reduces gradients
         across replicas as the strategy needs; ``use_pl_optimizer=False``: the plain ones."""
         trainer = self.trainer
-        found = trainer._manual_optimizers if use_pl_optimizer else trainer.optimizers
+        found = trainer._optim.manual_optimizers if use_pl_optimizer else trainer.optimizers
         return found[0] if len(found) == 1 else list(found)
 
     def lr_schedulers(self) -> Any:

@@ -103,8 +103,8 @@ class Publisher:
         shares_stop = trainer.world_size > 1 and trainer.state == "fit"
         watched = check_loss and self.watch is not None
         if watched:
-            tensors = {**tensors, _NONFINITE_KEY: trainer.strategy.reduce(self.watch.first, "min")}
-        stop = trainer.strategy.any_replica(trainer.should_stop) if shares_stop else False
+            tensors = {**tensors, _NONFINITE_KEY: trainer.strategy.collectives.reduce(self.watch.first, "min")}
+        stop = trainer.strategy.collectives.any_replica(trainer.should_stop) if shares_stop else False
         if isinstance(stop, torch.Tensor):  # rides along with the values read
             tensors = {**tensors, _STOP_KEY: stop}
         values = to_floats(tensors) if tensors else {}  # host sync: the only place logged values reach the host
@@ -166,7 +166,7 @@ class Publisher:
             with _xla.rng_state_kept():  # whether a run checks or not, it draws the same numbers
                 first = int(_xla.to_cpu(self.watch.first)[0])  # host sync: before a save only
                 if trainer.world_size > 1:
-                    first = min(trainer.strategy.all_gather_object(first))
+                    first = min(trainer.strategy.collectives.all_gather_object(first))
             self._checked_step, self._first_bad = trainer.global_step, first
         return self._first_bad if self._first_bad < trainer.global_step else None
 

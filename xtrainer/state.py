@@ -1,21 +1,28 @@
 """A run's state in a checkpoint: what is saved of a fit, and how a fit continues from it.
 
-``build_checkpoint`` makes the plain dict ``xtrainer.checkpoint.format`` documents; ``restore``
-puts a loaded one back: weights, optimizers, schedulers, the loops' position (step, epoch, the
-next unseen batch, a validation still due), every random generator and every callback's state.
-Writing and reading files is the checkpoint package's; this module never touches a file.
+``build_checkpoint`` makes the plain dict ``xtrainer.checkpoint.format`` documents; ``save``
+hands it to the strategy's checkpoint layout; ``resolve_ckpt_path`` finds and checks what a
+run resumes from; ``restore`` puts a loaded one back: weights, optimizers, schedulers, the loops'
+position (step, epoch, the next unseen batch, a validation still due), every random generator
+and every callback's state; ``stop_on_signal`` is a graceful stop's checkpoint. Writing and
+reading files is the checkpoint package's; this module never touches a file.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer import _xla
+from xtrainer import _xla, interrupts
+from xtrainer import checkpoint as ckpt_io
 from xtrainer.checkpoint import format as ckpt_format
+from xtrainer.checkpoint import resume
+from xtrainer.checkpoint.whole import WholeFile
 from xtrainer.checkpoint.format import CheckpointError
 from xtrainer.optim import keeping_foreach
 
@@ -50,6 +57,100 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
             "datamodule_hyper_parameters": ckpt_format.plain_hparams(trainer.datamodule.hparams)}
            if trainer.datamodule is not None else {}),
     }
+
+
+def save(trainer: "Trainer", path: str, weights_only: bool = False) -> None:
+    """``Trainer.save_checkpoint`` during a fit: every replica calls it."""
+    bad = trainer.nonfinite_step()
+    if bad is not None:
+        raise CheckpointError(
+            f"Not writing {path!r}: the training loss became NaN or infinite at global step {bad}, so "
+            "the weights are not good any more. The checkpoints written before are intact.")
+    module = trainer.module
+    with _xla.rng_state_kept():  # the run goes on from the state the checkpoint records, as a resumed one does
+        checkpoint = build_checkpoint(trainer)
+        module.on_save_checkpoint(checkpoint)
+        for cb in trainer.callbacks:
+            cb.on_save_checkpoint(trainer, module, checkpoint)
+        if weights_only:
+            keep_weights_only(checkpoint)
+        compiles = _xla.compile_count()
+        trainer.strategy.checkpoint_layout.save(trainer.strategy.collectives, checkpoint, path)
+        # A save that computes anything on the device (gathering shards, say) compiles graphs of
+        # its own; those are not the training step's, and XlaHealth does not count them as
+        # recompilations.
+        trainer.checkpoint_compilations += _xla.compile_count() - compiles
+
+
+def save_fitted(trainer: "Trainer", model: Any, path: str) -> None:
+    """``Trainer.save_checkpoint`` after a fit, in the calling process: the fitted weights."""
+    checkpoint = fitted_checkpoint(trainer, model)
+    writer = trainer.strategy.collectives if trainer.strategy.launcher.runs_in_caller else _Alone()
+    WholeFile().save(writer, checkpoint, path)
+
+
+class _Alone:
+    """The calling process as the only replica: who writes a checkpoint after the replicas are gone."""
+
+    world_size, global_rank, is_global_zero = 1, 0, True
+
+    def barrier(self, name: str = "") -> None:
+        del name
+
+
+def stop_on_signal(trainer: "Trainer", signum: int) -> None:
+    """Stopped by a signal: ``on_exception``, a checkpoint (every replica), then raise
+    ``TrainingInterrupted`` with one line saying where the checkpoint is."""
+    from xtrainer.callbacks import ModelCheckpoint
+
+    name = signal.Signals(signum).name
+    trainer._call_on_exception(interrupts.TrainingInterrupted(f"Stopped by {name}.", signum))
+    saver = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)
+    if saver is not None:
+        path = saver.save_now(trainer)
+    elif trainer.nonfinite_step() is None:
+        path = os.path.join(ckpt_io.default_dirpath(trainer.log_dir),
+                            f"interrupted-epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt")
+        trainer.save_checkpoint(path)
+    else:
+        path = None
+    where = f"step {trainer.global_step}, epoch {trainer.current_epoch}"
+    if path is None:
+        message = (f"Stopped by {name} at {where}; the training loss had become non-finite, so no checkpoint "
+                   "was written (the good ones written before are intact).")
+    else:
+        message = (f"Stopped by {name} at {where}; checkpoint: {path}. Resume with fit(..., ckpt_path='last') "
+                   "(xtrainer fit --config <run folder>/config.yaml ckpt_path=last).")
+    raise interrupts.TrainingInterrupted(message, signum, path)
+
+
+def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str) -> str | None:
+    """The checkpoint ``ckpt_path`` (a path, ``"best"`` or ``"last"``) means for this run, checked
+    completely, announced in one line; None for a fresh start (``"last"`` with none yet)."""
+    from xtrainer.callbacks import ModelCheckpoint
+
+    if ckpt_path == "best":
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "")
+        if not best:
+            raise ckpt_io.CheckpointNotFoundError(
+                "ckpt_path='best': no best checkpoint is known. It needs a fit with a ModelCheckpoint(monitor=...) "
+                "in this Trainer; pass a path instead.")
+        ckpt_path = best
+    if ckpt_path != "last" and not ckpt_io.fs.exists(ckpt_path):
+        raise ckpt_io.CheckpointNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (or pass ckpt_path='last').")
+    extra = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    planned = next((lg.version_dir for lg in trainer.loggers if getattr(lg, "version_dir", None)), None)
+    if planned:  # a version given by name (version="baseline") is not among the version_* siblings
+        extra.append(ckpt_io.default_dirpath(planned))
+    runs_root = trainer._runs_root
+    search = resume.lineage_dirs(os.path.join(runs_root, "version_0"), extra)
+    strategy = trainer.strategy
+    header = resume.resolve(ckpt_path, search, strategy.checkpoint_layout, strategy.name,
+                            strategy.launcher.planned_world_size(), root=runs_root)
+    if header is None:
+        return None
+    print(f"xtrainer: resuming from {header.describe()}", flush=True)
+    return header.path
 
 
 def keep_weights_only(checkpoint: dict[str, Any]) -> None:
@@ -130,7 +231,7 @@ def rng_states(strategy: Any) -> dict[str, Any]:
         name, keys, pos, has_gauss, cached = _numpy.random.get_state()
         states["numpy"] = [name, keys.tolist(), pos, has_gauss, cached]  # a NumPy array: no device involved
     xla = _xla.rng_state()
-    states["xla"] = strategy.all_gather_object(xla) if strategy.world_size > 1 else [xla]
+    states["xla"] = strategy.collectives.all_gather_object(xla) if strategy.world_size > 1 else [xla]
     return states
 
 

@@ -15,35 +15,35 @@ class Callback:
     """Base class of callbacks: every hook is a no-op; override the ones you need.
 
     ``Trainer.fit`` calls the hooks in this order (the module's hook of the same name runs
-    first, then each callback's, in the order given to the Trainer)::
+    first, then each callback's, in the order given to the Trainer; the README's "The training
+    loop" shows the same block, and a test keeps the two equal)::
 
         on_fit_start
+        sanity check: validation loop on num_sanity_val_steps batches   # on_sanity_check_start/end around it
         on_train_start
         while not (max_epochs or max_steps reached or trainer.should_stop):
             on_train_epoch_start
-            for batch_idx, batch in train_dataloader:          # batch already on the device
-                on_train_batch_start(batch, batch_idx)
+            for batch_idx, batch in train_loader:                 # batch already on the device
+                on_train_batch_start
                 loss = training_step(batch, batch_idx) / accumulate_grad_batches
-                on_before_backward(loss); backward; on_after_backward
-                if this micro-batch steps the optimizer:
-                    reduce gradients
-                    on_before_optimizer_step(optimizer); clip; optimizer.step()
-                    on_before_zero_grad(optimizer); zero_grad; step schedulers (interval="step")
-                sync()                                          # graph cut: one execution
-                every log_every_n_steps: read logged values     # host sync
-                on_train_batch_end(outputs, batch, batch_idx)
-                if val_check_interval hits: validation loop (below)
-            read epoch-level values                             # host sync
-            on_train_epoch_end                                  # checkpoints are saved here
-            step schedulers (interval="epoch")
-        on_train_end
-        on_fit_end
+                on_before_backward; loss.backward(); on_after_backward
+                if this micro-batch steps the optimizer:          # every accumulate_grad_batches
+                    reduce gradients (across replicas)
+                    on_before_optimizer_step; clip (gradient_clip_val); optimizer.step()
+                    on_before_zero_grad; zero_grad; schedulers with interval="step"
+                torch_xla.sync()                                  # GRAPH CUT: one execution
+                every log_every_n_steps steps: read logged values # HOST SYNC (one transfer)
+                on_train_batch_end
+                if val_check_interval hits: validation loop
+            read epoch values (module's on_train_epoch_end first) # HOST SYNC (one transfer)
+            on_train_epoch_end                                    # ModelCheckpoint saves here
+            schedulers with interval="epoch"
+        on_train_end; on_fit_end
+        on_exception(exception)                                   # instead, when the run ends with an error or a signal
 
-        validation loop:
-            on_validation_start; on_validation_epoch_start
-            for batch_idx, batch in val_dataloader:
-                on_validation_batch_start; validation_step; sync(); on_validation_batch_end
-            read epoch-level values                             # host sync
+        validation loop: on_validation_start; on_validation_epoch_start
+            for each batch: on_validation_batch_start; validation_step; torch_xla.sync(); on_validation_batch_end
+            read epoch values                                     # HOST SYNC (one transfer)
             on_validation_epoch_end; on_validation_end
 
     ``validate``/``test``/``predict`` run the evaluation loop alone, with their own names.

@@ -352,7 +352,7 @@ class ModelCheckpoint(Callback):
     def _time_is_up(self, trainer: "Trainer", interval: float) -> bool:
         # Replicas must agree (a save is collective): rank 0's clock decides for all of them.
         due = time.monotonic() - self._last_save_time >= interval
-        return bool(trainer.strategy.broadcast(due)) if trainer.world_size > 1 else due
+        return bool(trainer.strategy.collectives.broadcast(due)) if trainer.world_size > 1 else due
 
     def save_now(self, trainer: "Trainer") -> str | None:
         """Write a complete checkpoint now, whatever the schedule (a graceful stop on a signal does);
@@ -365,7 +365,7 @@ class ModelCheckpoint(Callback):
     def _save(self, trainer: "Trainer", topk: bool, force: bool = False) -> str | None:
         plan = self._plan(trainer, topk, force)
         if trainer.world_size > 1:
-            plan = trainer.strategy.broadcast(plan)  # rank 0 decides: a save is collective
+            plan = trainer.strategy.collectives.broadcast(plan)  # rank 0 decides: a save is collective
         return self._apply(trainer, plan, force)
 
     def _plan(self, trainer: "Trainer", topk: bool, force: bool) -> dict[str, Any]:
@@ -516,7 +516,7 @@ class ModelCheckpoint(Callback):
                 if os.path.lexists(tmp):
                     os.remove(tmp)
                 raise storage.write_error(err, last) from err
-        trainer.strategy.barrier("xtrainer_checkpoint_link")
+        trainer.strategy.collectives.barrier("xtrainer_checkpoint_link")
 
     def _remove(self, trainer: "Trainer", paths: list[str]) -> None:
         if trainer.is_global_zero:
@@ -525,7 +525,7 @@ class ModelCheckpoint(Callback):
                     storage.remove(path)
                     if not fs.is_url(path):  # an object store has no empty folders
                         self._remove_empty_folders(os.path.dirname(path))
-        trainer.strategy.barrier("xtrainer_checkpoint_cleanup")
+        trainer.strategy.collectives.barrier("xtrainer_checkpoint_cleanup")
 
     def _remove_empty_folders(self, folder: str) -> None:
         """Subfolders that names with ``/`` made, once empty (Lightning leaves them behind)."""
@@ -649,7 +649,7 @@ class ModelCheckpoint(Callback):
     def file_exists(self, filepath: str | os.PathLike, trainer: "Trainer", broadcast: bool = True) -> bool:
         """Whether ``filepath`` exists on rank 0 (told to every replica)."""
         exists = fs.exists(os.fspath(filepath)) if fs.is_url(os.fspath(filepath)) else os.path.lexists(os.fspath(filepath))
-        return bool(trainer.strategy.broadcast(exists)) if broadcast and trainer.world_size > 1 else exists
+        return bool(trainer.strategy.collectives.broadcast(exists)) if broadcast and trainer.world_size > 1 else exists
 
     def _inside(self, path: str) -> bool:
         if fs.is_url(self.dirpath) or fs.is_url(path):

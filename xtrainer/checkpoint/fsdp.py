@@ -95,5 +95,5 @@ def consolidate_state_dicts(state_dicts: list[dict[str, Any]], shard_metadata: d
     state dict (in rank order) and the shard metadata of any rank."""
     from xtrainer import _xla
 
-    full = _xla.fsdp_module().consolidate_sharded_state_dicts(state_dicts, shard_metadata)
+    full = _xla.consolidate_shards(state_dicts, shard_metadata)
     return {name.removeprefix(DISPATCHER_PREFIX): tensor for name, tensor in full.items()}

@@ -31,7 +31,8 @@ FILE, FSDP, DISTRIBUTED = "file", "fsdp", "distributed"
 
 
 class Replicas(Protocol):
-    """What a layout needs of a strategy: who it is and how replicas agree."""
+    """What a layout needs of the replicas: who this one is and how they agree (a strategy's
+    ``collectives``)."""
 
     global_rank: int
     world_size: int

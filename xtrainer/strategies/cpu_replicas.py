@@ -96,7 +96,7 @@ def _int_env(name: str) -> int:
 def launch(job: Callable[[], None], devices: int) -> int:
     """Run ``job()`` in ``devices`` replica threads of a new process; return its exit code.
 
-    ``job`` must pickle. It reports its own result or error (see ``Strategy.launch``).
+    ``job`` must pickle. It reports its own result or error (see ``launch.CpuThreadReplicas``).
     """
     check_version()
     return run_in_new_process(_process_main, (job, devices), environment(devices), f"devices={devices}")
@@ -154,23 +154,20 @@ class _ThreadRank(threading.local):
 def _process_main(job: Callable[[], None], devices: int) -> None:
     faulthandler.enable()  # a crash in native code still shows every replica's Python stack
     _install(devices)
-    _xla.private_internals().run_threads(_replica_thread, (job,))
+    _xla.run_thread_per_device(_replica_thread, (job,))
 
 
 def _install(devices: int) -> None:
     global _run
     check_version()
     _run = _Run(devices)
-    internals = _xla.private_internals()
-    xm, torch_xla = internals.xla_model, internals.torch_xla
     # Every graph cut of this process, from xtrainer, torch_xla (FSDP, DDP's process group,
     # rendezvous) or user code, goes through the serialised cut.
-    torch_xla.sync = torch_xla.torch_xla.sync = _sync
-    convert = xm._maybe_convert_to_cpu
-    xm._maybe_convert_to_cpu = functools.partial(_read_after_cut, convert)
+    _xla.replace_sync(_sync)
+    _xla.replace_to_cpu(lambda convert: functools.partial(_read_after_cut, convert))
     # Collectives with channel ids; installed before any FSDP module binds xm.all_gather.
-    xm.all_reduce, xm.all_gather, xm.reduce_scatter = _all_reduce, _all_gather, _reduce_scatter
-    xm.xla_rendezvous = _rendezvous
+    _xla.replace_collectives(_all_reduce, _all_gather, _reduce_scatter)
+    _xla.replace_rendezvous(_rendezvous)
     # One torch.distributed world per thread (private torch API, as in torch's own threaded tests).
     import torch.distributed as dist
     from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
@@ -220,14 +217,11 @@ def _sync(wait: bool = False, reset_scope: bool = True) -> None:
     del wait  # always waits: see above
     run = _run
     run.check_peers()
-    internals = _xla.private_internals()
-    xlac = internals.XLAC
-    device = xlac._xla_get_default_device()
+    device = _xla.default_device_name()
     with run.cut_lock:
-        xlac._xla_step_marker(device, [], wait=False, reset_scope=reset_scope)
-    xlac._xla_wait_device_ops(xlac._xla_real_devices([device]))
-    context = internals.xla_model._run_step_closures()
-    xlac._set_all_reduce_token(context.device, None)
+        _xla.step_marker(device, reset_scope)
+    _xla.wait_device_ops_of(device)
+    _xla.end_step()
 
 
 def _read_after_cut(convert: Callable[[Any], Any], data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -282,7 +276,7 @@ def start_ddp(tensors: list[torch.Tensor]) -> None:
                 f"dtypes than replica {_xla.global_rank()}; every replica must build the same module.")
     if tensors:
         run.check_peers()
-        _xla.private_internals().xla_model.collective_broadcast(tensors, 0)
+        _xla.collective_broadcast(tensors, 0)
         _sync()
 
 
@@ -292,11 +286,10 @@ def _groups(groups: Any) -> list[list[int]]:
 
 def _all_reduce(reduce_type: str, inputs: Any, scale: float = 1.0, groups: Any = None,
                 pin_layout: bool = True) -> Any:
-    xlac = _xla.private_internals().XLAC
     groups = _groups(groups)
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
-        return xlac._xla_spmd_all_reduce(reduce_type, t.reshape(-1), scale, groups).reshape(t.shape)
+        return _xla.all_reduce_on_channel(reduce_type, t.reshape(-1), scale, groups).reshape(t.shape)
 
     if isinstance(inputs, torch.Tensor):
         return reduce(inputs)
@@ -308,14 +301,13 @@ def _all_reduce(reduce_type: str, inputs: Any, scale: float = 1.0, groups: Any =
 
 def _all_gather(value: Any, dim: int = 0, groups: Any = None, output: Any = None,
                 pin_layout: bool = True, channel_id: Any = None, use_global_device_ids: Any = None) -> Any:
-    xlac = _xla.private_internals().XLAC
     groups = _groups(groups)
     if isinstance(value, (list, tuple)):
         return _into(output, [_all_gather(v, dim, groups) for v in value])
     dim = dim % value.dim() if value.dim() else 0
     count = len(groups[0])
     moved = value.reshape(1) if value.dim() == 0 else value.movedim(dim, 0).contiguous()
-    gathered = xlac._xla_all_gather(moved.reshape(-1), 0, count, groups, False, _ALL_GATHER_CHANNEL, True)
+    gathered = _xla.all_gather_on_channel(moved.reshape(-1), count, groups, _ALL_GATHER_CHANNEL)
     gathered = gathered.reshape((count * moved.shape[0],) + tuple(moved.shape[1:])).movedim(0, dim)
     return _into(output, gathered)
 
@@ -323,18 +315,14 @@ def _all_gather(value: Any, dim: int = 0, groups: Any = None, output: Any = None
 def _reduce_scatter(reduce_type: str, input: Any, scale: float, scatter_dim: int,
                     shard_count: int, groups: Any = None, output: Any = None, pin_layout: bool = True,
                     channel_id: Any = None, use_global_device_ids: Any = None) -> Any:
-    internals = _xla.private_internals()
-    xlac, xm = internals.XLAC, internals.xla_model
     groups = _groups(groups)
     if isinstance(input, (list, tuple)):
         return _into(output, [_reduce_scatter(reduce_type, t, scale, scatter_dim, shard_count, groups)
                               for t in input])
     # Scattering dim d is scattering contiguous chunks of the tensor with d moved to the front.
     moved = input.movedim(scatter_dim, 0).contiguous()
-    token, context = xm._get_all_reduce_token()
-    flat, token = xlac._xla_reduce_scatter(reduce_type, moved.reshape(-1), token, scale, 0, shard_count, groups,
-                                           False, _REDUCE_SCATTER_CHANNEL, True)
-    xlac._set_all_reduce_token(context.device, token)
+    flat = _xla.reduce_scatter_on_channel(reduce_type, moved.reshape(-1), scale, shard_count, groups,
+                                          _REDUCE_SCATTER_CHANNEL)
     shard = flat.reshape((moved.shape[0] // shard_count,) + tuple(moved.shape[1:])).movedim(0, scatter_dim)
     return _into(output, shard)
 

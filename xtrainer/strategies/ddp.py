@@ -100,7 +100,7 @@ class XlaDDP(Strategy):
         if self._owns_process_group and dist.is_initialized():
             if not failed:
                 # Rank 0 hosts the rendezvous store: nobody tears down before everybody is done.
-                self.barrier("xtrainer_ddp_teardown")
+                self.collectives.barrier("xtrainer_ddp_teardown")
             dist.destroy_process_group()
             self._owns_process_group = False
 

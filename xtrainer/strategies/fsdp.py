@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
-import sys
 import threading
 from typing import Any, Callable, Iterable
 
@@ -75,7 +73,7 @@ class XlaFSDP(Strategy):
 
     # ---- wrapping --------------------------------------------------------------------------
     def _fsdp_class(self) -> type:
-        return _xla.fsdp_module().XlaFullyShardedDataParallel
+        return _xla.fsdp_wrapper_class()
 
     def _wrap_kwargs(self, module: nn.Module | None = None) -> dict[str, Any]:
         """FSDP's arguments; with ``module`` (the root being wrapped), the auto-wrap policy too,
@@ -87,7 +85,7 @@ class XlaFSDP(Strategy):
         if policy is not None:
             kwargs["auto_wrap_policy"] = policy
             if self.activation_checkpointing:
-                checkpoint_module = _xla.fsdp_module().checkpoint_module
+                checkpoint_module = _xla.checkpoint_module
                 fsdp = self._fsdp_class()
                 kwargs["auto_wrapper_callable"] = lambda m, *a, **kw: fsdp(checkpoint_module(m), *a, **kw)
         return kwargs
@@ -97,7 +95,7 @@ class XlaFSDP(Strategy):
         self._snapshot(module)
         module = self.precision.convert_module(module).to(self.device)
         if self.activation_checkpointing:
-            module = _xla.fsdp_module().checkpoint_module(module)
+            module = _xla.checkpoint_module(module)
         return self._fsdp_class()(module, **self._wrap_kwargs())
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -241,13 +239,8 @@ def _checkpoint_status_per_thread() -> None:
     and recompute against freed parameters ("Cannot infer shape for dot operation: f32[8,8] <dot>
     f32[1]") with any model at 2 or more replicas. One flag per thread keeps each replica's to
     itself; one process per device (a TPU host) behaves as before."""
-    import torch_xla.utils.checkpoint as checkpoint
-
-    fsdp = sys.modules[_xla.fsdp_module().XlaFullyShardedDataParallel.__module__]
     with _CHECKPOINT_STATUS_LOCK:
-        for owner in (checkpoint, fsdp):
-            if getattr(owner, "chkpt_status", None) is not _CHECKPOINT_STATUS:
-                owner.chkpt_status = _CHECKPOINT_STATUS
+        _xla.set_checkpoint_status(_CHECKPOINT_STATUS)
 
 
 #: ``auto_wrap_policy`` spelling for "the layer classes the model names in its ``_no_split_modules``"
@@ -338,9 +331,8 @@ def wrap_policy(policy: Any, module: nn.Module | None = None) -> Callable | None
     kind, value = _policy_parts(policy)
     if kind in ("none", "callable"):
         return value
-    wrap = _xla.fsdp_module().wrap
     if kind == "size":
-        return functools.partial(wrap.size_based_auto_wrap_policy, min_num_params=value)
+        return _xla.fsdp_size_wrap_policy(value)
     if module is None:
         if not all(isinstance(item, type) for item in value or [None]):
             raise ValueError("auto_wrap_policy by class name needs the module to resolve the names against.")
@@ -349,7 +341,7 @@ def wrap_policy(policy: Any, module: nn.Module | None = None) -> Callable | None
         classes = no_split_classes(module)
     else:
         classes = layer_classes(module, value)
-    return functools.partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls=classes)
+    return _xla.fsdp_layer_wrap_policy(classes)
 
 
 def _qualified(cls: type) -> str:

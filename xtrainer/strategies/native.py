@@ -22,7 +22,7 @@ class XlaNative(Strategy):
 
     name = "xla_native"
 
-    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+    def _reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         _xla.reduce_gradients(optimizer)  # a no-op with one replica
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer,

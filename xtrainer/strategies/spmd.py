@@ -3,10 +3,11 @@
 torch_xla's SPMD mode traces the step once, as if for one device, and the compiler partitions it
 over a device mesh according to sharding annotations: here, the batch dimension of every input
 (data parallel) and, for FSDPv2, every parameter along an ``fsdp`` mesh axis. There is one
-process per host and no launcher: ``Trainer(strategy="xla_spmd", devices=N)`` runs the fit in one
-new process (SPMD must be switched on before any XLA tensor exists, which the calling process
-may already have made), with N devices on the CPU runtime (``CPU_NUM_DEVICES``) or every device
-of the host elsewhere.
+process per host and no ``torch_xla.launch``: ``Trainer(strategy="xla_spmd", devices=N)`` runs the
+fit in one new process (``launch.SpmdProcess``; SPMD must be switched on before any XLA tensor
+exists, which the calling process may already have made), with N devices on the CPU runtime
+(``CPU_NUM_DEVICES``) or every device of the host elsewhere. The processes, one per host, are
+the replicas that agree on the host (``collectives.SpmdHosts``).
 
 Checkpoints are folders written with ``torch.distributed.checkpoint`` and torch_xla's SPMD
 planners: every process writes the shards it holds, and a resume reads each shard back into the
@@ -21,12 +22,9 @@ reads its share of the data (``minibatch`` sharding) and rank 0 writes logs and 
 
 from __future__ import annotations
 
-import faulthandler
 import math
 import os
-import sys
-import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +34,8 @@ from xtrainer import _xla
 from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
 from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
 from xtrainer.strategies.base import Strategy
-from xtrainer.strategies.process import run_in_new_process
+from xtrainer.strategies.collectives import SpmdHosts
+from xtrainer.strategies.launch import SpmdProcess
 
 
 class XlaSPMD(Strategy):
@@ -74,19 +73,16 @@ class XlaSPMD(Strategy):
 
     # ---- launching: one new process, SPMD on -------------------------------------------------
     @property
-    def runs_in_caller(self) -> bool:
-        return False
-
-    def start_replicas(self, job: Callable[[], None]) -> int:
-        # SPMD from the runtime's start, by the (deprecated, still read) variable: the new process
-        # may touch XLA while it imports the caller's modules, before any code of ours runs.
-        env = {"XLA_USE_SPMD": "1"}
-        if _xla.requested_device_type() == "CPU":
-            env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(self.devices or 1))
-        return run_in_new_process(_spmd_main, (job,), env, f"strategy={self.name!r}")
+    def launcher(self) -> SpmdProcess:
+        """One new process, SPMD switched on before any XLA tensor exists, over ``devices``
+        virtual devices on the CPU runtime (every device of the host elsewhere)."""
+        return SpmdProcess(self.devices, f"strategy={self.name!r}")
 
     def setup_environment(self) -> None:
+        """The device, the mesh, the hosts' CPU process group (on several hosts) and XLA's
+        preemption sync (on TPU); the replicas are the hosts (``collectives.SpmdHosts``)."""
         super().setup_environment()
+        self.collectives = SpmdHosts(self.device)
         count = _xla.spmd_device_count()
         if self.devices is not None and _xla.device_type() != "CPU" and self.devices != count:
             raise ValueError(f"devices={self.devices}, but an SPMD program spans every device ({count} here). "
@@ -104,52 +100,9 @@ class XlaSPMD(Strategy):
         if preemption_sync_wanted():
             self._preemption = _xla.PreemptionNotice()
 
-    # ---- where we are: one process per host ----------------------------------------------------
-    def planned_world_size(self) -> int | None:
-        return 1 if _xla.requested_device_type() == "CPU" else None
-
-    @property
-    def world_size(self) -> int:
-        return _xla.process_count() if self._device is not None else 1
-
-    @property
-    def global_rank(self) -> int:
-        return _xla.process_index() if self._device is not None else 0
-
-    @property
-    def local_rank(self) -> int:
-        return 0
-
-    # Host-side agreement between hosts goes over the CPU process group: torch_xla's rendezvous is
-    # a collective of the MPMD replicas, which an SPMD program does not have (untested: no pod).
-    def barrier(self, name: str = "barrier") -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
-        return gathered
-
-    def broadcast(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def any_replica(self, flag: bool) -> torch.Tensor | bool:
-        """On the host, over the CPU process group: a host's own flag is not a global value of the
-        program, so it cannot ride in the graph (untested here: no pod)."""
-        if self.world_size == 1:
-            return flag
-        votes = torch.tensor([1 if flag else 0])
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        return bool(votes.item())  # a CPU tensor: no device sync
-
+    # ---- stopping --------------------------------------------------------------------------------
     def preempted(self, step: int) -> bool:
+        """Whether the job agreed, through XLA's preemption sync, to stop at ``step``."""
         return self._preemption is not None and self._preemption.reached(step)
 
     # ---- the module ----------------------------------------------------------------------------
@@ -165,7 +118,7 @@ class XlaSPMD(Strategy):
             raise ValueError(f"{type(self).__name__}(shardings=...) names {unknown}, which the module does not have "
                              f"(its parameters: {', '.join(list(params)[:8])}...).")
         for name, spec in self.shardings.items():
-            _xla.spmd().mark_sharding(params[name], self.mesh, tuple(spec))
+            _xla.mark_sharding(params[name], self.mesh, tuple(spec))
             self._specs[id(params[name])] = tuple(spec)
 
     # ---- checkpoints: sharded, through torch.distributed.checkpoint -----------------------------
@@ -215,7 +168,7 @@ class XlaSPMD(Strategy):
                     continue
                 for value in optimizer.state.get(param, {}).values():
                     if _xla.is_xla_tensor(value) and value.shape == param.shape and not _xla.sharding_of(value):
-                        _xla.spmd().mark_sharding(value, self.mesh, spec)
+                        _xla.mark_sharding(value, self.mesh, spec)
 
     def _read_optimizer_state(self, optimizer: torch.optim.Optimizer, part: DistributedPart) -> dict:
         """An ``optimizer.state_dict()`` read from a distributed checkpoint: the saved structure
@@ -244,7 +197,7 @@ class XlaSPMD(Strategy):
         tensor = torch.zeros(entry.shape, dtype=entry.dtype, device=param.device)
         spec = self._specs.get(id(param))
         if spec is not None:
-            _xla.spmd().mark_sharding(tensor, self.mesh, spec)
+            _xla.mark_sharding(tensor, self.mesh, spec)
         return tensor
 
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
@@ -253,16 +206,8 @@ class XlaSPMD(Strategy):
             dist.destroy_process_group()
             self._owns_process_group = False
 
-    def input_sharding(self) -> Any:
+    def _input_sharding(self) -> Any:
         return _xla.BatchSharding(self.mesh, self.data_axis, minibatch=self.world_size > 1)
-
-    # ---- values are global already -------------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """The step's values are computed over the whole mesh already: nothing to combine."""
-        if self.world_size > 1 and op == "sum":
-            # Every host holds the same global value; sync_dist's mean divides by the world size.
-            return tensor * self.world_size
-        return tensor
 
 
 class XlaFSDPv2(XlaSPMD):
@@ -306,7 +251,7 @@ class XlaFSDPv2(XlaSPMD):
         if policy is not None:
             kwargs["auto_wrap_policy"] = policy
             if self.activation_checkpointing:
-                checkpoint_module = _xla.fsdp_module().checkpoint_module
+                checkpoint_module = _xla.checkpoint_module
                 kwargs["auto_wrapper_callable"] = lambda m, *a, **kw: fsdpv2(checkpoint_module(m), *a, **kw)
         wrapped = fsdpv2(module, **kwargs)
         for param in module.parameters():
@@ -347,24 +292,6 @@ def _place(target: dict, where: tuple, value: Any) -> None:
 def _leave_output(output: Any, mesh: Any) -> None:
     """The step returns a loss (or nothing), not activations: no output sharding to enforce."""
     del output, mesh
-
-
-def _spmd_main(job: Callable[[], None]) -> None:
-    faulthandler.enable()  # a crash in native code still shows the Python stack
-    # This process is the SPMD run's own. FSDPv2 hooks an optimization barrier into backward on
-    # every unit, the root included; the root is xtrainer's step dispatcher, whose output is a
-    # loss or nothing, and torch warns about such hooks on every call. The barrier works all the
-    # same.
-    for message in ("Full backward hook is firing", "For backward hooks to be called"):
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
-    if not _xla.is_spmd():
-        _xla.use_spmd()
-    try:
-        job()
-    except BaseException:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # the error is in the job's error file; the caller raises it
 
 
 def preemption_sync_wanted() -> bool:

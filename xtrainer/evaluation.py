@@ -1,0 +1,104 @@
+"""The evaluation loop (validation, test, predict), the sanity check before training, and the
+results table ``validate``/``test`` print. Run by the Trainer in each replica."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from xtrainer import _xla
+from xtrainer.results import Results, batch_size
+
+if TYPE_CHECKING:
+    from xtrainer.trainer import Trainer
+
+_HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
+
+
+def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None) -> Any:
+    """One pass over every loader of ``stage``: metrics per loader, or the predictions."""
+    hook = _HOOK_STAGE[stage]
+    wrapped = trainer.model
+    was_training = wrapped.training
+    wrapped.eval()
+    results = trainer._results = Results(stage, default_on_step=False)
+    predictions: list[list[Any]] = []
+    trainer._call(f"on_{hook}_start")
+    trainer._call(f"on_{hook}_epoch_start")
+    with torch.no_grad():
+        for dl_idx, data in enumerate(datas):
+            data.set_epoch(trainer.current_epoch, trainer._seed)
+            extra = (dl_idx,) if len(datas) > 1 else ()
+            results.suffix = f"/dataloader_idx_{dl_idx}" if len(datas) > 1 else ""
+            limit = trainer._num_batches(data, stage)
+            limit = limit if cap is None else min(cap, limit)
+            outputs_of_loader: list[Any] = []
+            for batch_idx, batch in enumerate(data):
+                if batch_idx >= limit:
+                    break
+                trainer._call(f"on_{hook}_batch_start", batch, batch_idx, *extra)
+                results.batch_size, results.in_step = batch_size(batch), True
+                outputs = wrapped(stage, batch, batch_idx, *extra)
+                results.in_step = False
+                if stage == "predict":
+                    # host sync: predictions are returned on the host, batch by batch
+                    outputs = _xla.to_cpu(outputs)
+                    outputs_of_loader.append(outputs)
+                trainer.strategy.sync()  # the graph cut: one execution per evaluation batch
+                trainer._call(f"on_{hook}_batch_end", outputs, batch, batch_idx, *extra)
+            predictions.append(outputs_of_loader)
+    results.suffix = ""
+    metrics = trainer._end_epoch(stage, f"on_{hook}_epoch_end")
+    trainer._call(f"on_{hook}_end")
+    if was_training:
+        wrapped.train()
+    if stage == "predict":
+        return predictions[0] if len(predictions) == 1 else predictions
+    if len(datas) == 1:
+        return [metrics]
+    return [{k: v for k, v in metrics.items() if "/dataloader_idx_" not in k or k.endswith(f"_{i}")}
+            for i in range(len(datas))]
+
+
+def validate_during_fit(trainer: "Trainer", val: list) -> None:
+    """A validation inside ``fit``; the training results are put back afterwards."""
+    train_results = trainer._results
+    run(trainer, "validate", val)
+    trainer._results = train_results
+    trainer._validation_pending = False
+
+
+def sanity_check(trainer: "Trainer", val: list) -> None:
+    """Lightning's sanity check: the first ``num_sanity_val_steps`` batches of each validation
+    loader, before training, to fail early on a broken ``validation_step``. Nothing it logs is
+    kept, callbacks see ``trainer.sanity_checking``, and the random generators are left as they
+    were, so a run with the check trains exactly as one without."""
+    train_results = trainer._results
+    trainer.sanity_checking = True
+    steps = trainer.num_sanity_val_steps
+    try:
+        with _xla.rng_state_kept(), torch.random.fork_rng(devices=[]):
+            for cb in trainer.callbacks:
+                cb.on_sanity_check_start(trainer, trainer.module)
+            run(trainer, "validate", val, cap=steps if steps > 0 else None)
+            for cb in trainer.callbacks:
+                cb.on_sanity_check_end(trainer, trainer.module)
+    finally:
+        trainer.sanity_checking = False
+        trainer._results = train_results
+    trainer.callback_metrics.clear()
+    trainer.logged_metrics.clear()
+    trainer.progress_bar_metrics.clear()
+
+
+def print_results(stage: str, results: list[dict[str, float]]) -> None:
+    """Lightning's table of ``validate``/``test`` results, printed by the calling process."""
+    rows = [(name, value) for metrics in results for name, value in sorted(metrics.items())]
+    if not rows:
+        return
+    width = max(len(name) for name, _ in rows)
+    title = f"{'Validate' if stage == 'validate' else 'Test'} metric"
+    print(f"{title:<{width}}  DataLoader 0")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value:.6g}")

@@ -1,0 +1,110 @@
+"""Where a run's data comes from: the loaders given to ``fit``/``validate``/``test``/``predict``,
+else a data module's hooks, else the module's own; ``prepare_data`` and the data module's
+``setup``/``teardown`` in the calling process; reloading the training loader every n epochs;
+and how many batches of a loader a run takes (``limit_*_batches``)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from xtrainer import arguments
+from xtrainer.datamodule import LOADER_HOOKS, XDataModule
+from xtrainer.module import XModule
+from xtrainer.strategies.data import sequential_dataloader
+
+if TYPE_CHECKING:
+    from xtrainer.trainer import Trainer
+
+_LIMIT_NAMES = {"validate": "val"}  # limit_val_batches
+
+
+def prepare(trainer: "Trainer", stage: str, model: XModule, datamodule: XDataModule | None, given: bool) -> None:
+    """In the calling process, before any replica starts: the module's extra callbacks, then
+    ``prepare_data`` (module, then data module) and the data module's ``setup(stage)``."""
+    if datamodule is not None and not isinstance(datamodule, XDataModule):
+        raise TypeError(f"datamodule must be an xtrainer.XDataModule, got {type(datamodule).__name__}.")
+    if datamodule is not None and given:
+        raise ValueError(f"{stage}() got both dataloaders and a datamodule; give one of them.")
+    trainer.callbacks = arguments.with_module_callbacks(trainer.callbacks, model)
+    trainer.datamodule = datamodule
+    model.prepare_data()
+    if datamodule is not None:
+        datamodule.trainer = trainer
+        datamodule.prepare_data()
+        datamodule.setup(stage)
+
+
+def teardown(trainer: "Trainer", stage: str) -> None:
+    if trainer.datamodule is not None:
+        trainer.datamodule.teardown(stage)
+
+
+def for_fit(trainer: "Trainer", model: XModule, train_dataloaders: Any, val_dataloaders: Any) -> tuple[list, list]:
+    """The training loader (one) and the validation loaders of a ``fit``."""
+    train = arguments.as_list(train_dataloaders) or from_hooks(trainer, model, "train")
+    if not train:
+        raise ValueError(f"fit() got no training data: pass train_dataloaders=..., a datamodule, or define "
+                         f"{type(model).__name__}.train_dataloader().")
+    if len(train) > 1:
+        raise ValueError("fit() takes one training dataloader.")
+    if trainer.overfit_batches:
+        train = [sequential_dataloader(train[0])]
+    validates = type(model).validation_step is not XModule.validation_step
+    val = arguments.as_list(val_dataloaders) or (from_hooks(trainer, model, "validate") if validates else [])
+    if val and not validates:
+        raise ValueError(f"Validation data was given but {type(model).__name__} has no validation_step.")
+    return train, val
+
+
+def for_stage(trainer: "Trainer", model: XModule, stage: str, dataloaders: Any) -> list:
+    """The loaders of a ``validate``/``test``/``predict``."""
+    loaders = arguments.as_list(dataloaders) or from_hooks(trainer, model, stage)
+    if not loaders:
+        raise ValueError(f"{stage}() got no data: pass dataloaders=..., a datamodule, or define "
+                         f"{type(model).__name__}.{LOADER_HOOKS[stage]}().")
+    return loaders
+
+
+def from_hooks(trainer: "Trainer", model: XModule, stage: str) -> list:
+    """The loaders the data module's hook for ``stage`` returns, else the module's own."""
+    hook = LOADER_HOOKS[stage]
+    datamodule = trainer.datamodule
+    owner = datamodule if datamodule is not None and callable(getattr(datamodule, hook, None)) else model
+    trainer._loader_hooks[stage] = owner
+    return arguments.as_list(_call_hook(owner, hook))
+
+
+def reloaded(trainer: "Trainer", train: Any, first_epoch: int) -> Any:
+    """``reload_dataloaders_every_n_epochs``: the training loader from its hook again (in a replica)."""
+    every, owner = trainer.reload_dataloaders_every_n_epochs, trainer._loader_hooks.get("train")
+    if not every or owner is None or trainer.current_epoch == first_epoch or trainer.current_epoch % every:
+        return train
+    loader = arguments.as_list(_call_hook(owner, LOADER_HOOKS["train"]))
+    if len(loader) != 1:
+        raise ValueError(f"{type(owner).__name__}.train_dataloader() returned {len(loader)} loaders on reload.")
+    data = trainer._device_data(sequential_dataloader(loader[0]) if trainer.overfit_batches else loader[0])
+    trainer.num_training_batches = num_batches(data, trainer.limits["train"], "train")
+    return data
+
+
+def num_batches(data: Any, limit: int | float, stage: str) -> float:
+    """The batches of ``data`` a run of ``stage`` takes under ``limit`` (``limit_<stage>_batches``):
+    a fraction or a count; infinite for a loader without a length."""
+    try:
+        length: float = len(data)
+    except TypeError:
+        length = math.inf
+    if isinstance(limit, float):
+        if math.isinf(length):
+            if limit != 1.0:
+                raise ValueError(f"limit_{_LIMIT_NAMES.get(stage, stage)}_batches={limit} is a fraction, but the loader has no "
+                                 "length; give a number of batches instead.")
+            return length
+        return int(length * limit) if limit < 1.0 else length
+    return min(length, limit)
+
+
+def _call_hook(owner: Any, hook: str) -> Any:
+    fn = getattr(owner, hook, None)
+    return fn() if callable(fn) else None

@@ -1,0 +1,128 @@
+"""A fit's optimizers and schedulers, and how they step: what ``configure_optimizers`` returned
+(parsed by ``optim.py``), the optimizer step of automatic optimization with its hooks and
+gradient clipping, the learning-rate schedulers, and manual optimization's ``manual_backward``,
+``clip_gradients`` and step counting. One per replica's run, owned by the Trainer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from xtrainer.callbacks.base import Callback
+from xtrainer.module import XModule
+from xtrainer.optim import SchedulerConfig, StrategyOptimizer, parse_optimizers, prefer_foreach, step_schedulers
+
+if TYPE_CHECKING:
+    from xtrainer.trainer import Trainer
+
+
+class Optimization:
+    """The optimizers of one run and everything that steps them."""
+
+    def __init__(self) -> None:
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.schedulers: list[SchedulerConfig] = []
+        self.manual_optimizers: list[StrategyOptimizer] = []  # what self.optimizers() gives the module
+        self.automatic = True
+        self._needs_before_step = False
+        self._custom_step = False
+
+    def setup(self, trainer: "Trainer") -> None:
+        """``configure_optimizers()`` against the wrapped parameters, parsed and checked."""
+        module, strategy = trainer.module, trainer.strategy
+        self.automatic = module.automatic_optimization
+        if not self.automatic:
+            strategy.check_manual_optimization()
+        config = strategy.setup_optimizers(trainer.model, module.configure_optimizers)
+        name = type(module).__name__
+        self.optimizers, self.schedulers = parse_optimizers(config, name, self.automatic)
+        for optimizer in self.optimizers:  # torch's multi-tensor path on XLA tensors, unless the user chose
+            prefer_foreach(optimizer)
+        if not self.automatic:
+            if trainer.gradient_clip_val is not None:
+                raise ValueError(f"gradient_clip_val with manual optimization ({name}.automatic_optimization is "
+                                 "False): clip in training_step with self.clip_gradients(opt, gradient_clip_val=...) "
+                                 "before opt.step(), as in Lightning.")
+            if trainer.accumulate_grad_batches != 1:
+                raise ValueError(f"accumulate_grad_batches with manual optimization ({name}.automatic_optimization "
+                                 "is False): step the optimizers every N batches in training_step instead.")
+        self.manual_optimizers = [
+            StrategyOptimizer(opt, strategy, lambda opt=opt: trainer._call("on_before_optimizer_step", opt),
+                              lambda: self._manual_stepped(trainer))
+            for opt in self.optimizers]
+        self._needs_before_step = trainer.gradient_clip_val is not None or _overrides(
+            module, trainer.callbacks, "on_before_optimizer_step")
+        self._custom_step = (type(module).optimizer_step is not XModule.optimizer_step
+                             or type(module).optimizer_zero_grad is not XModule.optimizer_zero_grad)
+
+    # ---- automatic optimization --------------------------------------------------------------
+    def step(self, trainer: "Trainer", batch_idx: int, loss: torch.Tensor) -> None:
+        """The optimizer step (reduce, clip, step: the strategy's), zero_grad, the step count and
+        the schedulers stepped per step; the module's ``optimizer_step`` if it overrides it."""
+        optimizer = self.optimizers[0]
+        before_step = (lambda: self._before_step(trainer)) if self._needs_before_step else None
+        if self._custom_step:  # the module overrides optimizer_step or optimizer_zero_grad
+            wrapper = StrategyOptimizer(optimizer, trainer.strategy, before_step)
+            trainer.module.optimizer_step(trainer.current_epoch, batch_idx, wrapper, lambda: loss)
+            trainer._call("on_before_zero_grad", optimizer)
+            trainer.module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        else:
+            trainer.strategy.optimizer_step(optimizer, before_step)
+            trainer._call("on_before_zero_grad", optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        trainer.global_step += 1
+        trainer._publisher.stepped()
+        self.step_schedulers(trainer, "step")
+
+    def _before_step(self, trainer: "Trainer") -> None:
+        trainer._call("on_before_optimizer_step", self.optimizers[0])
+        if trainer.gradient_clip_val is not None:
+            trainer.strategy.clip_gradients(trainer.model, self.optimizers[0], trainer.gradient_clip_val,
+                                            trainer.gradient_clip_algorithm)
+
+    def step_schedulers(self, trainer: "Trainer", interval: str) -> None:
+        count = trainer.global_step if interval == "step" else trainer.current_epoch + 1
+        step_schedulers(self.schedulers, interval, count, trainer.callback_metrics)
+
+    # ---- manual optimization -----------------------------------------------------------------
+    def _manual_stepped(self, trainer: "Trainer") -> None:
+        """A manual ``opt.step()``: Lightning counts every optimizer step in ``global_step``."""
+        trainer.global_step += 1
+        trainer._publisher.stepped()
+
+    def forget_pending_clips(self) -> None:
+        """After a manual ``training_step``: a clip asked for an optimizer that did not step lapses."""
+        for wrapper in self.manual_optimizers:
+            wrapper.pending_clip = None
+
+    def manual_backward(self, trainer: "Trainer", loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``XModule.manual_backward``: the backward hooks around the strategy's backward."""
+        if self.automatic:
+            raise RuntimeError("manual_backward() is for manual optimization: set self.automatic_optimization = "
+                               "False in the module's __init__ (with automatic optimization, return the loss).")
+        trainer._call("on_before_backward", loss)
+        trainer.strategy.manual_backward(trainer.model, loss, *args, **kwargs)
+        trainer._call("on_after_backward")
+
+    def clip_gradients_of(self, trainer: "Trainer", optimizer: Any, value: float | None,
+                          algorithm: str | None) -> None:
+        """``XModule.clip_gradients``: clip ``optimizer``'s gradients once they are reduced, just
+        before it steps (right away where the strategy reduced them in backward already)."""
+        if value is None:
+            return
+        algorithm = algorithm or "norm"
+        if algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={algorithm!r}: use 'norm' or 'value'.")
+        raw = getattr(optimizer, "optimizer", optimizer)
+        wrapper = next((w for w in self.manual_optimizers if w.optimizer is raw), None)
+        clip = lambda: trainer.strategy.clip_gradients(trainer.model, raw, value, algorithm)  # noqa: E731
+        if wrapper is None:
+            clip()
+        else:
+            wrapper.pending_clip = clip
+
+
+def _overrides(module: XModule, callbacks: list[Callback], hook: str) -> bool:
+    return (getattr(type(module), hook) is not getattr(XModule, hook)
+            or any(getattr(type(cb), hook) is not getattr(Callback, hook) for cb in callbacks))

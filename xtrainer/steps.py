@@ -1,0 +1,96 @@
+"""What the Trainer asks of the user's module, and how it calls its steps: the checks a module
+passes before a run, the dispatcher that calls ``*_step`` from ``forward`` (so that wrappers'
+forward hooks, DDP's and FSDP's, run around every step), and the loss a ``training_step`` must
+return."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from xtrainer.module import MODULE_HOOKS, XModule
+from xtrainer.callbacks.base import check_hook_names
+from xtrainer.precision import Precision
+
+STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
+                "predict": "predict_step"}
+
+#: Lightning hooks that cannot run here: batches move to the device inside torch_xla's loader.
+TRANSFER_HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer", "transfer_batch_to_device")
+
+
+class StepDispatcher(nn.Module):
+    """Calls the user's ``*_step`` from ``forward``, so wrappers' forward hooks (DDP, FSDP)
+    run around every step. Floating-point inputs are cast to the run's precision here."""
+
+    def __init__(self, module: XModule, precision: Precision) -> None:
+        super().__init__()
+        self.module = module
+        self.precision = precision
+        # How many of (batch_idx, dataloader_idx) each step method takes: Lightning lets
+        # training_step(self, batch) leave batch_idx out.
+        self._arity = {stage: positional_count(getattr(module, name)) for stage, name in STEP_METHODS.items()}
+
+    def forward(self, stage: str, batch: Any, *args: Any) -> Any:
+        args = args[:max(0, self._arity[stage] - 1)]
+        with self.precision.step_context():
+            return getattr(self.module, STEP_METHODS[stage])(self.precision.convert_input(batch), *args)
+
+
+def check_module(model: Any, stage: str) -> None:
+    """Refuse, before anything starts, a module that cannot run ``stage``."""
+    if not isinstance(model, XModule):
+        raise TypeError(f"{stage}() takes an xtrainer.XModule, got {type(model).__name__}.")
+    for hook in TRANSFER_HOOKS:
+        if callable(getattr(model, hook, None)):
+            raise NotImplementedError(
+                f"{type(model).__name__}.{hook} would not be called: batches move to the XLA device inside "
+                "torch_xla's loader, ahead of the step. Do that work in the DataLoader's collate_fn (on the host) "
+                "or at the start of training_step (on the device), and remove the method.")
+    check_hook_names(model, MODULE_HOOKS, XModule)
+    if stage == "fit":
+        if type(model).training_step is XModule.training_step:
+            raise NotImplementedError(f"{type(model).__name__} has no training_step(self, batch, batch_idx).")
+        if type(model).configure_optimizers is XModule.configure_optimizers:
+            raise NotImplementedError(
+                f"{type(model).__name__} has no configure_optimizers(). Return an optimizer, "
+                "(optimizers, schedulers), or {'optimizer': ..., 'lr_scheduler': ...}.")
+
+
+def check_eval_step(model: XModule, stage: str) -> None:
+    """Refuse to validate or test a module without the step for it."""
+    step = STEP_METHODS[stage]
+    if stage != "predict" and getattr(type(model), step) is getattr(XModule, step):
+        raise ValueError(f"{type(model).__name__} has no {step}(self, batch, batch_idx) to {stage} with.")
+
+
+def training_loss(outputs: Any) -> torch.Tensor:
+    """The scalar loss in what ``training_step`` returned (a tensor, or a dict with ``loss``)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if loss is None:
+        raise ValueError(
+            "training_step returned None. Return the loss tensor or a dict with a 'loss' entry; skipping a "
+            "batch by returning None is not supported (deciding it would force a host sync every step).")
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"training_step must return a tensor or a dict with 'loss', got {type(outputs).__name__}.")
+    if loss.numel() != 1:
+        raise ValueError(f"training_step returned a loss of shape {tuple(loss.shape)}; it must be a scalar "
+                         "(reduce it with .mean() or .sum()).")
+    if not loss.requires_grad:
+        raise ValueError("training_step returned a loss that does not require grad: it is detached from the "
+                         "model's parameters (was it computed under torch.no_grad(), or with .detach()?).")
+    return loss.reshape(())
+
+
+def positional_count(method: Any) -> int:
+    """Positional arguments a bound step method takes (many for ``*args``)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return 3
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return 3
+    return sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params)

@@ -1,0 +1,153 @@
+"""How batches reach a replica: its share of a loader, delivered on the device.
+
+``Strategy.process_dataloader`` gives each replica a ``DeviceData``; ``distribute_dataloader``
+puts a ``DistributedSampler`` in a plain loader, and ``sequential_dataloader`` turns shuffling off
+(``overfit_batches``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Iterator
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from xtrainer import _xla
+
+
+class DeviceData:
+    """A data loader whose batches arrive on an XLA device, re-seeded at every epoch.
+
+    A sampler the strategy put in (``owns_sampler``) shuffles with the run's seed and the epoch
+    only, so a resumed run sees the same order as the original one.
+    """
+
+    def __init__(self, loader: Iterable, device: torch.device, owns_sampler: bool = False,
+                 input_sharding: Any = None) -> None:
+        self.loader, self.owns_sampler = loader, owns_sampler
+        self._device_loader = _xla.DeviceBatches(loader, device, input_sharding)
+
+    def set_epoch(self, epoch: int, seed: int | None = None) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if self.owns_sampler and seed is not None:
+            sampler.seed = seed
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        if hasattr(getattr(batch_sampler, "sampler", None), "set_epoch"):
+            batch_sampler.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._device_loader)
+
+    def resume_at(self, skip: int) -> Iterable[tuple[int, Any]]:
+        """``(batch_idx, batch)`` from batch ``skip`` on: resuming inside an epoch.
+
+        A map-style ``DataLoader`` skips at its batch sampler, by index: the skipped batches are
+        neither loaded nor sent, so resuming late in an epoch costs what resuming at its start
+        does. Any other loader (an ``IterableDataset``, a custom iterable) has no index to skip to:
+        its first ``skip`` batches are read on the host and dropped (not sent to the device).
+        """
+        if skip == 0:
+            return enumerate(self)
+        loader = _skipping_loader(self.loader, skip)
+        device_loader = _xla.DeviceBatches(loader, self._device_loader.device, self._device_loader.input_sharding,
+                                           start=skip)
+        return enumerate(device_loader, start=skip)
+
+
+class _SkipBatches:
+    """A batch sampler without its first ``skip`` batches (their indices are drawn, and dropped)."""
+
+    def __init__(self, batch_sampler: Iterable[list[int]], skip: int) -> None:
+        self.batch_sampler, self.skip = batch_sampler, skip
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return itertools.islice(iter(self.batch_sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_sampler) - self.skip)  # type: ignore[arg-type]
+
+
+class _DropFirst:
+    """An iterable without its first ``skip`` items, read and dropped on the host."""
+
+    def __init__(self, loader: Iterable, skip: int) -> None:
+        self.loader, self.skip = loader, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.loader), self.skip, None)
+
+
+def _skipping_loader(loader: Iterable, skip: int) -> Iterable:
+    if (isinstance(loader, DataLoader) and type(loader) is DataLoader and loader.batch_sampler is not None
+            and not isinstance(loader.dataset, torch.utils.data.IterableDataset)):
+        kwargs = {name: getattr(loader, name) for name in _DATALOADER_ARGS if hasattr(loader, name)}
+        for name in ("batch_size", "drop_last"):  # they belong to the batch sampler
+            kwargs.pop(name, None)
+        if kwargs.get("num_workers", 0) == 0:
+            kwargs.pop("prefetch_factor", None)
+            kwargs.pop("persistent_workers", None)
+        return DataLoader(loader.dataset, batch_sampler=_SkipBatches(loader.batch_sampler, skip), **kwargs)
+    return _DropFirst(loader, skip)
+
+
+_DATALOADER_ARGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
+                    "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor",
+                    "persistent_workers")
+
+
+def _plain_random(loader: DataLoader) -> bool:
+    """A plain loader over a ``RandomSampler`` that a seeded ``DistributedSampler`` can stand in
+    for exactly (same samples, an order that depends on the seed and the epoch only)."""
+    sampler = loader.sampler
+    return (type(loader) is DataLoader and type(loader.batch_sampler) is BatchSampler
+            and type(sampler) is RandomSampler and not sampler.replacement
+            and sampler._num_samples is None)  # private attribute: the num_samples argument
+
+
+def distribute_dataloader(loader: DataLoader, num_replicas: int, rank: int) -> DataLoader:
+    """``loader`` with its sampler replaced by a ``DistributedSampler`` for ``rank``.
+
+    The new sampler keeps the loader's shuffle setting and is re-seeded each epoch by the
+    Trainer (``set_epoch``). Its padding makes every replica see the same number of batches,
+    so no replica waits at a collective for another that ran out of data.
+    """
+    if isinstance(loader.sampler, DistributedSampler):
+        return loader
+    if (type(loader) is not DataLoader or type(loader.batch_sampler) is not BatchSampler
+            or type(loader.sampler) not in (SequentialSampler, RandomSampler)):
+        raise TypeError(
+            f"Cannot shard {type(loader).__name__} (sampler {type(loader.sampler).__name__}) across "
+            f"{num_replicas} replicas automatically. Give it a torch.utils.data.DistributedSampler "
+            f"with num_replicas={num_replicas} and rank=trainer.global_rank yourself."
+        )
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        raise TypeError("An IterableDataset cannot be sharded by a sampler: split it by "
+                        "trainer.global_rank inside the dataset instead.")
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    return _with_sampler(loader, DistributedSampler(loader.dataset, num_replicas=num_replicas, rank=rank,
+                                                    shuffle=shuffle))
+
+
+def sequential_dataloader(loader: Any) -> Any:
+    """``loader`` without shuffling (``overfit_batches``: the same first batches every epoch)."""
+    if isinstance(loader, DataLoader) and type(loader) is DataLoader and isinstance(loader.sampler, RandomSampler) \
+            and type(loader.batch_sampler) is BatchSampler:
+        rank_zero_warn("overfit_batches: the training loader's shuffling is turned off, so every epoch sees the "
+                       "same batches.")
+        return _with_sampler(loader, SequentialSampler(loader.dataset))
+    return loader
+
+
+def _with_sampler(loader: DataLoader, sampler: Any) -> DataLoader:
+    kwargs = {name: getattr(loader, name) for name in _DATALOADER_ARGS if hasattr(loader, name)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+        kwargs.pop("persistent_workers", None)
+    return DataLoader(loader.dataset, sampler=sampler, **kwargs)

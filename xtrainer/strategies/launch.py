@@ -1,0 +1,301 @@
+"""How ``fit`` reaches its replicas: one small class per way of starting them.
+
+A strategy picks one as its ``launcher``:
+
+- ``InCaller``: one device; ``fit`` runs in the calling process.
+- ``XlaLaunch``: ``torch_xla.launch``, one process per device (TPU and other PJRT devices).
+- ``CpuThreadReplicas``: several replicas on the CPU runtime, as threads of one new process
+  (``cpu_replicas``).
+- ``SpmdProcess``: one SPMD program in one new process (``process``), for ``XlaSPMD``.
+
+Each has ``launch(fn, *args)``, ``planned_world_size()`` and ``runs_in_caller``. Started replicas
+run a ``_ReplicaJob``: it reports rank 0's result, or the first failed replica's error, through
+files of a private folder, and the caller raises that error with the replica's traceback as its
+``ReplicaFailure`` cause.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+import warnings
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from xtrainer import _xla, interrupts
+from xtrainer.interrupts import TrainingInterrupted
+from xtrainer.strategies import cpu_replicas
+from xtrainer.strategies.process import run_in_new_process
+
+
+class Launcher(abc.ABC):
+    """One way of running ``fit`` in every replica, for ``devices`` devices (None: every local one)."""
+
+    #: Whether ``fit`` runs in the calling process rather than in started replicas.
+    runs_in_caller: ClassVar[bool] = False
+
+    def __init__(self, devices: int | None) -> None:
+        self.devices = devices
+
+    @abc.abstractmethod
+    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in every replica and return the result of this host's first replica
+        (rank 0 on a single host) in the calling process.
+
+        ``fn`` begins by calling the strategy's ``setup_environment()``. In started replicas rank
+        0's return value comes back through a file (so it must pickle), and the calling process
+        never touches the XLA runtime itself, which ``torch_xla.launch`` requires. If a replica
+        fails, the others are stopped and its error is raised here.
+        """
+
+    def planned_world_size(self) -> int | None:
+        """The world size a launch will have, as the calling process can tell before it: the
+        replica count on the CPU runtime; None elsewhere (a TPU pod's size is known to the runtime
+        only)."""
+        if _xla.requested_device_type() == "CPU" and not _xla.launched_externally():
+            return self.devices
+        return None
+
+
+class InCaller(Launcher):
+    """One device: ``fn`` runs here, in the calling process."""
+
+    runs_in_caller = True
+
+    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+        _refuse_cpu_processes_of_torchrun()
+        return fn(*args)
+
+
+class _StartedReplicas(Launcher):
+    """Replicas started elsewhere: ``start`` runs a ``_ReplicaJob`` in each."""
+
+    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+        _refuse_cpu_processes_of_torchrun()
+        rng_state = torch.get_rng_state()
+        with tempfile.TemporaryDirectory(prefix="xtrainer-launch-") as tmp:
+            job = _ReplicaJob(fn, args, tmp, rng_state)
+            try:
+                exitcode = self.start(job)
+            except BaseException as err:
+                job.raise_failure(cause=err)
+                raise
+            job.raise_failure()
+            signum = interrupts.requested()
+            if exitcode != 0 and signum is not None:  # stopped before it could stop gracefully
+                raise TrainingInterrupted(f"Stopped by {signal.Signals(signum).name} while the replicas were "
+                                          "starting; nothing was trained, no checkpoint was written.", signum)
+            if exitcode != 0:
+                how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
+                when = "after rank 0 had finished" if os.path.exists(job.result_path) else "before rank 0 finished"
+                raise RuntimeError(f"The replicas' process ended with {how} {when}, without reporting an error; "
+                                   "its output above (Python stacks of every thread on a crash) may say why.")
+            return job.result()
+
+    @abc.abstractmethod
+    def start(self, job: Callable[[], None]) -> int:
+        """Run ``job()`` in every replica; returns the exit code of the replicas' process (0 when
+        the replicas return normally)."""
+
+
+class XlaLaunch(_StartedReplicas):
+    """``torch_xla.launch``: one process per local device (TPU), or this process as one of several
+    that torchrun started."""
+
+    def start(self, job: Callable[[], None]) -> int:
+        if not _xla.launched_externally():
+            _check_launch_devices(self.devices)
+        _xla.launch(_replica_main, args=(job,))
+        return 0
+
+
+class CpuThreadReplicas(_StartedReplicas):
+    """Several replicas on the CPU runtime: threads of one new process (``cpu_replicas``)."""
+
+    def start(self, job: Callable[[], None]) -> int:
+        return cpu_replicas.launch(job, self.devices)
+
+
+class SpmdProcess(_StartedReplicas):
+    """One SPMD program over every device, in one new process with SPMD switched on from the
+    runtime's start (it must be before any XLA tensor exists, which the calling process may
+    already have made). ``what`` names the strategy in messages."""
+
+    def __init__(self, devices: int | None, what: str) -> None:
+        super().__init__(devices)
+        self.what = what
+
+    def start(self, job: Callable[[], None]) -> int:
+        # SPMD from the runtime's start, by the (deprecated, still read) variable: the new process
+        # may touch XLA while it imports the caller's modules, before any code of ours runs.
+        env = {"XLA_USE_SPMD": "1"}
+        if _xla.requested_device_type() == "CPU":
+            env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(self.devices or 1))
+        return run_in_new_process(_spmd_main, (job,), env, self.what)
+
+    def planned_world_size(self) -> int | None:
+        """One process per host: 1 on the CPU runtime."""
+        return 1 if _xla.requested_device_type() == "CPU" else None
+
+
+def for_replicas(devices: int | None) -> Launcher:
+    """The launcher of MPMD replicas: in the calling process for one device; else thread replicas
+    on the CPU runtime, ``torch_xla.launch`` elsewhere."""
+    if devices == 1:
+        return InCaller(devices)
+    if cpu_replicas.applies(devices):
+        return CpuThreadReplicas(devices)
+    return XlaLaunch(devices)
+
+
+#: The launch this thread's replica belongs to, while its ``_ReplicaJob`` runs (one per thread:
+#: on the CPU runtime the replicas are threads of one process).
+_current = threading.local()
+
+
+def launch_rng_state() -> torch.Tensor | None:
+    """In a started replica: torch's CPU random state as the calling process had it at launch
+    (None where ``fit`` runs in the calling process)."""
+    return getattr(_current, "rng_state", None)
+
+
+def _refuse_cpu_processes_of_torchrun() -> None:
+    if _xla.launched_externally() and _xla.requested_device_type() == "CPU" \
+            and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError(
+            "This process is one of several started by torchrun (or a similar launcher), but torch_xla's "
+            "CPU runtime cannot run collectives across processes. Start one process instead (python "
+            "script.py or xtrainer fit) with Trainer(devices=N): xtrainer runs the N replicas itself.")
+
+
+def _check_launch_devices(devices: int | None) -> None:
+    kind = _xla.requested_device_type()
+    local = _xla.local_device_count_without_runtime()
+    # torch_xla.launch runs one replica per local device and takes no count: another number of
+    # devices cannot be honoured. (Checked against torch_xla's documentation; no TPU here.)
+    if devices is not None and local is not None and devices != local:
+        raise ValueError(
+            f"devices={devices}, but torch_xla.launch runs one replica on each of the {local} local "
+            f"{kind} devices. Use devices='auto' (or {local}), or make fewer devices visible to the runtime.")
+
+
+class ReplicaFailure(Exception):
+    """The traceback of a replica's error, as the ``__cause__`` of the error raised in the caller."""
+
+
+class _ReplicaJob:
+    """What a launcher sends to every replica (pickled into the replicas' processes).
+
+    The first replica of each host writes its result to ``result.pt``; the first replica to fail
+    writes its error to ``error.pkl`` (created exclusively, so later failures, often caused by
+    the first, do not replace it). ``rng_state`` is torch's CPU random state of the calling
+    process at launch; ``launch_rng_state()`` returns it while the job runs.
+    """
+
+    _copy_lock = threading.Lock()
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, folder: str, rng_state: torch.Tensor) -> None:
+        self.fn, self.args, self.rng_state = fn, args, rng_state
+        self.result_path = os.path.join(folder, "result.pt")
+        self.error_path = os.path.join(folder, "error.pkl")
+
+    def __call__(self) -> None:
+        fn, args = self.fn, self.args
+        _current.rng_state = self.rng_state
+        try:
+            if cpu_replicas.installed():
+                # Replicas are threads of one process: each needs its own trainer, module and
+                # strategy, as separate processes would have.
+                with self._copy_lock:
+                    fn, args = copy.deepcopy((fn, args))
+            result = fn(*args)
+            # The first replica of each host reports to that host's calling process (on a
+            # multi-host pod every host runs its own; untested here). Weights are the same on
+            # every replica.
+            if _xla.local_rank() == 0:
+                # Private to this launch (a folder only this user can read, made by the calling
+                # process): the result may hold any object the user's hooks return.
+                torch.save({"result": result}, self.result_path)
+        except BaseException as err:
+            self._record_failure(err)
+            raise
+        finally:
+            _current.rng_state = None
+
+    def _record_failure(self, err: BaseException) -> None:
+        record = {"rank": _xla.global_rank(), "world_size": _xla.world_size(), "type": type(err).__name__,
+                  "message": str(err), "traceback": "".join(traceback.format_exception(err))}
+        try:
+            payload = pickle.dumps({**record, "exception": err})
+            pickle.loads(payload)
+        except Exception:  # noqa: BLE001 - an exception that does not travel: send its text
+            payload = pickle.dumps({**record, "exception": None})
+        try:
+            fd = os.open(self.error_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            return  # another replica failed first
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+
+    def raise_failure(self, cause: BaseException | None = None) -> None:
+        """Raise the first failed replica's error here, if one failed."""
+        if not os.path.exists(self.error_path):
+            return
+        with open(self.error_path, "rb") as f:  # the launch's own private folder, not a user's file
+            record = pickle.load(f)
+        where = f"replica {record['rank']} of {record['world_size']}"
+        err = record["exception"] or RuntimeError(f"{record['type']}: {record['message']}")
+        others = "; the other replicas were stopped" if record["world_size"] > 1 else ""
+        if not isinstance(err, TrainingInterrupted):
+            err.add_note(f"(raised in {where}{others})")
+        remote = ReplicaFailure(f"{where} failed:\n\n{record['traceback']}")
+        remote.__cause__ = cause
+        raise err from remote
+
+    def result(self) -> Any:
+        if not os.path.exists(self.result_path):
+            raise RuntimeError("The replicas finished without rank 0 returning a result.")
+        # The launch's own private folder (see __call__), not a checkpoint: read in full.
+        return torch.load(self.result_path, map_location="cpu", weights_only=False)["result"]
+
+
+def _replica_main(index: int, job: _ReplicaJob) -> None:
+    """A replica process started by ``torch_xla.launch``. On failure the process ends at once:
+    its peers may be waiting for it inside a collective, and only ending the process pool stops
+    them (torch_xla's launcher then terminates the remaining replica processes)."""
+    try:
+        # Each replica process gets the platform's SIGTERM itself (untested here: no TPU); the first
+        # of each host says so. (The rank comes from the runtime; ``index`` is the local one.)
+        with interrupts.graceful(announce=index == 0):
+            job()
+    except BaseException:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _spmd_main(job: Callable[[], None]) -> None:
+    faulthandler.enable()  # a crash in native code still shows the Python stack
+    # This process is the SPMD run's own. FSDPv2 hooks an optimization barrier into backward on
+    # every unit, the root included; the root is xtrainer's step dispatcher, whose output is a
+    # loss or nothing, and torch warns about such hooks on every call. The barrier works all the
+    # same.
+    for message in ("Full backward hook is firing", "For backward hooks to be called"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    if not _xla.is_spmd():
+        _xla.use_spmd()
+    try:
+        job()
+    except BaseException:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # the error is in the job's error file; the caller raises it
