@@ -20,7 +20,7 @@ from torch import nn
 from xtrainer import Trainer, _xla
 from xtrainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from xtrainer.checkpoint import CheckpointError, consolidate
-from xtrainer.strategies import XlaFSDP
+from xtrainer.strategies import STRATEGIES, XlaFSDP, XlaSPMD
 from xtrainer.strategies.launch import ReplicaFailure
 
 pytestmark = pytest.mark.multi_device
@@ -111,7 +111,7 @@ def reference(tmp_path_factory):
 
 # Every MPMD strategy (FSDP as ZeRO-3) at 2 replicas; at 4, DDP (the channel-id collectives and the thread pool at 4 are
 # the same for every strategy, which agree with each other at 2 here).
-CASES = [(s, 2) for s in ("xla_native", "xla_ddp", "xla_fsdp")] + [("xla_ddp", 4)]
+CASES = [(s, 2) for s, cls in STRATEGIES.items() if not issubclass(cls, XlaSPMD)] + [("xla_ddp", 4)]
 IDS = [f"{s}-{n}" for s, n in CASES]
 
 

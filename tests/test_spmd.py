@@ -12,7 +12,9 @@ from conftest import Regressor, make_loader
 from xtrainer import Trainer, _xla
 from xtrainer.callbacks import Callback, ModelCheckpoint, XlaHealth
 from xtrainer.checkpoint import CheckpointError, UnreadableCheckpointError, consolidate, load_checkpoint
-from xtrainer.strategies import XlaFSDPv2, XlaSPMD
+from xtrainer.strategies import STRATEGIES, XlaFSDPv2, XlaSPMD
+
+SPMD_STRATEGIES = [name for name, cls in STRATEGIES.items() if issubclass(cls, XlaSPMD)]  # from the registry
 
 pytestmark = pytest.mark.multi_device
 
@@ -49,7 +51,7 @@ def native(tmp_path_factory):
     return fit(tmp_path_factory.mktemp("native"), "xla_native", devices=1)
 
 
-@pytest.mark.parametrize("strategy", ["xla_spmd", "xla_fsdpv2"])
+@pytest.mark.parametrize("strategy", SPMD_STRATEGIES)
 def test_spmd_follows_native_on_the_same_global_batches(tmp_path, native, strategy):
     trainer, model, steps = fit(tmp_path, strategy)  # XlaHealth(on_recompile="raise"): no recompilation
     _, ref_model, ref_steps = native

@@ -13,11 +13,13 @@ from torch import nn
 from xtrainer import Trainer, XModule
 from xtrainer.callbacks import Callback
 from xtrainer.checkpoint import CheckpointError, consolidate, storage
-from xtrainer.strategies import XlaDDP, XlaFSDP
+from xtrainer.strategies import STRATEGIES as REGISTRY
+from xtrainer.strategies import XlaDDP, XlaFSDP, XlaSPMD
 
 ZERO3 = lambda: XlaFSDP(reshard_after_forward=True)  # noqa: E731
 ZERO2 = lambda: XlaFSDP(reshard_after_forward=False)  # noqa: E731
-STRATEGIES = {"xla_native": lambda: "xla_native", "xla_ddp": XlaDDP, "fsdp_zero3": ZERO3, "fsdp_zero2": ZERO2}
+# Every registered strategy of MPMD replicas (the SPMD ones: test_spmd.py), and FSDP as ZeRO-2 too.
+STRATEGIES = {**{name: cls for name, cls in REGISTRY.items() if not issubclass(cls, XlaSPMD)}, "xla_fsdp_zero2": ZERO2}
 DEVICES = [1]  # at 2 replicas, test_replicas compares every strategy with one replica, accumulating and clipping
 
 
