@@ -102,6 +102,15 @@ def test_spmd_stops_on_xlas_preemption_sync_at_one_agreed_step(tmp_path):
     assert saved["loops"]["global_step"] == step > 2 and not saved["loops"]["epoch_finished"]
 
 
+def test_a_mistyped_preemption_sync_setting_is_refused_before_anything_starts(monkeypatch):
+    from xtrainer.strategies import XlaFSDPv2, XlaSPMD
+
+    monkeypatch.setenv("XTRAINER_PREEMPTION_SYNC", "yes")
+    for strategy in (XlaSPMD, XlaFSDPv2):
+        with pytest.raises(ValueError, match="XTRAINER_PREEMPTION_SYNC='yes': use 1 .* or 0"):
+            strategy()
+
+
 @pytest.mark.multi_device
 def test_the_replicas_never_outlive_their_caller(tmp_path):
     root = tmp_path / "run"

@@ -56,6 +56,7 @@ class XlaSPMD(Strategy):
     def __init__(self, mesh_shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] | None = None,
                  data_axis: str | None = None, shardings: dict[str, tuple] | None = None) -> None:
         super().__init__()
+        preemption_sync_choice()  # a mistyped value is refused here, before a process starts
         self.axis_names = tuple(axis_names or self._default_axes)
         self.mesh_shape = tuple(mesh_shape) if mesh_shape is not None else None
         self.data_axis = data_axis or self.axis_names[0]
@@ -299,7 +300,14 @@ def preemption_sync_wanted() -> bool:
     the platform's SIGTERM reaches every host and the hosts must stop at one step;
     ``XTRAINER_PREEMPTION_SYNC=1`` or ``0`` chooses (1 on the CPU runtime runs the same mechanism for
     one process; untested on TPU here)."""
+    choice = preemption_sync_choice()
+    return choice == "1" if choice else _xla.device_type() == "TPU"
+
+
+def preemption_sync_choice() -> str:
+    """``XTRAINER_PREEMPTION_SYNC`` as set: ``"1"``, ``"0"`` or ``""`` (the default); anything else
+    is refused (also when the strategy is made, in the calling process)."""
     choice = os.environ.get("XTRAINER_PREEMPTION_SYNC", "")
     if choice not in ("", "0", "1"):
         raise ValueError(f"XTRAINER_PREEMPTION_SYNC={choice!r}: use 1 (stop on XLA's preemption sync) or 0 (don't).")
-    return choice == "1" if choice else _xla.device_type() == "TPU"
+    return choice
