@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import socket
 import sys
 from typing import Any, Callable, Iterable, Iterator
 
@@ -355,15 +354,15 @@ class PreemptionNotice:
     stays with Python. On TPU pods the coordination service spans the hosts (untested here: no
     pod); on the CPU runtime it runs for one process, which is how the tests exercise it."""
 
-    def __init__(self) -> None:
+    def __init__(self, local_port: int) -> None:
+        """``local_port``: the coordinator's port when this is the job's only process (a free one,
+        so that two runs on one machine do not collide); on several hosts every host reaches the
+        coordinator at its default port, as torch_xla's ``CheckpointManager`` does."""
         count = xr.process_count()
-        if count > 1:  # every host reaches the coordinator at the default port, as torch_xla's CheckpointManager does
+        if count > 1:
             torch_xla._XLAC._ensure_xla_coordinator_initialized(xr.process_index(), count, xr.get_master_ip())
-        else:  # one process: a free port, so that two runs on one machine do not collide
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            torch_xla._XLAC._ensure_xla_coordinator_initialized(0, 1, "localhost", str(port))
+        else:
+            torch_xla._XLAC._ensure_xla_coordinator_initialized(0, 1, "localhost", str(local_port))
         torch_xla._XLAC._activate_preemption_sync_manager()
 
     def reached(self, step: int) -> bool:

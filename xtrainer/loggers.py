@@ -441,7 +441,7 @@ def _scalar(value: Any) -> Any:
     if (module.startswith("torch") or module.startswith("numpy")) and hasattr(value, "item"):
         try:
             if getattr(value, "ndim", 0) == 0 or value.numel() == 1:
-                return value.item()
+                return value.item()  # host sync for a device tensor: hyperparameters, once per run
         except (AttributeError, TypeError, ValueError, RuntimeError):
             pass
     return value

@@ -36,6 +36,7 @@ from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
 from xtrainer.strategies.base import Strategy
 from xtrainer.strategies.collectives import SpmdHosts
 from xtrainer.strategies.launch import SpmdProcess
+from xtrainer.strategies.process import free_port
 
 
 class XlaSPMD(Strategy):
@@ -99,7 +100,7 @@ class XlaSPMD(Strategy):
             dist.init_process_group("gloo", init_method="xla://")
             self._owns_process_group = True
         if preemption_sync_wanted():
-            self._preemption = _xla.PreemptionNotice()
+            self._preemption = _xla.PreemptionNotice(local_port=free_port())
 
     # ---- stopping --------------------------------------------------------------------------------
     def preempted(self, step: int) -> bool:
