@@ -16,8 +16,10 @@ if TYPE_CHECKING:
 _HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
 
 
-def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None) -> Any:
-    """One pass over every loader of ``stage``: metrics per loader, or the predictions."""
+def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_fit: bool = False) -> Any:
+    """One pass over every loader of ``stage``: metrics per loader, or the predictions.
+    ``in_fit``: a fit's validation, no longer pending once its batches have run (a checkpoint
+    written in its end hooks resumes after it)."""
     hook = _HOOK_STAGE[stage]
     wrapped = trainer.model
     was_training = wrapped.training
@@ -49,6 +51,8 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None) -> 
                 trainer._call(f"on_{hook}_batch_end", outputs, batch, batch_idx, *extra)
             predictions.append(outputs_of_loader)
     results.suffix = ""
+    if in_fit:
+        trainer._validation_pending = False
     metrics = trainer._end_epoch(stage, f"on_{hook}_epoch_end")
     trainer._call(f"on_{hook}_end")
     if was_training:
@@ -64,9 +68,8 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None) -> 
 def validate_during_fit(trainer: "Trainer", val: list) -> None:
     """A validation inside ``fit``; the training results are put back afterwards."""
     train_results = trainer._results
-    run(trainer, "validate", val)
+    run(trainer, "validate", val, in_fit=True)
     trainer._results = train_results
-    trainer._validation_pending = False
 
 
 def sanity_check(trainer: "Trainer", val: list) -> None:

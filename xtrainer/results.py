@@ -173,6 +173,25 @@ class Results:
         return {variant for name, entry in self.entries.items() if not entry.logger
                 for variant in (name, name + "_step", name + "_epoch")}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch accumulators so far (on the host: a host sync, as a checkpoint is), so that a
+        run resumed inside an epoch reports values over the whole epoch."""
+        totals = {name: entry.total for name, entry in self.entries.items()
+                  if entry.metric is None and entry.on_epoch and entry.total is not None}
+        host = _xla.to_cpu(totals) if totals else {}  # host sync: the checkpoint's copy
+        return {name: {"total": host[name], "weight": entry.weight, "on_step": entry.on_step,
+                       "prog_bar": entry.prog_bar, "sync_dist": entry.sync_dist, "reduce_fx": entry.reduce_fx,
+                       "logger": entry.logger}
+                for name, entry in self.entries.items() if name in host}
+
+    def load_state_dict(self, state: dict[str, Any] | None, device: torch.device) -> None:
+        for name, saved in (state or {}).items():
+            if saved.get("reduce_fx") not in REDUCE_FXS or not isinstance(saved.get("total"), torch.Tensor):
+                continue  # not of this format: the epoch's values start afresh
+            entry = self.entries[name] = _Entry(bool(saved["on_step"]), True, bool(saved["prog_bar"]),
+                                                bool(saved["sync_dist"]), saved["reduce_fx"], bool(saved["logger"]))
+            entry.total, entry.weight = saved["total"].to(device), float(saved["weight"])
+
     def reset_epoch(self) -> None:
         for entry in self.entries.values():
             entry.total, entry.weight = None, 0.0

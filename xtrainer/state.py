@@ -24,7 +24,7 @@ from xtrainer.checkpoint import format as ckpt_format
 from xtrainer.checkpoint import resume
 from xtrainer.checkpoint.whole import WholeFile
 from xtrainer.checkpoint.format import CheckpointError
-from xtrainer.optim import keeping_foreach
+from xtrainer.optim import keeping_foreach, step_schedulers
 
 try:
     import numpy as _numpy
@@ -48,8 +48,12 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "loops": {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
                   "batches_in_epoch": trainer._batches_in_epoch, "epoch_finished": trainer._epoch_finished,
-                  "seed": trainer._seed, "validation_pending": trainer._validation_pending},
+                  "seed": trainer._seed, "validation_pending": trainer._validation_pending,
+                  "epoch_schedulers_due": trainer._epoch_schedulers_due,
+                  "callback_metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}},
         "rng_states": rng_states(strategy),
+        "epoch_results": per_replica(strategy, trainer._train_results.state_dict()),
+        "data_state": per_replica(strategy, trainer._train_data_state()),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "hyper_parameters": ckpt_format.plain_hparams(trainer.module.hparams),
         "hparams_name": trainer.module._hparams_name,
@@ -212,6 +216,16 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
         trainer._skip_batches = 0 if loops["epoch_finished"] else loops["batches_in_epoch"]
         trainer._batches_in_epoch = trainer._skip_batches
         trainer._validation_pending = bool(loops.get("validation_pending")) and not loops["epoch_finished"]
+        metrics = loops.get("callback_metrics") or {}
+        trainer.callback_metrics.update(metrics)
+        if loops.get("epoch_schedulers_due") and loops["epoch_finished"] and trainer._optim.automatic:
+            # Saved at the epoch's end, before its schedulers stepped: they step now, as they did then.
+            step_schedulers(trainer.lr_scheduler_configs, "epoch", loops["epoch"] + 1, metrics)
+        if not loops["epoch_finished"]:  # inside an epoch: its accumulated values and its data order go on
+            rank, size = trainer.global_rank, trainer.world_size
+            trainer._train_results.load_state_dict(of_this_replica(checkpoint.get("epoch_results"), rank, size),
+                                                   trainer.strategy.device)
+            trainer._restored_data_state = of_this_replica(checkpoint.get("data_state"), rank, size)
         for cb in trainer.callbacks:
             if cb.state_key in checkpoint.get("callbacks", {}):
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
@@ -220,6 +234,17 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
     trainer.module.on_load_checkpoint(checkpoint)
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, trainer.module, checkpoint)
+
+
+def per_replica(strategy: Any, value: Any) -> list[Any]:
+    """``value`` of every replica, in rank order (a host rendezvous with several replicas, as all
+    of a save is)."""
+    return strategy.collectives.all_gather_object(value) if strategy.world_size > 1 else [value]
+
+
+def of_this_replica(values: Any, rank: int, world_size: int) -> Any:
+    """This replica's item of a ``per_replica`` list saved by as many replicas (else None)."""
+    return values[rank] if isinstance(values, list) and len(values) == world_size else None
 
 
 def rng_states(strategy: Any) -> dict[str, Any]:

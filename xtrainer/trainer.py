@@ -191,11 +191,16 @@ class Trainer:
         # Between a batch's end (where checkpoints are saved) and the validation it triggers: a
         # run resumed from such a checkpoint validates first, as the original run went on to do.
         self._validation_pending = False
+        # Between an epoch's end and its schedulers' epoch step (where epoch-end checkpoints are written).
+        self._epoch_schedulers_due = False
+        self._stepped = True  # the last training batch ended with an optimizer step
         # Set inside a run (per replica).
         self._module: XModule | None = None
         self._wrapped: nn.Module | None = None
         self._optim = Optimization()
-        self._results = Results("train", default_on_step=True)
+        self._train_results = self._results = Results("train", default_on_step=True)
+        self._train_data: Any = None  # the fit's training data, as the strategy delivers it
+        self._restored_data_state: Any = None  # the data order a resumed epoch continues
 
     # ---- the run folder ------------------------------------------------------------------------
     @property
@@ -442,6 +447,8 @@ class Trainer:
             self._wrapped = self.strategy.setup_module(StepDispatcher(module, self.precision))
             data = {name: [self._device_data(dl) for dl in dls] for name, dls in sources.items()}
             if stage == "fit":
+                self._train_results = self._results = Results("train", default_on_step=True)
+                self._train_data, self._restored_data_state = data["train"][0], None
                 self.num_training_batches = self._num_batches(data["train"][0], "train")
                 self._num_val_batches = [self._num_batches(d, "validate") for d in data["validate"]]
                 self._optim = Optimization()
@@ -477,6 +484,10 @@ class Trainer:
             self.state = "idle"
             self._wrapped = self._module = None
 
+    def _train_data_state(self) -> Any:
+        """What a checkpoint keeps of the training data's order in this epoch (None: nothing)."""
+        return self._train_data.state_dict() if self._train_data is not None else None
+
     def _device_data(self, loader: Any) -> Any:
         return self.strategy.process_dataloader(loader, distribute=self.use_distributed_sampler)
 
@@ -488,7 +499,6 @@ class Trainer:
                 raise ValueError("The training dataloader is empty: it yields no batches (an empty dataset, or "
                                  "drop_last=True with fewer samples than one batch per replica).")
             raise ValueError("limit_train_batches leaves no training batches to run.")
-        self._results = Results("train", default_on_step=True)
         self._publisher.start_fit(self)
         self._started_at = time.monotonic()
         if self.enable_model_summary and self.is_global_zero:
@@ -499,11 +509,15 @@ class Trainer:
         self._call("on_train_start")
         first_epoch = self.current_epoch
         while not self._fit_done():
-            self._results.reset_epoch()
-            train = loaders.reloaded(self, train, first_epoch)
-            train.set_epoch(self.current_epoch, self._seed)
-            self._call("on_train_epoch_start")
             skip, self._skip_batches = self._skip_batches, 0
+            if not skip:  # a resumed epoch keeps the values it had accumulated
+                self._results.reset_epoch()
+            train = self._train_data = loaders.reloaded(self, train, first_epoch)
+            train.set_epoch(self.current_epoch, self._seed)
+            if skip and self._restored_data_state is not None:
+                train.load_state_dict(self._restored_data_state)  # the epoch's order, as it was drawn
+            self._restored_data_state = None
+            self._call("on_train_epoch_start")
             self._epoch_finished = False
             finished = True
             if self._validation_pending:  # resumed between a batch and the validation it triggered
@@ -523,7 +537,9 @@ class Trainer:
                 self._note_stop_requests()
                 if batch_idx + 1 >= self.num_training_batches:
                     break
-                if self._stopping() or (self.max_steps != -1 and self.global_step >= self.max_steps):
+                # A stop waits for the optimizer step: between micro-batches the accumulated
+                # gradients would be lost, and the resumed run would differ.
+                if (self._stopping() and self._stepped) or (self.max_steps != -1 and self.global_step >= self.max_steps):
                     finished = False
                     break
             signum = interrupts.requested()
@@ -532,14 +548,29 @@ class Trainer:
             if val and finished and math.isinf(self.num_training_batches) and self._validation_epoch():
                 evaluation.validate_during_fit(self, val)  # a loader without a length: validate when it runs out
             self._epoch_finished = finished
+            # A checkpoint written in the epoch-end hooks precedes the epoch's scheduler step: a run
+            # resumed from it takes that step first, as this one does next.
+            self._epoch_schedulers_due = finished
             self._end_epoch("train", "on_train_epoch_end")
             if self.world_size > 1:
-                self._publisher.publish(self, {})  # a stop asked for at the epoch's end reaches every replica
+                # A stop asked for at the epoch's end reaches every replica. The exchange may cut a
+                # graph, which advances the XLA generator: kept as it was, since a run resumed from
+                # a checkpoint written in the epoch-end hooks above does not make this exchange.
+                with _xla.rng_state_kept():
+                    self._publisher.publish(self, {})
             if self._epoch_finished:
                 if self._optim.automatic:  # under manual optimization the module steps its schedulers
                     self._optim.step_schedulers(self, "epoch")
+                self._epoch_schedulers_due = False
                 self.current_epoch += 1
                 self._batches_in_epoch = 0
+        signum = interrupts.requested()
+        if signum is not None and not self._limits_reached():
+            # Stopped by a signal at an epoch's end (on its last batch, in its validation, or where
+            # the replicas agreed): an interruption like any other, saved as the start of the next
+            # epoch with none of its batches trained, unless the fit really reached its end.
+            self._epoch_finished = False
+            run_state.stop_on_signal(self, signum)
         self._call("on_train_end")
         self._call("on_fit_end")
         self._publisher.end_fit(self)
@@ -589,9 +620,13 @@ class Trainer:
         return ((self.min_epochs is None or self.current_epoch >= self.min_epochs)
                 and (self.min_steps is None or self.global_step >= self.min_steps))
 
-    def _fit_done(self) -> bool:
-        return (self._stopping() or (self.max_steps != -1 and self.global_step >= self.max_steps)
+    def _limits_reached(self) -> bool:
+        """Whether the fit has run as far as ``max_steps``/``max_epochs`` let it."""
+        return ((self.max_steps != -1 and self.global_step >= self.max_steps)
                 or (self.max_epochs is not None and self.current_epoch >= self.max_epochs))
+
+    def _fit_done(self) -> bool:
+        return self._stopping() or self._limits_reached()
 
     def _train_batch(self, batch: Any, batch_idx: int) -> None:
         if not self._optim.automatic:
@@ -613,6 +648,7 @@ class Trainer:
             self.strategy.backward(loss)
             self._call("on_after_backward")
         results.in_step = False
+        self._stepped = steps
         if steps:
             self._optim.step(self, batch_idx, loss)
         if steps and self.global_step % self.log_every_n_steps == 0:
@@ -637,6 +673,7 @@ class Trainer:
             results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
                         reduce_fx="mean", batch_size=None)
         results.in_step = False
+        self._stepped = True  # the module stepped (or not) itself: any batch is a boundary
         self._optim.forget_pending_clips()
         if self.global_step // self.log_every_n_steps > before // self.log_every_n_steps:
             _xla.add_step_closure(self._publish_step_values)  # a logging step was crossed: as in _train_batch

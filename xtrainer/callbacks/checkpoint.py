@@ -171,6 +171,8 @@ class ModelCheckpoint(Callback):
         # the newest checkpoint kept only because last.ckpt links to it.
         self._kept: list[str] = []
         self._last_target = ""
+        self._interrupted = ""  # written on a signal outside the schedule: the next save removes it
+        self._adopted: set[str] = set()  # checkpoint folders of the earlier runs of this lineage
         self._newest = ""  # the file that holds the newest state written
         self._last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
@@ -222,7 +224,7 @@ class ModelCheckpoint(Callback):
                 "dirpath": self.dirpath, "best_k_models": dict(self.best_k_models),
                 "kth_best_model_path": self.kth_best_model_path, "kth_value": self.kth_value,
                 "last_model_path": self.last_model_path, "kept_newest": list(self._kept),
-                "last_target": self._last_target}
+                "last_target": self._last_target, "interrupted": self._interrupted}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_dir = state_dict.get("dirpath")
@@ -230,6 +232,11 @@ class ModelCheckpoint(Callback):
         self.best_model_path = best if isinstance(best, str) else ""
         moved = self.dirpath is not None and (not isinstance(saved_dir, str)
                                               or os.path.realpath(saved_dir) != os.path.realpath(self.dirpath))
+        if moved and self._same_lineage(saved_dir):
+            # The same run, restarted into the next version folder (a restart after a preemption):
+            # its files stay this callback's to prune, so save_top_k bounds the lineage's disk use.
+            self._adopted.add(fs.normalize(saved_dir))
+            moved = False
         if moved:
             # Resumed into another folder: the files listed belong to the earlier run, which this
             # run must not prune. Only where its best checkpoint was comes back, as in Lightning.
@@ -248,6 +255,8 @@ class ModelCheckpoint(Callback):
             self.best_k_models = {}
         target = state_dict.get("last_target", "")
         self._last_target = target if self._owns(target) else ""
+        interrupted = state_dict.get("interrupted", "")
+        self._interrupted = interrupted if self._owns(interrupted) else ""
         last = state_dict.get("last_model_path", "")
         self.last_model_path = last if self._owns(last) else ""
         score = _as_float(state_dict.get("best_model_score"))
@@ -359,7 +368,8 @@ class ModelCheckpoint(Callback):
         the path of the newest checkpoint, or None if none could be written (non-finite loss)."""
         if trainer.global_step == self._last_saved_step:
             return self._newest or None
-        return self._save(trainer, topk=True, force=True)
+        # Never ranked: the monitored value was measured on other weights than these.
+        return self._save(trainer, topk=False, force=True)
 
     # ---- saving ---------------------------------------------------------------------------------
     def _save(self, trainer: "Trainer", topk: bool, force: bool = False) -> str | None:
@@ -433,8 +443,10 @@ class ModelCheckpoint(Callback):
                     plan["info"].append(f"Epoch {epoch}, global step {step}: saving the last checkpoint to "
                                         f"{write!r}")
                 plan["remove"] += [self.last_model_path, self._last_target]
+            interrupted = ""
             if write is None and force:  # a stop on a signal: a checkpoint to resume from, whatever else
-                write = self._unique_path(trainer, metrics, None)
+                write = interrupted = self._unique_path(trainer, metrics, None)
+            plan["remove"].append(self._interrupted)  # the previous one: this save supersedes it
         except ValueError as err:
             plan["error"] = ("value", str(err))
             return plan
@@ -443,7 +455,7 @@ class ModelCheckpoint(Callback):
         plan.update(write=write, link=link, last=last_path if self.save_last else self.last_model_path,
                     state={"best_k_models": best_k, "kept": kept, "best_model_path": best_path,
                            "best_model_score": best_score if self.monitor is not None else None,
-                           "current_score": current, "last_target": last_target})
+                           "current_score": current, "last_target": last_target, "interrupted": interrupted})
         return plan
 
     def _apply(self, trainer: "Trainer", plan: dict[str, Any], force: bool) -> str | None:
@@ -471,6 +483,7 @@ class ModelCheckpoint(Callback):
         state = plan["state"]
         self.best_k_models = {path: score_tensor(score) for path, score in state["best_k_models"].items()}
         self._kept, self._last_target = list(state["kept"]), state["last_target"]
+        self._interrupted = state["interrupted"]
         self.best_model_path = state["best_model_path"]
         score = state["best_model_score"]
         self.best_model_score = score_tensor(score) if score is not None else None
@@ -651,23 +664,35 @@ class ModelCheckpoint(Callback):
         exists = fs.exists(os.fspath(filepath)) if fs.is_url(os.fspath(filepath)) else os.path.lexists(os.fspath(filepath))
         return bool(trainer.strategy.collectives.broadcast(exists)) if broadcast and trainer.world_size > 1 else exists
 
-    def _inside(self, path: str) -> bool:
-        if fs.is_url(self.dirpath) or fs.is_url(path):
-            return fs.is_url(path) and fs.normpath(path).startswith(fs.normpath(self.dirpath).rstrip("/") + "/")
-        top = os.path.realpath(self.dirpath)
+    def _inside(self, path: str, folder: str | None = None) -> bool:
+        folder = folder or self.dirpath
+        if fs.is_url(folder) or fs.is_url(path):
+            return fs.is_url(path) and fs.normpath(path).startswith(fs.normpath(folder).rstrip("/") + "/")
+        top = os.path.realpath(folder)
         parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
         return parent == top or parent.startswith(top + os.sep)
 
     def _owns(self, path: Any) -> bool:
-        """Whether ``path`` is a checkpoint inside this callback's folder: only those are ever
-        removed (the bookkeeping comes from checkpoint files, which are data, not orders)."""
+        """Whether ``path`` is a checkpoint inside this callback's folder (or an earlier run's of
+        its lineage that it took over): only those are ever removed (the bookkeeping comes from
+        checkpoint files, which are data, not orders)."""
         return (isinstance(path, str) and bool(path) and self.dirpath is not None
                 and path.endswith(self.FILE_EXTENSION) and not os.path.basename(path).startswith(".")
-                and self._inside(path))
+                and any(self._inside(path, folder) for folder in (self.dirpath, *self._adopted)))
+
+    def _same_lineage(self, saved_dir: Any) -> bool:
+        """Whether ``saved_dir`` is the default checkpoint folder of another ``version_*`` run
+        beside this one's (``<root>/version_N/checkpoints``): the run this one restarted."""
+        if not isinstance(saved_dir, str) or self._given_dirpath or self.dirpath is None:
+            return False
+        mine, saved = fs.normalize(self.dirpath), fs.normalize(saved_dir)
+        return (fs.basename(saved) == fs.basename(mine) == "checkpoints"
+                and fs.basename(fs.dirname(saved)).startswith("version_")
+                and fs.dirname(fs.dirname(saved)) == fs.dirname(fs.dirname(mine)))
 
     def _foreign_checkpoints(self) -> bool:
         known = set(self.best_k_models) | set(self._kept) | {self.last_model_path, self._last_target,
-                                                              self.best_model_path}
+                                                              self.best_model_path, self._interrupted}
         known |= {fs.join(self.dirpath, storage.LAST)}
         return fs.isdir(self.dirpath) and any(
             name.endswith(self.FILE_EXTENSION) and not name.startswith(".")

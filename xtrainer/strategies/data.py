@@ -21,13 +21,20 @@ class DeviceData:
     """A data loader whose batches arrive on an XLA device, re-seeded at every epoch.
 
     A sampler the strategy put in (``owns_sampler``) shuffles with the run's seed and the epoch
-    only, so a resumed run sees the same order as the original one.
+    only, so a resumed run sees the same order as the original one. Any other loader draws its
+    order (its sampler's, its workers' seeds, an iterable dataset's shuffle at the start of an
+    epoch) from generators of the epoch's own: ones seeded with the run's seed and the epoch where
+    the loader has none, or the user's, whose state at the epoch's start a checkpoint keeps
+    (``state_dict``). Either way a run resumed inside an epoch draws that epoch's order again.
     """
 
     def __init__(self, loader: Iterable, device: torch.device, owns_sampler: bool = False,
                  input_sharding: Any = None) -> None:
         self.loader, self.owns_sampler = loader, owns_sampler
         self._device_loader = _xla.DeviceBatches(loader, device, input_sharding)
+        self._ours: set[int] = set()  # ids of the generators this object put in
+        self._epoch_start: dict[str, Any] = {}  # the user's generators' states when the epoch began
+        self._epoch_seed: int | None = None
 
     def set_epoch(self, epoch: int, seed: int | None = None) -> None:
         sampler = getattr(self.loader, "sampler", None)
@@ -38,12 +45,52 @@ class DeviceData:
         batch_sampler = getattr(self.loader, "batch_sampler", None)
         if hasattr(getattr(batch_sampler, "sampler", None), "set_epoch"):
             batch_sampler.sampler.set_epoch(epoch)
+        if seed is not None and not self.owns_sampler:
+            self._epoch_seed = _mix(seed, epoch)
+            self._seed_generators(self._epoch_seed)
+
+    def _generator_holders(self) -> dict[str, Any]:
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        holders = {"loader": self.loader if isinstance(self.loader, DataLoader) else None,
+                   "sampler": getattr(self.loader, "sampler", None),
+                   "batch_sampler.sampler": getattr(batch_sampler, "sampler", None)}
+        return {name: obj for name, obj in holders.items() if obj is not None and hasattr(obj, "generator")}
+
+    def _seed_generators(self, seed: int) -> None:
+        self._epoch_start = {}
+        for i, (name, holder) in enumerate(self._generator_holders().items()):
+            generator = holder.generator
+            if generator is None or id(generator) in self._ours:
+                generator = torch.Generator().manual_seed(seed + i)
+                self._ours.add(id(generator))
+                holder.generator = generator
+            elif isinstance(generator, torch.Generator):
+                self._epoch_start[name] = generator.get_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a run resumed inside this epoch needs to draw the epoch's order again."""
+        return {"generators": dict(self._epoch_start)}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """After ``set_epoch``: put the user's generators back to where this epoch began."""
+        for name, holder in self._generator_holders().items():
+            saved = (state or {}).get("generators", {}).get(name)
+            if isinstance(saved, torch.Tensor) and isinstance(holder.generator, torch.Generator) \
+                    and id(holder.generator) not in self._ours:
+                holder.generator.set_state(saved)
+                self._epoch_start[name] = saved
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._device_loader)
+        return iter(self.resume_at(0)) if self._primes() else iter(self._device_loader)
+
+    def _primes(self) -> bool:
+        """An iterable dataset read in this process: its epoch's first draws (a shuffle when its
+        iterator starts) come from torch's global generator, in the loader's thread."""
+        return (self._epoch_seed is not None and isinstance(self.loader, DataLoader)
+                and isinstance(self.loader.dataset, torch.utils.data.IterableDataset) and self.loader.num_workers == 0)
 
     def resume_at(self, skip: int) -> Iterable[tuple[int, Any]]:
         """``(batch_idx, batch)`` from batch ``skip`` on: resuming inside an epoch.
@@ -53,12 +100,38 @@ class DeviceData:
         does. Any other loader (an ``IterableDataset``, a custom iterable) has no index to skip to:
         its first ``skip`` batches are read on the host and dropped (not sent to the device).
         """
-        if skip == 0:
-            return enumerate(self)
-        loader = _skipping_loader(self.loader, skip)
+        if self._primes():
+            loader: Iterable = _Primed(self.loader, skip, self._epoch_seed)
+        elif skip == 0:
+            return enumerate(self._device_loader)
+        else:
+            loader = _skipping_loader(self.loader, skip)
         device_loader = _xla.DeviceBatches(loader, self._device_loader.device, self._device_loader.input_sharding,
                                            start=skip)
         return enumerate(device_loader, start=skip)
+
+
+def _mix(seed: int, epoch: int) -> int:
+    """A generator seed for ``epoch`` of the run seeded with ``seed``."""
+    return (seed * 1_000_003 + epoch * 7919 + 12345) % 2**62
+
+
+class _Primed:
+    """An iterable dataset's loader whose epoch is started here, in the calling thread, under
+    torch's global generator seeded for the epoch (and given back unchanged): whatever the dataset
+    draws when its iterator starts is the same on every run of the epoch, resumed ones included.
+    The first ``skip`` batches are read and dropped."""
+
+    def __init__(self, loader: DataLoader, skip: int, seed: int) -> None:
+        self.loader = loader
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            batches = iter(loader)
+            started = list(itertools.islice(batches, skip + 1))
+        self._batches = itertools.chain(started[skip:], batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._batches
 
 
 class _SkipBatches:

@@ -1,0 +1,142 @@
+"""Stops at awkward moments (an epoch's last batch, its validation, between micro-batches, right
+after a mid-epoch validation), each resumed from ``last`` and compared bitwise with a run that was
+never stopped. Real processes, real SIGTERM and SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import edge_run
+from xtrainer.checkpoint import load_checkpoint
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def start(spec):
+    done = subprocess.run([sys.executable, edge_run.__file__, json.dumps(spec)], cwd=TESTS, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    return done.returncode, done.stderr
+
+
+def straight(tmp_path, **spec):
+    spec = {**spec, "root": str(tmp_path / "straight"), "event": None}
+    if spec.get("devices", 1) == 1:
+        return edge_run.outcome(*edge_run.run(spec))
+    spec["out"] = str(tmp_path / "straight.pt")
+    code, err = start(spec)
+    assert code == 0, err[-3000:]
+    return torch.load(spec["out"], weights_only=True)
+
+
+def stopped_then_resumed(tmp_path, event, expect=143, **spec):
+    """Run ``spec`` until ``event`` stops it (exit status ``expect``), then resume it from
+    ``last`` to the end; the resumed run's outcome and the stopped run's stderr."""
+    root = str(tmp_path / "run")
+    code, err = start({**spec, "root": root, "event": event})
+    assert code == expect, err[-3000:]
+    out = str(tmp_path / "resumed.pt")
+    code, resumed_err = start({**spec, "root": root, "resume": True, "out": out})
+    assert code == 0, resumed_err[-3000:]
+    return torch.load(out, weights_only=True), err
+
+
+def assert_same(resumed, reference):
+    for name, tensor in reference["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][name], tensor), name
+    assert resumed["global_step"] == reference["global_step"]
+    for name, value in reference["metrics"].items():
+        assert resumed["metrics"][name] == value, name
+
+
+def interrupted_checkpoint(err):
+    line = next(line for line in err.splitlines() if "Stopped by SIGTERM" in line)
+    return load_checkpoint(line.split("checkpoint: ")[1].split(". Resume")[0])
+
+
+def test_sigterm_on_an_epochs_last_batch_is_an_interruption_and_resumes_bitwise(tmp_path):
+    resumed, err = stopped_then_resumed(tmp_path, "term@0:7")
+    assert "at step 8, epoch 1" in err  # the epoch was finished: the next one starts on resume
+    assert_same(resumed, straight(tmp_path))
+
+
+def test_sigterm_during_the_epoch_end_validation_is_an_interruption(tmp_path):
+    resumed, err = stopped_then_resumed(tmp_path, "term@val:1")
+    assert "Stopped by SIGTERM at step 16" in err
+    assert_same(resumed, straight(tmp_path))
+
+
+def test_sigterm_on_the_last_batch_of_the_fit_is_a_finished_fit(tmp_path):
+    code, err = start({"root": str(tmp_path / "run"), "event": "term@2:7"})
+    assert code == 0, err[-3000:]
+
+
+@pytest.mark.multi_device
+def test_replicas_that_agree_to_stop_at_an_epochs_end_are_interrupted(tmp_path):
+    """Epochs shorter than log_every_n_steps: the replicas agree on the stop at the epoch's end."""
+    resumed, err = stopped_then_resumed(tmp_path, "term@1:2", devices=2)
+    assert "at step 16, epoch 2" in err
+    assert_same(resumed, straight(tmp_path, devices=2))
+
+
+def test_sigterm_between_micro_batches_stops_at_the_optimizer_step_and_resumes_bitwise(tmp_path):
+    spec = {"accumulate": 3, "log_every_n_steps": 1}
+    resumed, err = stopped_then_resumed(tmp_path, "term@1:3", **spec)
+    saved = interrupted_checkpoint(err)
+    assert saved["loops"]["batches_in_epoch"] == 6  # the accumulation finished: batches 3, 4 and 5
+    assert_same(resumed, straight(tmp_path, **spec))
+
+
+def test_killed_right_after_a_mid_epoch_validation_resumes_bitwise(tmp_path):
+    spec = {"val_check_interval": 0.5, "checkpoint": {}}
+    resumed, _ = stopped_then_resumed(tmp_path, "kill@valend:12", expect=-signal.SIGKILL, **spec)
+    last = load_checkpoint(str(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt")) \
+        if os.path.exists(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt") else None
+    if last is not None:
+        assert not last["loops"]["validation_pending"]
+    assert_same(resumed, straight(tmp_path, **spec))
+
+
+def test_a_checkpoint_written_on_a_signal_never_enters_the_top_k(tmp_path):
+    spec = {"epochs": 4, "checkpoint": {"monitor": "val_loss", "every_n_epochs": 2, "save_top_k": 1}}
+    root = tmp_path / "run"
+    # In epoch 3, val_loss is epoch 2's (validated every epoch, saved every other): not a score of
+    # the weights the signal's checkpoint holds.
+    code, err = start({**spec, "root": str(root), "event": "term@3:3"})
+    assert code == 143, err[-3000:]
+    saved = interrupted_checkpoint(err)
+    state = next(v for k, v in saved["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    best = state["best_model_path"]
+    assert "epoch=1" in os.path.basename(best) and os.path.exists(best)  # the validated best is kept
+    assert list(state["best_k_models"]) == [best]
+
+
+def test_a_checkpoint_written_on_a_signal_without_save_last_is_replaced_by_the_next_save(tmp_path):
+    spec = {"epochs": 3, "checkpoint": {"save_last": False, "save_top_k": 1}}
+    root = tmp_path / "run"
+    code, err = start({**spec, "root": str(root), "event": "term@1:3"})
+    assert code == 143, err[-3000:]
+    interrupted = err.split("checkpoint: ")[1].split(". Resume")[0]
+    assert os.path.exists(interrupted)
+    code, err = start({**spec, "root": str(root), "resume": True})
+    assert code == 0, err[-3000:]
+    # The restart claimed version_1; save_top_k=1 bounds what the lineage keeps on disk.
+    left = sorted(str(p.relative_to(root)) for p in root.glob("version_*/checkpoints/*.ckpt"))
+    assert left == ["version_1/checkpoints/epoch=2-step=24.ckpt"]
+
+
+@pytest.mark.parametrize("sampler", ["weighted", "subset", "iterable"])
+def test_samplers_xtrainer_does_not_replace_continue_their_order_on_resume(tmp_path, sampler):
+    resumed, _ = stopped_then_resumed(tmp_path, "term@1:4", sampler=sampler)
+    assert_same(resumed, straight(tmp_path, sampler=sampler))
+
+
+def test_epoch_values_after_a_mid_epoch_resume_cover_the_whole_epoch(tmp_path):
+    resumed, _ = stopped_then_resumed(tmp_path, "term@2:4")
+    reference = straight(tmp_path)
+    assert "train_loss_epoch" in reference["metrics"]
+    assert_same(resumed, reference)
