@@ -140,3 +140,57 @@ def test_epoch_values_after_a_mid_epoch_resume_cover_the_whole_epoch(tmp_path):
     reference = straight(tmp_path)
     assert "train_loss_epoch" in reference["metrics"]
     assert_same(resumed, reference)
+
+
+def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpoint(tmp_path):
+    """``last.ckpt`` re-pointed between two sharded checkpoints (and the one not pointed at
+    removed and put back) while it is consolidated: every answer is exactly one of the two."""
+    import shutil
+    import threading
+
+    from conftest import Regressor, make_loader
+
+    from xtrainer import Trainer
+    from xtrainer.callbacks import ModelCheckpoint
+    from xtrainer.checkpoint import CheckpointError, consolidate, storage
+
+    folder = tmp_path / "ckpts"
+    Trainer(strategy="xla_fsdp", max_steps=2, enable_progress_bar=False, logger=False, enable_xla_health=False,
+            default_root_dir=str(tmp_path), num_sanity_val_steps=0,
+            callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1, save_last=False)]
+            ).fit(Regressor(), make_loader())
+    first, second = sorted(str(p) for p in folder.iterdir())
+    wholes = [consolidate(first), consolidate(second)]
+    spare = str(tmp_path / "spare")
+    shutil.copytree(first, spare)
+    stop = threading.Event()
+
+    def churn():
+        targets = [first, second]
+        while not stop.is_set():
+            for target in targets:
+                storage.link_last(str(folder), target)
+                other = targets[1 - targets.index(target)]
+                shutil.rmtree(other, ignore_errors=True)  # pruned, then written again
+                shutil.copytree(spare if other == first else second + ".keep", other) \
+                    if os.path.exists(spare if other == first else second + ".keep") else None
+
+    shutil.copytree(second, second + ".keep")
+    worker = threading.Thread(target=churn)
+    worker.start()
+    answers = removed = 0
+    try:
+        for _ in range(40):
+            try:
+                got = consolidate(str(folder / "last.ckpt"))
+            except CheckpointError as err:
+                assert "was removed while it was being read" in str(err) or "does not exist" in str(err), err
+                removed += 1
+                continue
+            assert any(all(torch.equal(got[k], w[k]) for k in w) and got.keys() == w.keys() for w in wholes)
+            answers += 1
+    finally:
+        stop.set()
+        worker.join()
+    assert answers > 0
+    assert not [p for p in folder.iterdir() if p.name.startswith(".tmp-")]  # no pin left behind

@@ -57,6 +57,11 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
     path = os.fspath(path)
     if not fs.exists(path):
         raise CheckpointError(f"{path!r} does not exist.")
+    with storage.pinned(path) as pinned:  # what is verified is what is read
+        return _consolidate(pinned)
+
+
+def _consolidate(path: str) -> dict[str, Any]:
     if not fs.isdir(path):
         state_dict = whole.read(path, verify=True).get("state_dict")  # a whole file holds them whole already
         if not isinstance(state_dict, dict):
@@ -75,10 +80,11 @@ def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, di
     path = os.fspath(path)
     if not fs.exists(path):
         raise CheckpointNotFoundError(f"{path!r} does not exist.")
-    state = whole.read(path, verify=True) if not fs.isdir(path) else None
-    weights = consolidate(path) if state is None else state.get("state_dict")
-    if state is None:
-        state = layout.trainer_state(path)
+    with storage.pinned(path) as pinned:  # what is verified is what is read
+        state = whole.read(pinned, verify=True) if not fs.isdir(pinned) else None
+        weights = _consolidate(pinned) if state is None else state.get("state_dict")
+        if state is None:
+            state = layout.trainer_state(pinned)
     if not isinstance(weights, dict):
         raise UnreadableCheckpointError(f"{path!r} has no state_dict.")
     hparams = state.get("hyper_parameters") or {}

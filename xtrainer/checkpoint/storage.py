@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -32,7 +33,7 @@ import socket
 import uuid
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -365,6 +366,56 @@ def remove(path: str) -> None:
         shutil.rmtree(path)
     elif os.path.lexists(path):
         os.remove(path)
+
+
+@contextlib.contextmanager
+def pinned(path: str) -> Iterator[str]:
+    """``path`` as it is now, held still while it is read: a link (``last.ckpt``) is resolved once,
+    and every file of the checkpoint is hard-linked under a temporary name beside it, so that a
+    running fit that re-points the link, prunes the checkpoint or replaces it while it is read
+    changes nothing of what is read (the writer never changes a file in place). Gives the pinned
+    path, removed afterwards (a crash leaves it to the next writer's ``remove_leftovers``). Where
+    hard links cannot be made (a read-only folder, a filesystem without them) the resolved path
+    itself is read. On an object store the URL as it is (objects are replaced whole)."""
+    if fs.is_url(path) or not os.path.lexists(path):
+        yield path
+        return
+    real = os.path.realpath(path)
+    pin = os.path.join(os.path.dirname(real), temp_name("pin"))
+    try:
+        os.mkdir(pin)
+    except OSError:
+        yield real
+        return
+    target = os.path.join(pin, os.path.basename(real))
+    try:
+        try:
+            _hard_link_tree(real, target)
+        except FileNotFoundError:
+            raise UnreadableCheckpointError(
+                f"{path!r} was removed while it was being read (a running fit pruned or replaced it): read it "
+                "again, or read a checkpoint that no running fit replaces.") from None
+        except OSError:
+            remove(pin)
+            yield real
+            return
+        try:
+            yield target
+        except CheckpointError as err:  # name the checkpoint the caller asked for, not the pin
+            err.args = tuple(arg.replace(target, real) if isinstance(arg, str) else arg for arg in err.args)
+            raise
+    finally:
+        with contextlib.suppress(OSError):
+            remove(pin)
+
+
+def _hard_link_tree(source: str, target: str) -> None:
+    if not os.path.isdir(source):
+        os.link(source, target)
+        return
+    os.mkdir(target)
+    for name in os.listdir(source):
+        _hard_link_tree(os.path.join(source, name), os.path.join(target, name))
 
 
 def publish(staging: str, path: str) -> None:
