@@ -12,8 +12,14 @@ key                    what it holds
 ``state_dict``         the user module's state dict, as ``module.state_dict()`` gives it
 ``optimizer_states``   one ``optimizer.state_dict()`` per optimizer
 ``lr_schedulers``      one ``scheduler.state_dict()`` per scheduler
-``loops``              ``global_step``, ``epoch``, ``batches_in_epoch``, ``epoch_finished``, ``seed``
+``loops``              ``global_step``, ``epoch``, ``batches_in_epoch``, ``epoch_finished``, ``seed``,
+                       ``validation_pending`` (saved between a batch and the validation it
+                       triggers), ``epoch_schedulers_due`` (saved at an epoch's end, before the
+                       epoch's scheduler step), ``callback_metrics`` (the logged values, floats)
 ``rng_states``         Python, NumPy, torch CPU generators; each replica's XLA generator
+``epoch_results``      per replica: the epoch accumulators of values logged with ``on_epoch``
+``data_state``         per replica: the states, at the epoch's start, of the user's generators
+                       that order the training data
 ``callbacks``          ``{callback.state_key: callback.state_dict()}``
 ``hyper_parameters``   the module's ``hparams`` (a plain dict)
 =====================  ==========================================================================

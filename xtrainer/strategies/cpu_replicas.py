@@ -55,6 +55,9 @@ from xtrainer.strategies.process import free_port, run_in_new_process
 #: flush their logs) before it ends the process. Replicas blocked inside an XLA collective that
 #: waits for the failed one cannot stop by themselves; ending the process stops them.
 PEER_STOP_GRACE_SECONDS = 3.0
+#: How long XLA's CPU runtime lets a replica wait at a collective for the others before it aborts
+#: the process (fixed inside XLA; measured with torch_xla 2.9).
+XLA_COLLECTIVE_WAIT_SECONDS = 10
 _ALL_GATHER_CHANNEL, _REDUCE_SCATTER_CHANNEL = 2, 3  # all-reduce uses channel 1
 
 

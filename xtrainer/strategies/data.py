@@ -31,6 +31,9 @@ class DeviceData:
     def __init__(self, loader: Iterable, device: torch.device, owns_sampler: bool = False,
                  input_sharding: Any = None) -> None:
         self.loader, self.owns_sampler = loader, owns_sampler
+        if isinstance(loader, DataLoader) and loader.num_workers > 0 \
+                and not isinstance(loader.worker_init_fn, _WorkerOfThisRun):
+            loader.worker_init_fn = _WorkerOfThisRun(loader.worker_init_fn)
         self._device_loader = _xla.DeviceBatches(loader, device, input_sharding)
         self._ours: set[int] = set()  # ids of the generators this object put in
         self._epoch_start: dict[str, Any] = {}  # the user's generators' states when the epoch began
@@ -109,6 +112,35 @@ class DeviceData:
         device_loader = _xla.DeviceBatches(loader, self._device_loader.device, self._device_loader.input_sharding,
                                            start=skip)
         return enumerate(device_loader, start=skip)
+
+
+class _WorkerOfThisRun:
+    """A DataLoader worker's start (then the user's ``worker_init_fn``): it leaves SIGINT and
+    SIGTERM to the training process, which stops gracefully and shuts the workers down (a
+    terminal's Ctrl-C reaches the whole process group), and it ends within half a second of that
+    process, however it ends (SIGKILL included), instead of waiting for torch's own check."""
+
+    def __init__(self, user_fn: Any) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        import os
+        import signal
+        import threading
+        import time
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        parent = os.getppid()
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(0)
+
+        threading.Thread(target=watch, name="xtrainer-worker-parent-watch", daemon=True).start()
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
 
 
 def _mix(seed: int, epoch: int) -> int:

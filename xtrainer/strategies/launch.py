@@ -21,6 +21,7 @@ import copy
 import faulthandler
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
@@ -82,7 +83,8 @@ class _StartedReplicas(Launcher):
     def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
         _refuse_cpu_processes_of_torchrun()
         rng_state = torch.get_rng_state()
-        with tempfile.TemporaryDirectory(prefix="xtrainer-launch-") as tmp:
+        _remove_stale_launch_folders()
+        with tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_PREFIX}{os.getpid()}-") as tmp:
             job = _ReplicaJob(fn, args, tmp, rng_state)
             try:
                 exitcode = self.start(job)
@@ -92,14 +94,22 @@ class _StartedReplicas(Launcher):
             job.raise_failure()
             signum = interrupts.requested()
             if exitcode != 0 and signum is not None:  # stopped before it could stop gracefully
-                raise TrainingInterrupted(f"Stopped by {signal.Signals(signum).name} while the replicas were "
-                                          "starting; nothing was trained, no checkpoint was written.", signum)
+                raise TrainingInterrupted(
+                    f"Stopped by {signal.Signals(signum).name}: the replicas' process ended before it could stop "
+                    "gracefully (while starting or finishing); any checkpoint written before is intact. Resume "
+                    "with fit(..., ckpt_path='last').", signum)
             if exitcode != 0:
                 how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
                 when = "after rank 0 had finished" if os.path.exists(job.result_path) else "before rank 0 finished"
                 raise RuntimeError(f"The replicas' process ended with {how} {when}, without reporting an error; "
-                                   "its output above (Python stacks of every thread on a crash) may say why.")
+                                   "its output above (Python stacks of every thread on a crash) may say why."
+                                   + self.explain_crash(exitcode))
             return job.result()
+
+    def explain_crash(self, exitcode: int) -> str:
+        """What a crash of the replicas' process with ``exitcode`` most likely means ("" if nothing)."""
+        del exitcode
+        return ""
 
     @abc.abstractmethod
     def start(self, job: Callable[[], None]) -> int:
@@ -123,6 +133,14 @@ class CpuThreadReplicas(_StartedReplicas):
 
     def start(self, job: Callable[[], None]) -> int:
         return cpu_replicas.launch(job, self.devices)
+
+    def explain_crash(self, exitcode: int) -> str:
+        if exitcode not in (-signal.SIGABRT, -signal.SIGSEGV):
+            return ""
+        return (f" Most likely: on the CPU runtime XLA aborts the process when a replica waits more than "
+                f"{cpu_replicas.XLA_COLLECTIVE_WAIT_SECONDS} s at a collective for another one, e.g. one replica doing "
+                "long host work alone in a hook (a plot, a sample, a breakpoint) or only some replicas reaching a "
+                "collective. Do such work on every replica or keep it short, or run it with devices=1.")
 
 
 class SpmdProcess(_StartedReplicas):
@@ -190,6 +208,34 @@ def _check_launch_devices(devices: int | None) -> None:
 
 class ReplicaFailure(Exception):
     """The traceback of a replica's error, as the ``__cause__`` of the error raised in the caller."""
+
+
+_LAUNCH_PREFIX = "xtrainer-launch-"
+
+
+def _remove_stale_launch_folders() -> None:
+    """Remove the private folders of launches whose calling process is gone (killed before it
+    could clean up): they hold a copy of the fitted weights each."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_LAUNCH_PREFIX):].split("-", 1)[0] if name.startswith(_LAUNCH_PREFIX) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's: alive
+    return True
 
 
 class _ReplicaJob:
