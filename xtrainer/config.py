@@ -179,9 +179,12 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"Config file {path!r} cannot be read: {getattr(err, 'strerror', None) or err}.") from None
     try:
         top = check_yaml(text, f"Config file {path!r}")
-        if top not in (None, "mapping"):
-            raise ConfigError(f"Config file {path!r} holds a {top} at its top level: a config file holds a mapping "
-                              f"of keys, e.g. model: {{{TARGET}: ...}}.")
+    except yaml.YAMLError:
+        top = None  # said below, by the loader itself
+    if top not in (None, "mapping"):
+        raise ConfigError(f"Config file {path!r} holds a {top} at its top level: a config file holds a mapping "
+                          f"of keys, e.g. model: {{{TARGET}: ...}}.")
+    try:
         return OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as err:
         raise ConfigError(f"Config file {path!r}{_yaml_position(err)}: {_yaml_problem(err)}") from None
@@ -219,10 +222,10 @@ def check_yaml(text: str, source: str) -> Optional[str]:
         if open_nodes:
             open_nodes[-1][0] += size
 
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+    for event in yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         if top is None and isinstance(event, yaml.NodeEvent):
             top = {yaml.MappingStartEvent: "mapping", yaml.SequenceStartEvent: "list"}.get(type(event), "value")
-            if isinstance(event, yaml.ScalarEvent) and event.style is None and event.value in ("", "~", "null"):
+            if isinstance(event, yaml.ScalarEvent) and not event.style and event.value in ("", "~", "null"):
                 top = None
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
@@ -241,7 +244,7 @@ def check_yaml(text: str, source: str) -> Optional[str]:
         elif isinstance(event, yaml.ScalarEvent):
             if event.anchor is not None:
                 sizes[event.anchor] = 1
-            if event.style is None and _INTEGER.fullmatch(event.value) and _too_big(event.value):
+            if not event.style and _INTEGER.fullmatch(event.value) and _too_big(event.value):
                 shown = event.value if len(event.value) <= 24 else f"{event.value[:12]}...{event.value[-6:]}"
                 raise refuse(event, f"the integer {shown} ({len(event.value)} characters) does not fit in 64 bits.")
             add(1, event)

@@ -32,7 +32,7 @@ REDACTED = "***"
 MIN_SECRET_LENGTH = 6
 
 _SECRET_NAME = re.compile(r"token(?!s|i[sz])|secret|passw(?:or)?d|api_?key|credential|private_?key|access_?key|"
-                          r"auth(?!or)", re.IGNORECASE)
+                          r"auth(?!or(?!i[sz]))", re.IGNORECASE)
 
 
 def looks_secret(name: Any) -> bool:
