@@ -299,10 +299,10 @@ def parts(**arguments) -> dict:
 
 
 def test_nested_targets_that_fit_their_annotation_are_built_in_place(write):
-    checked = plan(load(["--config", write(**parts(head={"_target_": "torch.nn.Linear", "in_features": 8, "out_features": 2},
-                              blocks=[{"_target_": "test_config_safety.Part", "width": 3},
-                                      {"_target_": "torch.nn.Tanh"}],
-                              loss={"_target_": "torch.nn.L1Loss"}))]), "fit")
+    path = write(**parts(head={"_target_": "torch.nn.Linear", "in_features": 8, "out_features": 2},
+                         blocks=[{"_target_": "test_config_safety.Part", "width": 3}, {"_target_": "torch.nn.Tanh"}],
+                         loss={"_target_": "torch.nn.L1Loss"}))
+    checked = plan(load(["--config", path]), "fit")
     assert BUILT == []  # a plan builds nothing
     model = checked.model.build()
     assert isinstance(model.head, nn.Linear) and model.head.out_features == 2
