@@ -56,7 +56,9 @@ def test_defaults_then_files_in_order_then_overrides(base, tmp_path, monkeypatch
     (["model.lr=fast"], "model.lr='fast' is not a valid float"),
     (["model._target_=conftest.Regresor"], "module conftest has no attribute 'Regresor'"),
     (["model._target_=nowhere.Model"], "no module 'nowhere' can be imported"),
-    (["data._target_=torch.utils.data.DataLoader"], "data.dataset is required by torch.utils.data"),
+    (["data._target_=torch.utils.data.DataLoader"], "data._target_='torch.utils.data.DataLoader' is refused: a "
+                                                    "_target_ names a class of the type its place expects, here an "
+                                                    "XDataModule subclass"),
     (["strategy=xla_fdsp"], "strategy: Unknown strategy 'xla_fdsp'. Did you mean 'xla_fsdp'?"),
     (["strategy.name=xla_fsdp", "strategy.reshard=false"], "takes an argument 'reshard'. Did you mean "
                                                            "'reshard_after_forward'?"),

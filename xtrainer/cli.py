@@ -278,9 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                                   run=_config_command if argv[0] == "config" else _stage_command)
     else:
         args = _parser().parse_args(argv)
-    # Targets are imported as `python -m` would: from the current folder too.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    if args.command in _COMMANDS:
+        _import_from_current_folder()
     from xtrainer import interrupts
     from xtrainer.config import ConfigError
 
@@ -297,6 +296,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"xtrainer {args.command}: error: {err}", file=sys.stderr)
         return 1
+
+
+def _import_from_current_folder() -> None:
+    """Let a configuration's ``_target_`` name a module of the current folder, as ``python -m``
+    would, for the commands that read a configuration (only those: ``xtrainer consolidate`` run
+    in a downloaded run folder must not import a ``yaml.py`` it holds). The folder goes last on
+    the import path, so a file in it never replaces an installed module (a ``torch.py`` or
+    ``yaml.py`` there is not imported in their place)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
 
 
 def _is_checkpoint_error(err: BaseException) -> bool:

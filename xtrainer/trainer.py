@@ -24,6 +24,7 @@ from xtrainer.optim import SchedulerConfig
 from xtrainer.optimization import Optimization
 from xtrainer.precision import Precision
 from xtrainer.publishing import LOSS_KEY, Publisher
+from xtrainer.redaction import redact
 from xtrainer.results import Results, batch_size
 from xtrainer.settings import TrainerSettings
 from xtrainer.state import seed_everything
@@ -599,12 +600,13 @@ class Trainer:
                 err.add_note(f"(an on_exception hook failed too: {type(hook_err).__name__}: {hook_err})")
 
     def hyperparameters(self) -> dict[str, Any]:
-        """The module's saved hyperparameters, the run's configuration and the Trainer's settings."""
+        """The module's saved hyperparameters, the run's configuration and the Trainer's settings;
+        secrets written as "***" (``xtrainer.redaction``: what every logger receives)."""
         settings = {"strategy": self.strategy.name, "world_size": self.world_size, "precision": self.precision.name,
                     "max_epochs": self.max_epochs, "max_steps": self.max_steps,
                     "accumulate_grad_batches": self.accumulate_grad_batches,
                     "gradient_clip_val": self.gradient_clip_val, "log_every_n_steps": self.log_every_n_steps}
-        return {**{f"trainer/{k}": v for k, v in settings.items()}, **self.run_config, **self.module.hparams}
+        return redact({**{f"trainer/{k}": v for k, v in settings.items()}, **self.run_config, **self.module.hparams})
 
     def _stopping(self) -> bool:
         """Whether ``should_stop`` ends the fit. With several replicas, one replica's request is
