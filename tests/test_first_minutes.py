@@ -364,6 +364,50 @@ def test_dev_refuses_an_old_python_before_building_anything(dev):
     assert dev("test").returncode == 0  # the default afterwards just works: nothing to clean up
 
 
+def test_dev_installs_what_each_command_needs_once_per_pyproject(dev):
+    def installed():
+        log = dev.venv / "pip.log"
+        lines = log.read_text().splitlines() if log.exists() else []
+        log.unlink(missing_ok=True)
+        return [line.split(" -e ")[1] for line in lines if " -e " in line]
+
+    docs = dev("docs")
+    assert docs.returncode == 0 and "installing xtrainer[docs] and its dependencies" in docs.stderr, docs.stderr
+    assert installed() == [".[docs]"]
+    (dev.venv / "bin" / "xtrainer").write_text('#!/bin/sh\necho "xtrainer $*"\n')
+    (dev.venv / "bin" / "xtrainer").chmod(0o755)
+    example = dev("example", "trainer.max_epochs=1")
+    assert example.returncode == 0 and example.stdout == "xtrainer fit --config examples/digits.yaml trainer.max_epochs=1\n"
+    assert installed() == [".[examples]"]  # the example's needs, no test tooling
+    assert "installing xtrainer[examples] into" in example.stderr
+    again = dev("example")
+    assert again.returncode == 0 and again.stderr == "" and installed() == []
+    assert dev("test").returncode == 0 and installed() == [".[test,hf]"]  # what the earlier commands lacked
+    assert dev("bench").returncode == 0 and dev("docs").returncode == 0 and installed() == []
+    with open(dev.venv.parent / "pyproject.toml", "a") as f:
+        f.write("# changed\n")
+    assert dev("example").returncode == 0 and installed() == [".[examples]"]  # once per change of pyproject.toml
+    assert dev("test").returncode == 0 and installed() == [".[test,hf,docs]"]
+    assert dev("example").returncode == 0 and installed() == []
+
+
+def test_pyproject_extras_keep_the_example_free_of_test_tooling():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    extras = project["project"]["optional-dependencies"]
+    names = lambda extra: {re.split(r"[<>=\[ ]", spec)[0].lower() for spec in extras[extra]}  # noqa: E731
+    assert not names("examples") & {"pytest", "pytest-xdist", "moto", "s3fs", "tbparse"}
+    assert {"mkdocs-material", "mkdocstrings"} <= names("docs")
+    dev_script = open(os.path.join(ROOT, "dev")).read()
+    assert "ensure_env examples;" in dev_script and "ensure_env examples test hf docs" in dev_script
+    # the SPDX form of the license, which setuptools >= 77 reads without a deprecation warning
+    assert project["project"]["license"] == "Apache-2.0"
+    assert any(re.fullmatch(r"setuptools>=(\d+)", r) and int(r.split(">=")[1]) >= 77
+               for r in project["build-system"]["requires"])
+
+
 def test_dev_help_and_unknown_commands(dev):
     helped = dev("--help")
     assert helped.returncode == 0 and "./dev example" in helped.stdout and helped.stderr == ""
