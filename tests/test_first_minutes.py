@@ -1,7 +1,6 @@
-"""What a new user meets first: the command's start-up, its messages, ``./dev`` and the README's
-Quick start."""
+"""What a new user meets first: the command's start-up, its messages and ``./dev`` (the quick start
+and the other pages of the documentation: test_docs.py)."""
 
-import ast
 import os
 import re
 import shutil
@@ -419,43 +418,6 @@ def test_pyproject_and_readme_agree_on_python():
     pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
     assert re.search(r'^requires-python = ">=3\.11"', pyproject, re.M)
     assert "Python 3.11" in open(os.path.join(ROOT, "README.md")).read()
-
-
-# --------------------------------------------------------------------------------------------
-# The README.
-# --------------------------------------------------------------------------------------------
-def _readme_section(title: str) -> str:
-    text = open(os.path.join(ROOT, "README.md")).read()
-    start = text.index(f"## {title}")
-    return text[start:text.index("\n## ", start + 1)]
-
-
-def test_the_quick_start_keeps_its_work_under_the_main_guard():
-    section = _readme_section("Quick start")
-    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
-    tree = ast.parse(code)
-    for node in tree.body:
-        allowed = isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
-        guard = isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
-        assert allowed or guard, f"runs on import (devices=N imports the script again): {ast.unparse(node)}"
-    assert "if __name__ == \"__main__\":" in code and "a new process that imports the script" in section
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    assert {"train_loader", "val_loader"} <= names and "digits_loaders" in defined  # pasted, it runs
-
-
-def test_the_readme_sample_summary_is_in_the_format_fit_prints():
-    from xtrainer.callbacks.health import summary_line
-
-    (sample,) = re.findall(r"`(fit: \d+ steps in [^`]*)`", _readme_section("Watching a run"))
-    numbers = re.findall(r"\d+(?:\.\d+)?", sample)
-    steps, seconds, per_s, samples, compiles, compile_s, recompiles, transfers = numbers
-    totals = {"steps": int(steps), "seconds": float(seconds), "steps_per_second": float(per_s),
-              "samples_per_second": float(samples), "compilations": int(compiles),
-              "compile_seconds": float(compile_s), "recompilations": int(recompiles),
-              "transfers_per_step": float(transfers)}
-    assert summary_line(totals) == sample
-    assert int(compiles) == 7  # what examples/digits.py compiles (8 epochs on the CPU runtime)
 
 
 # --------------------------------------------------------------------------------------------
