@@ -68,7 +68,7 @@ def blocks(lang: str) -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------------------------
 def test_every_python_block_in_the_docs_parses():
     found = blocks("python")
-    assert len(found) >= 8, found  # the quick start, the Lightning imports, manual optimization, ...
+    assert len(found) >= 6, found  # the quick start (twice), the Lightning imports, manual optimization, ...
     for where, body in found:
         try:
             ast.parse(body)
@@ -109,8 +109,7 @@ def test_a_program_in_the_docs_runs(name, program, tmp_path):
                           timeout=480)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     if "callback_metrics[\"val_acc\"]" in program:  # the quick start prints its validation accuracy
-        accuracy = float(re.findall(r"tensor\(([\d.]+)\)|^([\d.]+)$", done.stdout, re.M)[-1][0] or "nan")
-        assert accuracy > 0.8, done.stdout
+        assert float(done.stdout.split()[-1]) > 0.9, done.stdout[-2000:]
 
 
 @pytest.mark.parametrize("name, config", marked("config"), ids=[name for name, _ in marked("config")])
