@@ -100,6 +100,7 @@ def test_the_docs_have_programs_to_run():
     assert 2 <= len(PROGRAMS) <= 4, names  # each one costs a process and a torch_xla import
 
 
+@pytest.mark.slow  # the quick start trains to accuracy
 @pytest.mark.parametrize("name, program", PROGRAMS, ids=[name for name, _ in PROGRAMS])
 def test_a_program_in_the_docs_runs(name, program, tmp_path):
     script = tmp_path / "program.py"
