@@ -5,7 +5,7 @@
 A 2,000-batch epoch over a data set whose ``__getitem__`` sleeps 1 ms (a slow disk or decoder).
 A checkpoint is written at batch 0 and at batch 1,800 of the first epoch; each is resumed in a
 fresh Trainer, and the time from ``fit()`` to the first trained batch is measured (the resumed
-epoch's first batch has to be read either way). Printed as a table for the README.
+epoch's first batch has to be read either way). Printed as a table for docs/checkpoints.md ("Resuming inside an epoch").
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""What a new user meets first: the command's start-up, its messages, ``./dev`` and the README's
-Quick start."""
+"""What a new user meets first: the command's start-up, its messages and ``./dev`` (the quick start
+and the other pages of the documentation: test_docs.py)."""
 
-import ast
 import os
 import re
 import shutil
@@ -364,6 +363,50 @@ def test_dev_refuses_an_old_python_before_building_anything(dev):
     assert dev("test").returncode == 0  # the default afterwards just works: nothing to clean up
 
 
+def test_dev_installs_what_each_command_needs_once_per_pyproject(dev):
+    def installed():
+        log = dev.venv / "pip.log"
+        lines = log.read_text().splitlines() if log.exists() else []
+        log.unlink(missing_ok=True)
+        return [line.split(" -e ")[1] for line in lines if " -e " in line]
+
+    docs = dev("docs")
+    assert docs.returncode == 0 and "installing xtrainer[docs] and its dependencies" in docs.stderr, docs.stderr
+    assert installed() == [".[docs]"]
+    (dev.venv / "bin" / "xtrainer").write_text('#!/bin/sh\necho "xtrainer $*"\n')
+    (dev.venv / "bin" / "xtrainer").chmod(0o755)
+    example = dev("example", "trainer.max_epochs=1")
+    assert example.returncode == 0 and example.stdout == "xtrainer fit --config examples/digits.yaml trainer.max_epochs=1\n"
+    assert installed() == [".[examples]"]  # the example's needs, no test tooling
+    assert "installing xtrainer[examples] into" in example.stderr
+    again = dev("example")
+    assert again.returncode == 0 and again.stderr == "" and installed() == []
+    assert dev("test").returncode == 0 and installed() == [".[test,hf]"]  # what the earlier commands lacked
+    assert dev("bench").returncode == 0 and dev("docs").returncode == 0 and installed() == []
+    with open(dev.venv.parent / "pyproject.toml", "a") as f:
+        f.write("# changed\n")
+    assert dev("example").returncode == 0 and installed() == [".[examples]"]  # once per change of pyproject.toml
+    assert dev("test").returncode == 0 and installed() == [".[test,hf,docs]"]
+    assert dev("example").returncode == 0 and installed() == []
+
+
+def test_pyproject_extras_keep_the_example_free_of_test_tooling():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    extras = project["project"]["optional-dependencies"]
+    names = lambda extra: {re.split(r"[<>=\[ ]", spec)[0].lower() for spec in extras[extra]}  # noqa: E731
+    assert not names("examples") & {"pytest", "pytest-xdist", "moto", "s3fs", "tbparse"}
+    assert {"mkdocs-material", "mkdocstrings"} <= names("docs")
+    dev_script = open(os.path.join(ROOT, "dev")).read()
+    assert "ensure_env examples;" in dev_script and "ensure_env examples test hf docs" in dev_script
+    # the SPDX form of the license, which setuptools >= 77 reads without a deprecation warning
+    assert project["project"]["license"] == "Apache-2.0"
+    assert any(re.fullmatch(r"setuptools>=(\d+)", r) and int(r.split(">=")[1]) >= 77
+               for r in project["build-system"]["requires"])
+
+
 def test_dev_help_and_unknown_commands(dev):
     helped = dev("--help")
     assert helped.returncode == 0 and "./dev example" in helped.stdout and helped.stderr == ""
@@ -375,43 +418,6 @@ def test_pyproject_and_readme_agree_on_python():
     pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
     assert re.search(r'^requires-python = ">=3\.11"', pyproject, re.M)
     assert "Python 3.11" in open(os.path.join(ROOT, "README.md")).read()
-
-
-# --------------------------------------------------------------------------------------------
-# The README.
-# --------------------------------------------------------------------------------------------
-def _readme_section(title: str) -> str:
-    text = open(os.path.join(ROOT, "README.md")).read()
-    start = text.index(f"## {title}")
-    return text[start:text.index("\n## ", start + 1)]
-
-
-def test_the_quick_start_keeps_its_work_under_the_main_guard():
-    section = _readme_section("Quick start")
-    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
-    tree = ast.parse(code)
-    for node in tree.body:
-        allowed = isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
-        guard = isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
-        assert allowed or guard, f"runs on import (devices=N imports the script again): {ast.unparse(node)}"
-    assert "if __name__ == \"__main__\":" in code and "a new process that imports the script" in section
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    assert {"train_loader", "val_loader"} <= names and "digits_loaders" in defined  # pasted, it runs
-
-
-def test_the_readme_sample_summary_is_in_the_format_fit_prints():
-    from xtrainer.callbacks.health import summary_line
-
-    (sample,) = re.findall(r"`(fit: \d+ steps in [^`]*)`", _readme_section("Watching a run"))
-    numbers = re.findall(r"\d+(?:\.\d+)?", sample)
-    steps, seconds, per_s, samples, compiles, compile_s, recompiles, transfers = numbers
-    totals = {"steps": int(steps), "seconds": float(seconds), "steps_per_second": float(per_s),
-              "samples_per_second": float(samples), "compilations": int(compiles),
-              "compile_seconds": float(compile_s), "recompilations": int(recompiles),
-              "transfers_per_step": float(transfers)}
-    assert summary_line(totals) == sample
-    assert int(compiles) == 7  # what examples/digits.py compiles (8 epochs on the CPU runtime)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,11 +1,7 @@
 """Fitting: loop semantics, hooks, steps, accumulation, clipping, precision."""
 
 import copy
-import inspect
 import math
-import os
-import re
-import textwrap
 
 import pytest
 import torch
@@ -117,19 +113,6 @@ def test_hook_order_and_counts(trainer_kwargs):
     assert calls[-2:] == ["on_train_end", "on_fit_end"]
     assert model.module_calls.count("on_train_epoch_end") == 2
     assert model.module_calls.count("on_before_optimizer_step") == 6
-
-
-def test_the_hook_order_is_written_once_the_readme_shows_the_callbacks_docstring():
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    start = readme.index("```text\n", readme.index("## The training loop")) + len("```text\n")
-    documented = readme[start:readme.index("```", start)]
-    docstring = inspect.cleandoc(Callback.__doc__)
-    start = docstring.index("::\n\n") + 3
-    block = textwrap.dedent(docstring[start:docstring.index("\n\n``validate``", start)]).strip("\n")
-    assert block == documented.strip("\n")
-    # and every hook named there exists on Callback
-    names = set(re.findall(r"\bon_[a-z_]+", documented))
-    assert names and all(hasattr(Callback, name) for name in names), names - set(dir(Callback))
 
 
 def test_max_steps_stops_mid_epoch(trainer_kwargs):

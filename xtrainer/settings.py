@@ -33,7 +33,7 @@ class TrainerSettings:
     enable_checkpointing: bool = True
     enable_xla_health: bool = True
     detect_nonfinite: str = "raise"
-    # Lightning's names, with Lightning's meaning (README: "Coming from Lightning").
+    # Lightning's names, with Lightning's meaning (docs/lightning.md, "Coming from Lightning").
     accelerator: str = "auto"
     num_nodes: int = 1
     fast_dev_run: Any = False

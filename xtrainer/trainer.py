@@ -68,8 +68,8 @@ class Trainer:
             logged values (every ``log_every_n_steps`` and at epoch ends): no extra host sync,
             so training may run up to that many steps past the first bad loss before stopping.
 
-    Lightning's other arguments keep Lightning's meaning (the README's "Coming from Lightning"
-    table says where XLA makes a difference): ``accelerator``, ``num_nodes``, ``fast_dev_run``,
+    Lightning's other arguments keep Lightning's meaning (the table in "Coming from Lightning",
+    docs/lightning.md, says where XLA makes a difference): ``accelerator``, ``num_nodes``, ``fast_dev_run``,
     ``num_sanity_val_steps``, ``overfit_batches``, ``deterministic``, ``min_epochs``,
     ``min_steps``, ``max_time``, ``enable_model_summary``, ``benchmark``, ``sync_batchnorm``,
     ``reload_dataloaders_every_n_epochs``, ``profiler``, ``use_distributed_sampler``,
@@ -126,7 +126,7 @@ class Trainer:
             name = sorted(unexpected)[0]
             known = [p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self", "unexpected")]
             raise TypeError(f"Trainer() got an unexpected argument {name!r}.{did_you_mean(name, known)} "
-                            "The README's 'Coming from Lightning' table lists every argument.")
+                            "docs/lightning.md ('Coming from Lightning') lists every argument.")
         settings, callbacks, logger = arguments.resolve(
             {name: value for name, value in locals().items() if name in TrainerSettings.names()},
             callbacks, logger, plugins, model_registry)

@@ -15,8 +15,8 @@ class Callback:
     """Base class of callbacks: every hook is a no-op; override the ones you need.
 
     ``Trainer.fit`` calls the hooks in this order (the module's hook of the same name runs
-    first, then each callback's, in the order given to the Trainer; the README's "The training
-    loop" shows the same block, and a test keeps the two equal)::
+    first, then each callback's, in the order given to the Trainer; the documentation's "The
+    training loop" page shows the same block, and a test keeps the two equal)::
 
         on_fit_start
         sanity check: validation loop on num_sanity_val_steps batches   # on_sanity_check_start/end around it

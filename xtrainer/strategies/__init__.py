@@ -19,7 +19,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
-#: Lightning's strategy names, for what they mean on an XLA device (README: "Coming from Lightning").
+#: Lightning's strategy names, for what they mean on an XLA device (docs/lightning.md, "Coming from Lightning").
 LIGHTNING_NAMES: dict[str, str] = {
     "auto": XlaNative.name,  # Lightning's choice on TPUs: its XLAStrategy, native data parallel
     "xla": XlaNative.name,
