@@ -544,7 +544,7 @@ class Trainer:
                     finished = False
                     break
             signum = interrupts.requested()
-            if signum is not None and not finished and self._stopping():
+            if signum is not None and not finished and self._stopping() and not self._limits_reached():
                 run_state.stop_on_signal(self, signum)  # the epoch is cut short: no epoch-end hooks
             if val and finished and math.isinf(self.num_training_batches) and self._validation_epoch():
                 evaluation.validate_during_fit(self, val)  # a loader without a length: validate when it runs out

@@ -368,8 +368,9 @@ class ModelCheckpoint(Callback):
         the path of the newest checkpoint, or None if none could be written (non-finite loss)."""
         if trainer.global_step == self._last_saved_step:
             return self._newest or None
-        # Never ranked: the monitored value was measured on other weights than these.
-        return self._save(trainer, topk=False, force=True)
+        # Never ranked by a monitored value: that was measured on other weights than these. (Without
+        # a monitor the newest are kept, and this one is the newest.)
+        return self._save(trainer, topk=self.monitor is None, force=True)
 
     # ---- saving ---------------------------------------------------------------------------------
     def _save(self, trainer: "Trainer", topk: bool, force: bool = False) -> str | None:
