@@ -29,6 +29,7 @@ from xtrainer.settings import TrainerSettings
 from xtrainer.state import seed_everything
 from xtrainer.steps import StepDispatcher, check_eval_step, check_module, training_loss
 from xtrainer.strategies import Strategy, resolve_strategy
+from xtrainer.strategies.launch import SpmdProcess
 from xtrainer.suggest import did_you_mean
 
 __all__ = ["Trainer", "seed_everything"]
@@ -165,6 +166,7 @@ class Trainer:
         self._fitted_model: XModule | None = None  # for validate()/test()/predict() without a model
         self._started_at = 0.0
         self._loader_hooks: dict[str, Any] = {}
+        self._replica_ready = False  # this object's strategy has set up a replica's environment
         self._num_val_batches: list[float] = []
 
         # Loop state: what a checkpoint saves and `fit` continues from.
@@ -229,10 +231,32 @@ class Trainer:
         if value != previous:  # e.g. rank 0's folder, broadcast: the loggers follow
             move_run_folder(self.loggers, previous, value)
 
-    # ---- where we are (valid inside a run) -------------------------------------------------
+    # ---- where we are -----------------------------------------------------------------------
+    # Inside a replica these are the replica's; in the calling process (a data module's
+    # prepare_data/setup, a module's prepare_data, the caller after fit) they are what the launch
+    # will have, as in Lightning: rank 0 of ``world_size`` planned replicas.
     @property
     def world_size(self) -> int:
-        return self.strategy.world_size
+        if self._replica_ready:
+            return self.strategy.world_size
+        return self._planned_world_size()
+
+    def _planned_world_size(self) -> int:
+        planned = self.strategy.launcher.planned_world_size()
+        if planned is not None:
+            return planned
+        if isinstance(self.strategy.launcher, SpmdProcess):
+            return self.num_nodes  # one SPMD process per host
+        return self.num_devices * self.num_nodes
+
+    @property
+    def num_devices(self) -> int:
+        """Devices per host the run uses (``devices``, or every local one for ``"auto"``)."""
+        return self.strategy.devices or _xla.local_device_count_without_runtime() or 1
+
+    @property
+    def device_ids(self) -> list[int]:
+        return list(range(self.num_devices))
 
     @property
     def global_rank(self) -> int:
@@ -326,9 +350,9 @@ class Trainer:
             train_dataloaders, datamodule = None, train_dataloaders
         loaders.prepare(self, "fit", model, datamodule, given=train_dataloaders is not None or val_dataloaders is not None)
         try:
-            train, val = loaders.for_fit(self, model, train_dataloaders, val_dataloaders)
+            sources = loaders.for_fit(self, model, train_dataloaders, val_dataloaders)
             with interrupts.graceful():  # SIGTERM/SIGINT: finish the step, write a checkpoint, raise
-                self._launch("fit", model, {"train": train, "validate": val}, ckpt_path)
+                self._launch("fit", model, sources, ckpt_path)
             self._fitted_model = model
         finally:
             loaders.teardown(self, "fit")
@@ -390,16 +414,16 @@ class Trainer:
             datamodule = self.datamodule  # the fit's, if it had one
         loaders.prepare(self, stage, model, datamodule, given=dataloaders is not None)
         try:
-            data = loaders.for_stage(self, model, stage, dataloaders)
+            sources = loaders.for_stage(self, model, stage, dataloaders)
             check_eval_step(model, stage)
-            results = self._launch(stage, model, {stage: data}, ckpt_path)
+            results = self._launch(stage, model, sources, ckpt_path)
         finally:
             loaders.teardown(self, stage)
         if verbose and stage != "predict":
             evaluation.print_results(stage, results)
         return results
 
-    def _launch(self, stage: str, model: XModule, sources: dict[str, list], ckpt_path: Any) -> Any:
+    def _launch(self, stage: str, model: XModule, sources: dict[str, list | None], ckpt_path: Any) -> Any:
         resolved = self._resolve_ckpt_path(ckpt_path)
         self.ckpt_path = resolved
         self.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
@@ -421,9 +445,10 @@ class Trainer:
         return result["outputs"]
 
     # ---- one replica -------------------------------------------------------------------------
-    def _run(self, stage: str, module: XModule, sources: dict[str, list], ckpt_path: str | None
+    def _run(self, stage: str, module: XModule, sources: dict[str, list | None], ckpt_path: str | None
              ) -> dict[str, Any]:
         self.strategy.setup_environment()
+        self._replica_ready = True
         if self.world_size > 1:
             # On several hosts each calling process claimed a folder of its own; rank 0's is the
             # run's (untested here: no pod), and a folder claimed for nothing is given back.
@@ -438,7 +463,12 @@ class Trainer:
         try:
             for cb in self.callbacks:
                 cb.setup(self, module, stage)
+            if self.datamodule is not None:
+                self.datamodule.trainer = self  # a replica's copy of the data module
             module.setup(stage)
+            # Lightning's order: setup(stage), then the loader hooks (the module may build its
+            # datasets in setup), in every replica.
+            sources = loaders.in_replica(self, module, sources)
             self._wrapped = self.strategy.setup_module(StepDispatcher(module, self.precision))
             data = {name: [self._device_data(dl) for dl in dls] for name, dls in sources.items()}
             if stage == "fit":

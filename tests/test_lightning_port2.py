@@ -1,0 +1,209 @@
+"""Lightning projects that port by changing their imports: the patterns real projects use.
+
+Data built in the module's ``setup(stage)``, Trainer properties read in ``setup``/``prepare_data``,
+lightning-utilities' ``rank_zero_only``, every ``configure_optimizers`` return form, the manual
+optimizer's class, ``fast_dev_run`` with the user's callbacks, Lightning's callback names, and
+fine-tuning callbacks that add parameter groups mid-fit. Modules are written as a Lightning
+user writes them; only the import lines differ.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import make_data
+from lightning_utilities.core.rank_zero import rank_zero_only
+from torch import nn
+from torch.utils.data import DataLoader, random_split
+
+from xtrainer import Trainer
+from xtrainer import XDataModule as LightningDataModule
+from xtrainer import XModule as LightningModule
+from xtrainer.strategies import STRATEGIES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def quiet(tmp_path, **kwargs):
+    return dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False, enable_model_summary=False,
+                **kwargs)
+
+
+@rank_zero_only
+def note_rank_zero(path, rank):
+    """A user function that only rank 0 runs (lightning-utilities' decorator)."""
+    with open(path, "a") as f:
+        f.write(f"{rank}\n")
+
+
+class HelloWorld(LightningModule):
+    """Lightning's MNIST hello-world pattern: datasets made in ``setup``, returned by the hooks."""
+
+    def __init__(self, batch_size: int = 8, expect_world_size: int = 1, expect_devices: int = 1, note: str = ""):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def prepare_data(self):
+        assert self.trainer.world_size == self.hparams.expect_world_size  # in the calling process
+
+    def setup(self, stage):
+        trainer = self.trainer
+        expected = (self.hparams.expect_world_size, self.hparams.expect_devices)
+        assert (trainer.world_size, trainer.num_devices) == expected, (trainer.world_size, trainer.num_devices)
+        assert trainer.is_global_zero == (trainer.global_rank == 0) and trainer.num_nodes == 1
+        if stage == "fit":
+            self.train_set, self.val_set = random_split(make_data(48), [32, 16],
+                                                        generator=torch.Generator().manual_seed(0))
+        self.test_set = make_data(16, seed=1)
+
+    def on_train_start(self):
+        if self.hparams.note:
+            note_rank_zero(self.hparams.note, self.global_rank)
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, drop_last=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self.test_set, batch_size=self.hparams.batch_size)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class PerReplicaBatch(LightningDataModule):
+    """Divides the global batch by the world size in ``setup`` (a common pattern)."""
+
+    def __init__(self, global_batch: int = 16):
+        super().__init__()
+        self.global_batch = global_batch
+        self.seen = []
+
+    def prepare_data(self):
+        self.seen.append(("prepare_data", self.trainer.world_size, self.trainer.num_devices, self.trainer.global_rank))
+
+    def setup(self, stage):
+        self.seen.append(("setup", self.trainer.world_size, self.trainer.num_devices, self.trainer.is_global_zero))
+        self.batch_size = self.global_batch // self.trainer.world_size
+        self.data = make_data(64)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size, drop_last=True)
+
+
+class NoData(HelloWorld):
+    def setup(self, stage):
+        pass
+
+    def train_dataloader(self):
+        return None
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_data_built_in_setup_at_one_device(tmp_path, strategy):
+    trainer = Trainer(strategy=strategy, devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+                      num_sanity_val_steps=1, enable_checkpointing=False, **quiet(tmp_path))
+    trainer.fit(HelloWorld())
+    assert trainer.global_step == 2 and "val_loss" in trainer.callback_metrics
+    if strategy == "xla_native":  # the evaluation stages call their hook after setup(stage) too
+        assert set(trainer.test(HelloWorld(), verbose=False)[0]) == {"test_loss"}
+        assert trainer.world_size == 1 and trainer.device_ids == [0]
+
+
+def test_a_loader_hook_that_returns_nothing_says_so(tmp_path):
+    trainer = Trainer(max_epochs=1, enable_checkpointing=False, **quiet(tmp_path))
+    with pytest.raises(ValueError, match=r"NoData.train_dataloader\(\) returned nothing"):
+        trainer.fit(NoData())
+    with pytest.raises(ValueError, match="fit\\(\\) got no training data"):
+        trainer.fit(nn.Module.__new__(type("Bare", (LightningModule,), {
+            "training_step": HelloWorld.training_step, "configure_optimizers": HelloWorld.configure_optimizers})))
+
+
+def test_properties_in_the_calling_process_before_the_replicas_start(tmp_path):
+    # No replica runs here: what a data module's hooks and the module's prepare_data see of a
+    # 2-replica Trainer in the calling process (the fit itself: the multi-device tests below).
+    trainer = Trainer(strategy="xla_ddp", devices=2, **quiet(tmp_path))
+    assert (trainer.world_size, trainer.num_devices, trainer.global_rank, trainer.local_rank) == (2, 2, 0, 0)
+    assert trainer.is_global_zero and trainer.node_rank == 0 and trainer.device_ids == [0, 1]
+    spmd = Trainer(strategy="xla_spmd", devices=4, **quiet(tmp_path))
+    assert (spmd.world_size, spmd.num_devices) == (1, 4)  # one SPMD program per host
+    assert Trainer(**quiet(tmp_path)).world_size == 1
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("strategy", ["xla_ddp", "xla_spmd"])
+def test_setup_data_and_world_size_with_two_replicas(tmp_path, strategy):
+    note = str(tmp_path / "rank_zero.txt")
+    expect = 2 if strategy == "xla_ddp" else 1  # SPMD: one program, its replicas are the hosts
+    trainer = Trainer(strategy=strategy, devices=2, max_epochs=1, enable_checkpointing=False, **quiet(tmp_path))
+    trainer.fit(HelloWorld(expect_world_size=expect, expect_devices=2, note=note))
+    # 32 training samples, batches of 8: each of 2 MPMD replicas takes 16 (2 steps); SPMD splits each batch
+    assert trainer.global_step == (2 if strategy == "xla_ddp" else 4) and "val_loss" in trainer.callback_metrics
+    with open(note) as f:
+        assert f.read() == "0\n"  # rank_zero_only ran on rank 0 only: each replica knows its rank
+
+    dm = PerReplicaBatch(global_batch=16)
+    trainer = Trainer(strategy=strategy, devices=2, max_epochs=1, enable_checkpointing=False, **quiet(tmp_path))
+    trainer.fit(HelloWorld(expect_world_size=expect, expect_devices=2), datamodule=dm)
+    assert dm.seen == [("prepare_data", expect, 2, 0), ("setup", expect, 2, True)]
+    # 64 samples in global batches of 16: 4 steps whatever the replica count
+    assert trainer.global_step == 4
+
+
+def test_rank_zero_only_is_set_when_xtrainer_is_imported(tmp_path):
+    script = textwrap.dedent("""
+        import warnings
+        from lightning_utilities.core.rank_zero import rank_zero_only
+        import torch
+        from torch import nn
+        from xtrainer import Trainer, XModule as LightningModule
+
+        @rank_zero_only
+        def user_function():
+            return "ran"
+
+        class Model(LightningModule):
+            def __init__(self, encoder: nn.Module, lr: float = 0.1):
+                super().__init__()
+                self.save_hyperparameters()  # warns (through rank_zero_warn) about the nn.Module argument
+
+        warnings.simplefilter("ignore")
+        Model(nn.Linear(2, 2))
+        for kwargs in ({"fast_dev_run": True}, {"benchmark": True}, {"deterministic": True},
+                       {"precision": "16-mixed"}):
+            Trainer(logger=False, enable_progress_bar=False, **kwargs)
+        print(user_function(), rank_zero_only.rank)
+    """)
+    env = {**os.environ, "PYTHONPATH": REPO, "PJRT_DEVICE": "CPU"}
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["ran", "0"]
+    # a process a launcher started as rank 1: Lightning's environment variables
+    probe = "import xtrainer; from lightning_utilities.core.rank_zero import rank_zero_only; print(rank_zero_only.rank)"
+    done = subprocess.run([sys.executable, "-c", probe], env={**env, "LOCAL_RANK": "1"}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.strip() == "1", done.stderr
