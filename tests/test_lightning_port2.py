@@ -207,3 +207,88 @@ def test_rank_zero_only_is_set_when_xtrainer_is_imported(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], env={**env, "LOCAL_RANK": "1"}, capture_output=True,
                           text=True, timeout=60)
     assert done.stdout.strip() == "1", done.stderr
+
+
+# ---- configure_optimizers: every form Lightning documents ------------------------------------------
+def _params():
+    return nn.Linear(2, 2).parameters()
+
+
+def test_configure_optimizers_forms():
+    from xtrainer.optim import NoOptimizer, parse_optimizers
+
+    plateau_cls, step_cls = torch.optim.lr_scheduler.ReduceLROnPlateau, torch.optim.lr_scheduler.StepLR
+    a, b = torch.optim.SGD(_params(), lr=0.1), torch.optim.Adam(_params())
+    sa, sb = step_cls(a, 1), step_cls(b, 1)
+    parse = lambda config, automatic=False: parse_optimizers(config, "M", automatic)  # noqa: E731
+
+    assert parse(a, True) == ([a], [])
+    assert parse([a, b])[0] == [a, b] and parse((a, b))[0] == [a, b]
+    opts, scheds = parse(([a, b], [sa, {"scheduler": sb, "interval": "step", "frequency": 2}]))
+    assert opts == [a, b] and [(s.scheduler, s.interval, s.frequency) for s in scheds] == [(sa, "epoch", 1),
+                                                                                          (sb, "step", 2)]
+    assert parse(([a], sa))[1][0].scheduler is sa  # the second item may be one scheduler
+    assert parse({"optimizer": a}, True) == ([a], [])
+    assert parse({"optimizer": a, "lr_scheduler": sa}, True)[1][0].scheduler is sa
+    # the monitor beside the scheduler (issue 26), and inside a scheduler dict
+    plateau = plateau_cls(a)
+    for config in ({"optimizer": a, "lr_scheduler": plateau, "monitor": "val_loss"},
+                   {"optimizer": a, "lr_scheduler": {"scheduler": plateau}, "monitor": "val_loss"},
+                   {"optimizer": a, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss", "strict": False}}):
+        (found,) = parse(config, True)[1]
+        assert found.scheduler is plateau and found.monitor == "val_loss" and found.reduce_on_plateau
+    opts, scheds = parse([{"optimizer": a, "lr_scheduler": sa}, {"optimizer": b, "lr_scheduler": plateau_cls(b),
+                                                                 "monitor": "g_loss"}])
+    assert opts == [a, b] and [s.monitor for s in scheds] == [None, "g_loss"]
+    assert parse(({"optimizer": a}, {"optimizer": b}))[0] == [a, b]
+    with pytest.warns(UserWarning, match="no optimizer"):
+        (none,), _ = parse(None, True)
+    assert isinstance(none, NoOptimizer) and none.step(lambda: 3) == 3
+
+    # what Lightning refuses, refused with what to return instead
+    with pytest.raises(ValueError, match="manual optimization"):
+        parse([a, b], True)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau needs a metric to monitor"):
+        parse({"optimizer": a, "lr_scheduler": plateau})
+    with pytest.raises(ValueError, match="without an 'optimizer' key"):
+        parse({"lr_scheduler": sa})
+    with pytest.raises(ValueError, match="needs a 'scheduler' key"):
+        parse({"optimizer": a, "lr_scheduler": {"interval": "step"}})
+    with pytest.raises(ValueError, match="interval='batch'"):
+        parse({"optimizer": a, "lr_scheduler": {"scheduler": sa, "interval": "batch"}})
+    with pytest.raises(ValueError, match="not a form Lightning documents"):
+        parse("adam")
+    with pytest.raises(ValueError, match="did not return"):
+        parse(([a], [sb]))
+    with pytest.warns(UserWarning, match="unknown keys \\['opt_idx'\\]"):
+        parse({"optimizer": a, "lr_scheduler": {"scheduler": sa, "opt_idx": 0}})
+
+
+class Plateau(HelloWorld):
+    def __init__(self, form: str = "beside"):
+        super().__init__()
+        self.form = form
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.08)
+        if self.form == "none":
+            return None
+        # never an improvement (threshold 10: below best * -9): the rate halves at every epoch's end
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0)
+        return {"optimizer": opt, "lr_scheduler": plateau, "monitor": "val_loss"}
+
+    def on_train_end(self):
+        self.final_lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.logged_lr = float(self.trainer.callback_metrics["val_loss"].item())  # a tensor, as in Lightning
+
+
+def test_reduce_lr_on_plateau_with_the_monitor_beside_it_and_no_optimizer(tmp_path):
+    model = Plateau()
+    trainer = Trainer(max_epochs=3, limit_train_batches=2, enable_checkpointing=False, **quiet(tmp_path))
+    trainer.fit(model)
+    assert model.final_lr == pytest.approx(0.08 / 2**3)
+    model = Plateau(form="none")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="no optimizer"):
+        Trainer(max_epochs=1, limit_train_batches=2, enable_checkpointing=False, **quiet(tmp_path)).fit(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

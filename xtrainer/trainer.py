@@ -18,6 +18,7 @@ from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
 from xtrainer.datamodule import XDataModule
+from xtrainer.metric_values import MetricValues
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
 from xtrainer.module import XModule
 from xtrainer.optim import SchedulerConfig
@@ -182,9 +183,9 @@ class Trainer:
         #: The resolved configuration of ``xtrainer fit`` (flat keys), logged with the module's
         #: hyperparameters.
         self.run_config: dict[str, Any] = {}
-        self.callback_metrics: dict[str, float] = {}
-        self.progress_bar_metrics: dict[str, float] = {}
-        self.logged_metrics: dict[str, float] = {}
+        self.callback_metrics = {}  # values: 0-dim CPU tensors, as in Lightning (MetricValues)
+        self.progress_bar_metrics: dict[str, float] = {}  # floats, as in Lightning
+        self.logged_metrics = {}
         self.state = "idle"  # "fit", "validate", "test" or "predict" while one runs
         self.num_training_batches: float = 0
         self._batches_in_epoch = 0
@@ -273,6 +274,24 @@ class Trainer:
     @property
     def node_rank(self) -> int:
         return _xla.process_index() if self.state != "idle" and _xla.is_spmd() else 0
+
+    @property
+    def callback_metrics(self) -> MetricValues:
+        """The latest logged values, each a 0-dim CPU tensor (``.item()``, ``float()``), as in Lightning."""
+        return self._callback_metrics
+
+    @callback_metrics.setter
+    def callback_metrics(self, values: Any) -> None:
+        self._callback_metrics = MetricValues(values)
+
+    @property
+    def logged_metrics(self) -> MetricValues:
+        """What was sent to the loggers (values: 0-dim CPU tensors)."""
+        return self._logged_metrics
+
+    @logged_metrics.setter
+    def logged_metrics(self, values: Any) -> None:
+        self._logged_metrics = MetricValues(values)
 
     @property
     def logger(self) -> Logger | None:
