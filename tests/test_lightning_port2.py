@@ -292,3 +292,58 @@ def test_reduce_lr_on_plateau_with_the_monitor_beside_it_and_no_optimizer(tmp_pa
     with pytest.warns(UserWarning, match="no optimizer"):
         Trainer(max_epochs=1, limit_train_batches=2, enable_checkpointing=False, **quiet(tmp_path)).fit(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ---- manual optimization: self.optimizers() is an instance of the optimizer's class ----------------
+class ManualTwo(HelloWorld):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.head = nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        assert isinstance(opt_a, torch.optim.Adam) and isinstance(opt_b, torch.optim.SGD)
+        assert not isinstance(opt_b, torch.optim.Adam) and isinstance(opt_a, torch.optim.Optimizer)
+        assert opt_a.param_groups is opt_a.optimizer.param_groups and opt_a.defaults["lr"] == 0.01
+        x, y = batch
+        loss = nn.functional.mse_loss(self.head(self.net(x)), y)
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.parameters(), lr=0.01), torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+
+def test_manual_optimizers_are_instances_of_their_class(tmp_path):
+    trainer = Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, enable_checkpointing=False,
+                      **quiet(tmp_path))
+    trainer.fit(ManualTwo())
+    assert trainer.global_step == 4  # two optimizers, two batches
+
+
+def test_the_optimizer_wrapper_shares_everything_with_the_optimizer():
+    from xtrainer.optim import StrategyOptimizer
+
+    class Strategy:
+        def optimizer_step(self, optimizer, before):
+            optimizer.step()
+
+    layer = nn.Linear(2, 1)
+    adam = torch.optim.Adam(layer.parameters(), lr=0.1)
+    wrapped = StrategyOptimizer(adam, Strategy(), None)
+    assert type(wrapped).__name__ == "StrategyAdam" and isinstance(wrapped, torch.optim.Adam)
+    layer(torch.ones(1, 2)).sum().backward()
+    wrapped.step()
+    state = wrapped.state_dict()
+    assert len(adam.state) == 2 and state["state"].keys() == {0, 1}
+    wrapped.load_state_dict(state)  # replaces the optimizer's state: still one state, the optimizer's
+    assert wrapped.state is adam.state and wrapped.param_groups is adam.param_groups
+    wrapped.add_param_group({"params": [nn.Parameter(torch.ones(1))], "lr": 0.5})
+    assert len(adam.param_groups) == 2 and sorted(vars(wrapped)) == sorted(StrategyOptimizer._OWN)
+    wrapped.param_groups[0]["lr"] = 0.3
+    assert adam.param_groups[0]["lr"] == 0.3

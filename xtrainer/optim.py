@@ -185,7 +185,17 @@ class StrategyOptimizer:
     (``xla_native``; DDP and FSDP reduced them in backward), runs the before-step work
     (``on_before_optimizer_step``, then clipping asked for with ``clip_gradients``, on the reduced
     gradients), then steps, and calls ``after_step`` (the Trainer counts the step). Everything else
-    is the wrapped optimizer's."""
+    is the wrapped optimizer's: ``StrategyOptimizer(adam, ...)`` is an instance of a subclass of
+    both this class and ``type(adam)`` (``isinstance(opt, torch.optim.Adam)`` holds, as user code
+    checks), whose every other method and attribute is the wrapped optimizer's own."""
+
+    _OWN = ("_optimizer", "_strategy", "_before_step", "_after_step", "pending_clip")
+
+    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> "StrategyOptimizer":
+        del args, kwargs
+        if cls is StrategyOptimizer:
+            cls = _wrapper_class(type(optimizer))
+        return object.__new__(cls)
 
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, before_step: Callable[[], None] | None,
                  after_step: Callable[[], None] | None = None) -> None:
@@ -214,8 +224,56 @@ class StrategyOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # instance attributes: param_groups, state, defaults...
+        if name in StrategyOptimizer._OWN:
+            raise AttributeError(name)
         return getattr(self._optimizer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in StrategyOptimizer._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._optimizer, name, value)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._optimizer!r})"
+
+
+_WRAPPER_CLASSES: dict[type, type] = {}
+
+
+def _wrapper_class(cls: type) -> type:
+    """``StrategyOptimizer`` subclassed with ``cls``: every method ``cls`` has (its bases' too)
+    forwards to the wrapped optimizer, so the wrapper never runs optimizer code on itself and
+    shares no state of its own; ``step``/``zero_grad`` are the wrapper's."""
+    found = _WRAPPER_CLASSES.get(cls)
+    if found is not None:
+        return found
+    own = set(vars(StrategyOptimizer))
+    namespace: dict[str, Any] = {"__module__": __name__, "__doc__": f"{cls.__name__}, stepped as the strategy does."}
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        for name, value in vars(klass).items():
+            if name in namespace or name in own or (name.startswith("__") and name not in ("__getstate__",
+                                                                                          "__setstate__")):
+                continue
+            if isinstance(value, property):
+                namespace[name] = property(lambda self, name=name: getattr(self._optimizer, name),
+                                           lambda self, v, name=name: setattr(self._optimizer, name, v))
+            elif callable(value) or isinstance(value, (staticmethod, classmethod)):
+                namespace[name] = _forwarded(name)
+    found = type(f"Strategy{cls.__name__}", (StrategyOptimizer, cls), namespace)
+    _WRAPPER_CLASSES[cls] = found
+    return found
+
+
+def _forwarded(name: str) -> Callable[..., Any]:
+    def method(self: StrategyOptimizer, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._optimizer, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
 
 
 def prefer_foreach(optimizer: torch.optim.Optimizer) -> int:
