@@ -347,3 +347,84 @@ def test_the_optimizer_wrapper_shares_everything_with_the_optimizer():
     assert len(adam.param_groups) == 2 and sorted(vars(wrapped)) == sorted(StrategyOptimizer._OWN)
     wrapped.param_groups[0]["lr"] = 0.3
     assert adam.param_groups[0]["lr"] == 0.3
+
+
+# ---- callbacks: fast_dev_run keeps them; Lightning's names; callback_metrics are tensors ------------
+def test_fast_dev_run_keeps_the_users_checkpoint_callback(tmp_path):
+    from xtrainer.callbacks import EarlyStopping, ModelCheckpoint
+
+    checkpoint, early = ModelCheckpoint(monitor="val_loss"), EarlyStopping(monitor="val_loss")
+
+    class WithModuleCallbacks(HelloWorld):
+        def configure_callbacks(self):
+            return [EarlyStopping(monitor="val_loss", patience=5)]  # replaces the one of its type given
+
+    trainer = Trainer(fast_dev_run=True, callbacks=[checkpoint, early], **quiet(tmp_path))
+    model = WithModuleCallbacks()
+    trainer.fit(model)
+    assert trainer.global_step == 1
+    assert trainer.checkpoint_callback is checkpoint and checkpoint.best_model_path == ""
+    assert trainer.checkpoint_callbacks == [checkpoint]
+    assert trainer.early_stopping_callback.patience == 5 and len(trainer.early_stopping_callbacks) == 1
+    assert trainer.progress_bar_callback is None and trainer.prediction_writer_callbacks == []
+    assert not any(files for _, _, files in os.walk(tmp_path))  # nothing written
+    metrics = trainer.callback_metrics
+    assert isinstance(metrics["val_loss"], torch.Tensor) and metrics["val_loss"].device.type == "cpu"
+    assert metrics["val_loss"].item() > 0 and f"{metrics['val_loss']:.3f}" == f"{metrics['val_loss'].item():.3f}"
+    assert isinstance(trainer.logged_metrics["train_loss"], torch.Tensor)
+    assert trainer.validate(model, verbose=False)[0]["val_loss"] > 0  # no best checkpoint: the module as it is
+    # without a checkpoint callback given, the default one is there too (saving nothing)
+    trainer = Trainer(fast_dev_run=2, **quiet(tmp_path))
+    trainer.fit(HelloWorld())
+    assert trainer.checkpoint_callback.best_model_path == "" and trainer.global_step == 2
+
+
+def test_lightning_callback_names_work(tmp_path, capsys):
+    from xtrainer.callbacks import (BasePredictionWriter, DeviceStatsMonitor, GradientAccumulationScheduler,
+                                    LambdaCallback, ModelSummary, RichModelSummary, RichProgressBar, Timer,
+                                    TQDMProgressBar, XlaHealth)
+
+    class Writer(BasePredictionWriter):
+        def __init__(self):
+            super().__init__(write_interval="batch_and_epoch")
+            self.batches, self.epochs = 0, []
+
+        def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+            self.batches += 1
+
+        def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+            self.epochs.append(len(predictions))
+
+    class Predicting(HelloWorld):
+        def predict_step(self, batch, batch_idx):
+            return self.net(batch[0])
+
+        predict_dataloader = HelloWorld.test_dataloader
+
+    epochs_seen = []
+    timer = Timer(duration={"days": 1})
+    accumulate = GradientAccumulationScheduler({1: 2})
+    trainer = Trainer(max_epochs=2, limit_val_batches=1, num_sanity_val_steps=0, enable_checkpointing=False,
+                      default_root_dir=str(tmp_path), logger=False,
+                      callbacks=[RichModelSummary(max_depth=2), TQDMProgressBar(refresh_rate=10), timer, accumulate,
+                                 DeviceStatsMonitor(cpu_stats=True),
+                                 LambdaCallback(on_train_epoch_end=lambda t, m: epochs_seen.append(t.current_epoch))])
+    trainer.fit(HelloWorld())
+    out = capsys.readouterr().out
+    assert out.count("Total params") == 1 and "net.0" in out  # one summary, to depth 2
+    assert epochs_seen == [0, 1] and trainer.global_step == 4 + 2  # 4 batches, then 4 accumulated by 2
+    assert 0 < timer.time_elapsed("train") < 600 and timer.time_remaining() > 0
+    assert sum(isinstance(cb, XlaHealth) for cb in trainer.callbacks) == 1
+    assert isinstance(trainer.progress_bar_callback, TQDMProgressBar)
+    assert RichProgressBar(leave=True).leave and ModelSummary(max_depth=0).max_depth == 0
+    # a Timer stops the fit
+    trainer = Trainer(max_epochs=50, callbacks=[Timer(duration="00:00:00:00", verbose=False)],
+                      enable_checkpointing=False, **quiet(tmp_path))
+    trainer.fit(HelloWorld())
+    assert trainer.current_epoch <= 1
+    writer = Writer()
+    trainer = Trainer(callbacks=[writer], enable_checkpointing=False, **quiet(tmp_path))
+    trainer.predict(Predicting())
+    assert writer.batches == 2 and writer.epochs == [2] and trainer.prediction_writer_callbacks == [writer]
+    with pytest.raises(ImportError, match="no StochasticWeightAveraging.*AveragedModel"):
+        from xtrainer.callbacks import StochasticWeightAveraging  # noqa: F401

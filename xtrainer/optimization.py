@@ -56,6 +56,17 @@ class Optimization:
         self._custom_step = (type(module).optimizer_step is not XModule.optimizer_step
                              or type(module).optimizer_zero_grad is not XModule.optimizer_zero_grad)
 
+    def prepare_resume(self, trainer: "Trainer", checkpoint: dict[str, Any]) -> None:
+        """Before the optimizer states of ``checkpoint`` are loaded: a callback that added
+        parameter groups during the saved fit (``BaseFinetuning``) rebuilds them from its saved
+        state, so that each optimizer has the saved number of groups again."""
+        states = checkpoint.get("callbacks", {})
+        for cb in trainer.callbacks:
+            rebuild = getattr(cb, "restore_param_groups", None)
+            if callable(rebuild) and cb.state_key in states:
+                cb.load_state_dict(states[cb.state_key])
+                rebuild(trainer, trainer.module)
+
     # ---- automatic optimization --------------------------------------------------------------
     def step(self, trainer: "Trainer", batch_idx: int, loss: torch.Tensor) -> None:
         """The optimizer step (reduce, clip, step: the strategy's), zero_grad, the step count and
@@ -125,4 +136,4 @@ class Optimization:
 
 def _overrides(module: XModule, callbacks: list[Callback], hook: str) -> bool:
     return (getattr(type(module), hook) is not getattr(XModule, hook)
-            or any(getattr(type(cb), hook) is not getattr(Callback, hook) for cb in callbacks))
+            or any(getattr(type(cb), hook) is not getattr(Callback, hook) or hook in vars(cb) for cb in callbacks))

@@ -312,9 +312,25 @@ class Trainer:
 
     @property
     def early_stopping_callback(self) -> Any:
+        return next(iter(self.early_stopping_callbacks), None)
+
+    @property
+    def early_stopping_callbacks(self) -> list[Any]:
         from xtrainer.callbacks import EarlyStopping
 
-        return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
+        return [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+
+    @property
+    def progress_bar_callback(self) -> Any:
+        from xtrainer.callbacks import ProgressBar
+
+        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
+
+    @property
+    def prediction_writer_callbacks(self) -> list[Any]:
+        from xtrainer.callbacks import BasePredictionWriter
+
+        return [cb for cb in self.callbacks if isinstance(cb, BasePredictionWriter)]
 
     @property
     def lightning_module(self) -> XModule:
@@ -710,6 +726,10 @@ class Trainer:
         return self.limits["validate"] != 0
 
     def _print_summary(self) -> None:
+        from xtrainer.callbacks import ModelSummary
+
+        if any(isinstance(cb, ModelSummary) for cb in self.callbacks):
+            return  # that callback prints it, to its own depth
         try:
             from xtrainer.summary import summarize
         except ImportError:
@@ -784,7 +804,10 @@ class Trainer:
 
     def _restore(self, path: str, stage: str) -> None:
         """Load the checkpoint at ``path`` (checked in the calling process) into this replica."""
-        run_state.restore(self, self.strategy.checkpoint_layout.load(self.strategy.collectives, path), path, stage)
+        checkpoint = self.strategy.checkpoint_layout.load(self.strategy.collectives, path)
+        if stage == "fit" and not checkpoint.get("weights_only"):
+            self._optim.prepare_resume(self, checkpoint)  # parameter groups added during the saved fit
+        run_state.restore(self, checkpoint, path, stage)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> Any:
