@@ -428,3 +428,81 @@ def test_lightning_callback_names_work(tmp_path, capsys):
     assert writer.batches == 2 and writer.epochs == [2] and trainer.prediction_writer_callbacks == [writer]
     with pytest.raises(ImportError, match="no StochasticWeightAveraging.*AveragedModel"):
         from xtrainer.callbacks import StochasticWeightAveraging  # noqa: F401
+
+
+# ---- fine-tuning: a parameter group added mid-fit, across a checkpoint and resume ------------------
+class WithBackbone(HelloWorld):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.backbone = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(self.backbone(x)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(self.backbone(x)), y))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
+
+
+def _finetune(tmp_path, max_epochs, ckpt_path=None, **kwargs):
+    from xtrainer.callbacks import BackboneFinetuning, ModelCheckpoint
+
+    model = WithBackbone()
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)
+    callbacks = [finetuning, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)]
+    trainer = Trainer(max_epochs=max_epochs, num_sanity_val_steps=0, callbacks=callbacks, **quiet(tmp_path),
+                      **kwargs)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return model, trainer, finetuning
+
+
+@pytest.mark.filterwarnings("ignore:2 of the parameters to add")
+def test_backbone_finetuning_resumes_bitwise_after_the_unfreeze(tmp_path):
+    initial = WithBackbone().backbone[0].weight.detach().clone()
+    frozen, _, _ = _finetune(tmp_path / "frozen", max_epochs=1)
+    assert torch.equal(frozen.backbone[0].weight, initial)  # frozen in epoch 0
+    whole, trainer, finetuning = _finetune(tmp_path / "whole", max_epochs=3)
+    assert not torch.equal(whole.backbone[0].weight, initial)  # trained from epoch 1
+    groups = finetuning._internal_optimizer_metadata[0]
+    # BatchNorm stayed trainable (train_bn=True), so its parameters were in the first group already
+    assert len(groups) == 2 and groups[1]["params"] == ["backbone.0.weight", "backbone.0.bias"]
+    assert finetuning.previous_backbone_lr == pytest.approx(0.001 * 1.5)
+    # stopped after the unfreeze (end of epoch 1: two groups in the optimizer), then resumed
+    _finetune(tmp_path / "split", max_epochs=2)
+    last = str(tmp_path / "split" / "ckpt" / "last.ckpt")
+    resumed, trainer, finetuning = _finetune(tmp_path / "split", max_epochs=3, ckpt_path=last)
+    assert trainer.global_step == 3 * 4 and len(finetuning._internal_optimizer_metadata[0]) == 2
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
+def test_finetuning_helpers_and_refusals(tmp_path):
+    from xtrainer.callbacks import BackboneFinetuning, BaseFinetuning
+
+    model = WithBackbone()
+    BaseFinetuning.freeze(model.backbone, train_bn=True)
+    assert not model.backbone[0].weight.requires_grad and model.backbone[1].weight.requires_grad
+    assert [p.shape for p in BaseFinetuning.filter_params(model.backbone, requires_grad=False)] == [(8, 8), (8,)]
+    BaseFinetuning.freeze(model.backbone, train_bn=False)
+    assert not model.backbone[1].weight.requires_grad and not model.backbone[1].track_running_stats
+    opt = torch.optim.SGD(model.net.parameters(), lr=0.1)
+    BaseFinetuning.unfreeze_and_add_param_group(model.backbone, opt)  # lr: the first group's / 10
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == pytest.approx(0.01)
+    assert model.backbone[1].track_running_stats and len(opt.param_groups[1]["params"]) == 4
+    with pytest.warns(UserWarning, match="in the optimizer already"):
+        BaseFinetuning.unfreeze_and_add_param_group(model.backbone, opt)
+    assert len(opt.param_groups) == 2
+    assert len(BaseFinetuning.flatten_modules(nn.ModuleDict({"a": model.backbone, "b": model.net}))) == 6  # the leaves
+    with pytest.raises(ValueError, match="cannot run under xla_fsdp: .*flattens"):
+        Trainer(strategy="xla_fsdp", max_epochs=1, callbacks=[BackboneFinetuning()],
+                enable_checkpointing=False, **quiet(tmp_path)).fit(WithBackbone())
+    with pytest.raises(ValueError, match="an nn.Module attribute 'backbone'"):
+        Trainer(max_epochs=1, callbacks=[BackboneFinetuning()], enable_checkpointing=False,
+                **quiet(tmp_path)).fit(HelloWorld())
