@@ -49,12 +49,14 @@ class HelloWorld(LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
     def prepare_data(self):
-        assert self.trainer.world_size == self.hparams.expect_world_size  # in the calling process
+        if self.hparams.expect_world_size:
+            assert self.trainer.world_size == self.hparams.expect_world_size  # in the calling process
 
     def setup(self, stage):
         trainer = self.trainer
         expected = (self.hparams.expect_world_size, self.hparams.expect_devices)
-        assert (trainer.world_size, trainer.num_devices) == expected, (trainer.world_size, trainer.num_devices)
+        if self.hparams.expect_world_size:
+            assert (trainer.world_size, trainer.num_devices) == expected, (trainer.world_size, trainer.num_devices)
         assert trainer.is_global_zero == (trainer.global_rank == 0) and trainer.num_nodes == 1
         if stage == "fit":
             self.train_set, self.val_set = random_split(make_data(48), [32, 16],
@@ -433,7 +435,7 @@ def test_lightning_callback_names_work(tmp_path, capsys):
 # ---- fine-tuning: a parameter group added mid-fit, across a checkpoint and resume ------------------
 class WithBackbone(HelloWorld):
     def __init__(self):
-        super().__init__()
+        super().__init__(expect_world_size=0)  # runs under several launches: no expectation
         torch.manual_seed(1)
         self.backbone = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
 
@@ -451,11 +453,15 @@ class WithBackbone(HelloWorld):
         return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
 
 
+def one_and_a_half(epoch):
+    return 1.5
+
+
 def _finetune(tmp_path, max_epochs, ckpt_path=None, **kwargs):
     from xtrainer.callbacks import BackboneFinetuning, ModelCheckpoint
 
     model = WithBackbone()
-    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=one_and_a_half)
     callbacks = [finetuning, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)]
     trainer = Trainer(max_epochs=max_epochs, num_sanity_val_steps=0, callbacks=callbacks, **quiet(tmp_path),
                       **kwargs)
@@ -506,3 +512,16 @@ def test_finetuning_helpers_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="an nn.Module attribute 'backbone'"):
         Trainer(max_epochs=1, callbacks=[BackboneFinetuning()], enable_checkpointing=False,
                 **quiet(tmp_path)).fit(HelloWorld())
+
+
+@pytest.mark.multi_device
+@pytest.mark.filterwarnings("ignore:2 of the parameters to add")
+@pytest.mark.parametrize("strategy", ["xla_spmd"])  # sharded checkpoints; xla_native x2 passes too (4 min for both)
+def test_backbone_finetuning_resumes_bitwise_with_two_replicas(tmp_path, strategy):
+    whole, _, _ = _finetune(tmp_path / "whole", max_epochs=3, strategy=strategy, devices=2)
+    _finetune(tmp_path / "split", max_epochs=2, strategy=strategy, devices=2)
+    last = str(tmp_path / "split" / "ckpt" / "last.ckpt")
+    resumed, trainer, _ = _finetune(tmp_path / "split", max_epochs=3, ckpt_path=last, strategy=strategy, devices=2)
+    assert not torch.equal(whole.backbone[0].weight, WithBackbone().backbone[0].weight)
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
