@@ -525,3 +525,32 @@ def test_backbone_finetuning_resumes_bitwise_with_two_replicas(tmp_path, strateg
     assert not torch.equal(whole.backbone[0].weight, WithBackbone().backbone[0].weight)
     for name, tensor in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
+# ---- an optimizer over part of the model under the FSDP strategies ----------------------------------
+class PartlyOptimized(HelloWorld):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.net(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.parameters(), lr=0.01)  # the head is not trained
+
+
+@pytest.mark.parametrize("strategy", ["xla_fsdp", "xla_fsdpv2"])
+def test_an_optimizer_over_part_of_the_model_under_fsdp(tmp_path, strategy):
+    model = PartlyOptimized()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(strategy=strategy, max_epochs=1, limit_train_batches=2, limit_val_batches=0,
+                      enable_checkpointing=False, **quiet(tmp_path))
+    if strategy == "xla_fsdp":
+        with pytest.raises(ValueError, match=r"part of the model .* use strategy='xla_fsdpv2'"):
+            trainer.fit(model)
+        return
+    trainer.fit(model)
+    assert torch.equal(model.head.weight, before["head.weight"])
+    assert not torch.equal(model.net[0].weight, before["net.0.weight"])

@@ -34,8 +34,17 @@ class Optimization:
         self.automatic = module.automatic_optimization
         if not self.automatic:
             strategy.check_manual_optimization()
-        config = strategy.setup_optimizers(trainer.model, module.configure_optimizers)
         name = type(module).__name__
+        try:
+            config = strategy.setup_optimizers(trainer.model, module.configure_optimizers)
+        except ValueError as err:
+            if strategy.name != "xla_fsdp" or "self.parameters()" not in str(err):
+                raise
+            raise ValueError(
+                f"{name}.configure_optimizers() builds an optimizer over parameters xla_fsdp does not train: its FSDP "
+                "flattens the module's parameters, so only self.parameters() (all of them, sharded) can be optimized. "
+                "For an optimizer over part of the model (self.layer.parameters()) use strategy='xla_fsdpv2', which "
+                "shards each parameter in place; else build it from self.parameters().") from err
         self.optimizers, self.schedulers = parse_optimizers(config, name, self.automatic)
         for optimizer in self.optimizers:  # torch's multi-tensor path on XLA tensors, unless the user chose
             prefer_foreach(optimizer)
