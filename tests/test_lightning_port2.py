@@ -554,3 +554,36 @@ def test_an_optimizer_over_part_of_the_model_under_fsdp(tmp_path, strategy):
     trainer.fit(model)
     assert torch.equal(model.head.weight, before["head.weight"])
     assert not torch.equal(model.net[0].weight, before["net.0.weight"])
+
+
+# ---- torchmetrics' compute() called explicitly in a hook, with several replicas ---------------------
+class ExplicitCompute(HelloWorld):
+    def __init__(self):
+        super().__init__(expect_world_size=0)
+        import torchmetrics
+
+        self.explicit = torchmetrics.MeanSquaredError()
+        self.by_object = torchmetrics.MeanSquaredError()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.explicit.update(self.net(x), y)
+        self.by_object(self.net(x), y)
+        self.log("val_mse_logged", self.by_object)
+
+    def on_validation_epoch_end(self):
+        self.log("val_mse_explicit", self.explicit.compute())  # every replica's states, gathered in the graph
+        self.explicit.reset()
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("strategy", ["xla_native", "xla_ddp"])
+def test_an_explicit_metric_compute_sees_every_replica(tmp_path, strategy):
+    model = ExplicitCompute()
+    data = make_data(16, seed=3)
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(model.net(data.tensors[0]), data.tensors[1]).item()
+    trainer = Trainer(strategy=strategy, devices=2, **quiet(tmp_path))
+    (result,) = trainer.validate(model, DataLoader(data, batch_size=4), verbose=False)
+    assert result["val_mse_logged"] == pytest.approx(expected, rel=1e-5)
+    assert result["val_mse_explicit"] == pytest.approx(expected, rel=1e-5)

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import _xla, arguments, evaluation, interrupts, loaders
+from xtrainer import _xla, arguments, evaluation, interrupts, loaders, metric_sync
 from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
@@ -513,11 +513,13 @@ class Trainer:
                 self._optim.setup(self)
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage)
-            if stage == "fit":
-                self._fit_loop(data["train"][0], data["validate"])
-                outputs = None
-            else:
-                outputs = evaluation.run(self, stage, data[stage])
+            # an explicit metric.compute() in a hook syncs in the graph, on every replica alike
+            with metric_sync.synced_through(module, self.strategy.collectives.all_gather_tensors, self.world_size):
+                if stage == "fit":
+                    self._fit_loop(data["train"][0], data["validate"])
+                    outputs = None
+                else:
+                    outputs = evaluation.run(self, stage, data[stage])
             result: dict[str, Any] = {"outputs": outputs}
             if not in_process:
                 result.update(
