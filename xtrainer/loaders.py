@@ -1,7 +1,9 @@
 """Where a run's data comes from: the loaders given to ``fit``/``validate``/``test``/``predict``,
 else a data module's hooks, else the module's own; ``prepare_data`` and the data module's
-``setup``/``teardown`` in the calling process; reloading the training loader every n epochs;
-and how many batches of a loader a run takes (``limit_*_batches``)."""
+``setup``/``teardown`` in the calling process; the loader hooks called in every replica after the
+module's ``setup(stage)`` (Lightning's order: the module may build its datasets there); reloading
+the training loader every n epochs; and how many batches of a loader a run takes
+(``limit_*_batches``)."""
 
 from __future__ import annotations
 
