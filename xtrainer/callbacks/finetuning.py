@@ -148,8 +148,8 @@ class BaseFinetuning(Callback):
             return
         name = trainer.strategy.name
         if name == "xla_fsdp":
-            raise ValueError(f"{type(self).__name__} cannot run under xla_fsdp: its FSDP flattens the parameters, so no "
-                             "layer can be unfrozen or given a group of its own; use strategy='xla_native' or "
+            raise ValueError(f"{type(self).__name__} cannot run under xla_fsdp: its FSDP flattens the parameters, so "
+                             "no layer can be unfrozen or given a group of its own; use strategy='xla_native' or "
                              "'xla_fsdpv2'.")
         if name == "xla_ddp" and trainer.world_size > 1:
             raise ValueError(f"{type(self).__name__} cannot run under xla_ddp with several replicas: DDP reduces only "
@@ -210,8 +210,8 @@ class BaseFinetuning(Callback):
                 continue
             missing = [n for group in saved for n in group["params"] if n not in named]
             if missing:
-                raise ValueError(f"{type(self).__name__}: the checkpoint's optimizer groups name parameters this module "
-                                 f"does not have ({missing[:3]}); resume with the module that wrote it.")
+                raise ValueError(f"{type(self).__name__}: the checkpoint's optimizer groups name parameters this "
+                                 f"module does not have ({missing[:3]}); resume with the module that wrote it.")
             optimizer.param_groups = [{**{k: v for k, v in group.items() if k != "params"},
                                        "params": [named[n] for n in group["params"]]} for group in saved]
 
