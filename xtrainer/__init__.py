@@ -24,6 +24,28 @@ _LAZY = {
 
 __all__ = ["Trainer", "TrainingInterrupted", "XDataModule", "XModule", "__version__", "seed_everything"]
 
+
+
+def _set_rank_zero_rank() -> None:
+    """lightning-utilities' ``rank_zero_only`` (and ``rank_zero_warn``/``rank_zero_info``, which
+    Lightning code and xtrainer use) refuse to run until ``rank_zero_only.rank`` is set. Lightning
+    sets it when imported, from the launcher's environment; so does xtrainer, and every replica
+    sets its own when it starts (``_xla.device``)."""
+    import os
+
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", None) is None:
+        for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+            value = os.environ.get(name, "")
+            if value.isdigit():
+                rank_zero_only.rank = int(value)
+                return
+        rank_zero_only.rank = 0
+
+
+_set_rank_zero_rank()
+
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
     from xtrainer.datamodule import XDataModule
     from xtrainer.interrupts import TrainingInterrupted

@@ -39,8 +39,9 @@ def resolve(values: dict[str, Any], callbacks: Any, logger: Any, plugins: Any, m
         settings.limit_test_batches = settings.limit_predict_batches = n
         settings.max_steps, settings.max_epochs, settings.num_sanity_val_steps = n, 1, 0
         settings.val_check_interval, settings.check_val_every_n_epoch = 1.0, 1
-        settings.enable_checkpointing, logger = False, False
-        callbacks = [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
+        logger = False
+        # As in Lightning, the checkpoint callbacks stay (trainer.checkpoint_callback is the
+        # user's, best_model_path ""); they save nothing under fast_dev_run.
         rank_zero_info(f"xtrainer: fast_dev_run: {n} batch(es) of each loop, 1 epoch; no logs, no checkpoints.")
     if settings.overfit_batches:
         # The same first batches every epoch (no shuffling), for training and validation.

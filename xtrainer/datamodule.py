@@ -15,10 +15,14 @@ class XDataModule(HyperparametersMixin):
     """Subclass this instead of ``lightning.LightningDataModule``; the hook names are the same.
 
     ``prepare_data()`` runs once per host, then ``setup(stage)``, both in the calling process
-    before the replicas start, so that the loaders the hooks return are the ones every replica
-    shares out (each takes its own part through a distributed sampler). ``teardown(stage)`` runs
-    there too, when the stage is over. ``state_dict()`` goes into checkpoints and comes back
-    through ``load_state_dict()``.
+    before the replicas start; ``self.trainer`` is attached there and its ``world_size``,
+    ``num_devices``, ``global_rank``, ``is_global_zero``... are already the run's (rank 0 of the
+    planned replicas), so a global batch can be divided by the world size in ``setup``. The
+    ``*_dataloader()`` hooks are then called in every replica, after the module's own
+    ``setup(stage)`` (Lightning's order), on the replica's copy of this data module; each replica
+    takes its own part of the loader through a distributed sampler. ``teardown(stage)`` runs in
+    the calling process when the stage is over. ``state_dict()`` goes into checkpoints and comes
+    back through ``load_state_dict()``.
 
     Define any of ``train_dataloader``, ``val_dataloader``, ``test_dataloader``,
     ``predict_dataloader``; ``Trainer.fit(model, datamodule=dm)`` uses them.

@@ -1,7 +1,9 @@
 """Where a run's data comes from: the loaders given to ``fit``/``validate``/``test``/``predict``,
 else a data module's hooks, else the module's own; ``prepare_data`` and the data module's
-``setup``/``teardown`` in the calling process; reloading the training loader every n epochs;
-and how many batches of a loader a run takes (``limit_*_batches``)."""
+``setup``/``teardown`` in the calling process; the loader hooks called in every replica after the
+module's ``setup(stage)`` (Lightning's order: the module may build its datasets there); reloading
+the training loader every n epochs; and how many batches of a loader a run takes
+(``limit_*_batches``)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ def prepare(trainer: "Trainer", stage: str, model: XModule, datamodule: XDataMod
         raise ValueError(f"{stage}() got both dataloaders and a datamodule; give one of them.")
     trainer.callbacks = arguments.with_module_callbacks(trainer.callbacks, model)
     trainer.datamodule = datamodule
+    model.trainer = trainer  # as in Lightning: prepare_data may read the Trainer's properties
     model.prepare_data()
     if datamodule is not None:
         datamodule.trainer = trainer
@@ -40,39 +43,83 @@ def teardown(trainer: "Trainer", stage: str) -> None:
         trainer.datamodule.teardown(stage)
 
 
-def for_fit(trainer: "Trainer", model: XModule, train_dataloaders: Any, val_dataloaders: Any) -> tuple[list, list]:
-    """The training loader (one) and the validation loaders of a ``fit``."""
-    train = arguments.as_list(train_dataloaders) or from_hooks(trainer, model, "train")
-    if not train:
+def for_fit(trainer: "Trainer", model: XModule, train_dataloaders: Any, val_dataloaders: Any
+            ) -> dict[str, list | None]:
+    """In the calling process: the loaders given to ``fit``, checked; ``None`` for a stage whose
+    loaders come from a hook, which every replica calls after the module's ``setup(stage)``
+    (``in_replica``), as Lightning does: the module may build its datasets there."""
+    train = arguments.as_list(train_dataloaders)
+    if not train and _hook_owner(trainer, model, "train") is None:
         raise ValueError(f"fit() got no training data: pass train_dataloaders=..., a datamodule, or define "
                          f"{type(model).__name__}.train_dataloader().")
     if len(train) > 1:
         raise ValueError("fit() takes one training dataloader.")
-    if trainer.overfit_batches:
-        train = [sequential_dataloader(train[0])]
-    validates = type(model).validation_step is not XModule.validation_step
-    val = arguments.as_list(val_dataloaders) or (from_hooks(trainer, model, "validate") if validates else [])
-    if val and not validates:
+    val = arguments.as_list(val_dataloaders)
+    if val and not _validates(model):
         raise ValueError(f"Validation data was given but {type(model).__name__} has no validation_step.")
-    return train, val
+    return {"train": train or None, "validate": val or None}
 
 
-def for_stage(trainer: "Trainer", model: XModule, stage: str, dataloaders: Any) -> list:
-    """The loaders of a ``validate``/``test``/``predict``."""
-    loaders = arguments.as_list(dataloaders) or from_hooks(trainer, model, stage)
-    if not loaders:
+def for_stage(trainer: "Trainer", model: XModule, stage: str, dataloaders: Any) -> dict[str, list | None]:
+    """In the calling process: the loaders given to ``validate``/``test``/``predict``, or ``None``
+    for the hook's (called in every replica after ``setup``)."""
+    loaders = arguments.as_list(dataloaders)
+    if not loaders and _hook_owner(trainer, model, stage) is None:
         raise ValueError(f"{stage}() got no data: pass dataloaders=..., a datamodule, or define "
                          f"{type(model).__name__}.{LOADER_HOOKS[stage]}().")
-    return loaders
+    return {stage: loaders or None}
+
+
+def in_replica(trainer: "Trainer", model: XModule, sources: dict[str, list | None]) -> dict[str, list]:
+    """In a replica, after ``setup(stage)``: every stage's loaders, the hooks asked for those the
+    caller did not get (Lightning's order: ``prepare_data``, ``setup``, then the loader hooks)."""
+    found: dict[str, list] = {}
+    for stage, given in sources.items():  # "train" first in a fit
+        if given is not None:
+            found[stage] = list(given)
+            trainer._loader_hooks.pop(stage, None)  # not reloaded from a hook of an earlier run
+        elif stage == "validate" and "train" in sources and not _validates(model):
+            found[stage] = []  # a fit without validation_step does not ask for validation data
+        else:
+            found[stage] = from_hooks(trainer, model, stage)
+        if stage != "validate" or "train" not in sources:  # validation data is optional in a fit
+            _check_found(trainer, model, stage, found[stage])
+    if "train" in found and trainer.overfit_batches:
+        found["train"] = [sequential_dataloader(found["train"][0])]
+    return found
+
+
+def _check_found(trainer: "Trainer", model: XModule, stage: str, found: list) -> None:
+    what = "fit() got no training data" if stage == "train" else f"{stage}() got no data"
+    if not found:
+        owner = _hook_owner(trainer, model, stage)
+        raise ValueError(f"{what}: {type(owner).__name__}.{LOADER_HOOKS[stage]}() returned nothing; return a "
+                         "DataLoader (or pass the loaders to the Trainer's method).")
+    if stage == "train" and len(found) > 1:
+        raise ValueError(f"fit() takes one training dataloader; train_dataloader() returned {len(found)}.")
+
+
+def _validates(model: XModule) -> bool:
+    return type(model).validation_step is not XModule.validation_step
+
+
+def _hook_owner(trainer: "Trainer", model: XModule, stage: str) -> Any:
+    """Who answers ``stage``'s loader hook: the data module if it defines it, else the module
+    (None when neither does)."""
+    hook = LOADER_HOOKS[stage]
+    for owner in (trainer.datamodule, model):
+        if owner is not None and callable(getattr(owner, hook, None)):
+            return owner
+    return None
 
 
 def from_hooks(trainer: "Trainer", model: XModule, stage: str) -> list:
     """The loaders the data module's hook for ``stage`` returns, else the module's own."""
-    hook = LOADER_HOOKS[stage]
-    datamodule = trainer.datamodule
-    owner = datamodule if datamodule is not None and callable(getattr(datamodule, hook, None)) else model
+    owner = _hook_owner(trainer, model, stage)
+    if owner is None:
+        return []
     trainer._loader_hooks[stage] = owner
-    return arguments.as_list(_call_hook(owner, hook))
+    return arguments.as_list(_call_hook(owner, LOADER_HOOKS[stage]))
 
 
 def reloaded(trainer: "Trainer", train: Any, first_epoch: int) -> Any:

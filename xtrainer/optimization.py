@@ -34,8 +34,17 @@ class Optimization:
         self.automatic = module.automatic_optimization
         if not self.automatic:
             strategy.check_manual_optimization()
-        config = strategy.setup_optimizers(trainer.model, module.configure_optimizers)
         name = type(module).__name__
+        try:
+            config = strategy.setup_optimizers(trainer.model, module.configure_optimizers)
+        except ValueError as err:
+            if strategy.name != "xla_fsdp" or "self.parameters()" not in str(err):
+                raise
+            raise ValueError(
+                f"{name}.configure_optimizers() builds an optimizer over parameters xla_fsdp does not train: its FSDP "
+                "flattens the module's parameters, so only self.parameters() (all of them, sharded) can be optimized. "
+                "For an optimizer over part of the model (self.layer.parameters()) use strategy='xla_fsdpv2', which "
+                "shards each parameter in place; else build it from self.parameters().") from err
         self.optimizers, self.schedulers = parse_optimizers(config, name, self.automatic)
         for optimizer in self.optimizers:  # torch's multi-tensor path on XLA tensors, unless the user chose
             prefer_foreach(optimizer)
@@ -55,6 +64,17 @@ class Optimization:
             module, trainer.callbacks, "on_before_optimizer_step")
         self._custom_step = (type(module).optimizer_step is not XModule.optimizer_step
                              or type(module).optimizer_zero_grad is not XModule.optimizer_zero_grad)
+
+    def prepare_resume(self, trainer: "Trainer", checkpoint: dict[str, Any]) -> None:
+        """Before the optimizer states of ``checkpoint`` are loaded: a callback that added
+        parameter groups during the saved fit (``BaseFinetuning``) rebuilds them from its saved
+        state, so that each optimizer has the saved number of groups again."""
+        states = checkpoint.get("callbacks", {})
+        for cb in trainer.callbacks:
+            rebuild = getattr(cb, "restore_param_groups", None)
+            if callable(rebuild) and cb.state_key in states:
+                cb.load_state_dict(states[cb.state_key])
+                rebuild(trainer, trainer.module)
 
     # ---- automatic optimization --------------------------------------------------------------
     def step(self, trainer: "Trainer", batch_idx: int, loss: torch.Tensor) -> None:
@@ -125,4 +145,4 @@ class Optimization:
 
 def _overrides(module: XModule, callbacks: list[Callback], hook: str) -> bool:
     return (getattr(type(module), hook) is not getattr(XModule, hook)
-            or any(getattr(type(cb), hook) is not getattr(Callback, hook) for cb in callbacks))
+            or any(getattr(type(cb), hook) is not getattr(Callback, hook) or hook in vars(cb) for cb in callbacks))

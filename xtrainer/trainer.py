@@ -13,11 +13,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import _xla, arguments, evaluation, interrupts, loaders
+from xtrainer import _xla, arguments, evaluation, interrupts, loaders, metric_sync
 from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
 from xtrainer.datamodule import XDataModule
+from xtrainer.metric_values import MetricValues
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
 from xtrainer.module import XModule
 from xtrainer.optim import SchedulerConfig
@@ -30,6 +31,7 @@ from xtrainer.settings import TrainerSettings
 from xtrainer.state import seed_everything
 from xtrainer.steps import StepDispatcher, check_eval_step, check_module, training_loss
 from xtrainer.strategies import Strategy, resolve_strategy
+from xtrainer.strategies.launch import SpmdProcess
 from xtrainer.suggest import did_you_mean
 
 __all__ = ["Trainer", "seed_everything"]
@@ -166,6 +168,7 @@ class Trainer:
         self._fitted_model: XModule | None = None  # for validate()/test()/predict() without a model
         self._started_at = 0.0
         self._loader_hooks: dict[str, Any] = {}
+        self._replica_ready = False  # this object's strategy has set up a replica's environment
         self._num_val_batches: list[float] = []
 
         # Loop state: what a checkpoint saves and `fit` continues from.
@@ -181,9 +184,9 @@ class Trainer:
         #: The resolved configuration of ``xtrainer fit`` (flat keys), logged with the module's
         #: hyperparameters.
         self.run_config: dict[str, Any] = {}
-        self.callback_metrics: dict[str, float] = {}
-        self.progress_bar_metrics: dict[str, float] = {}
-        self.logged_metrics: dict[str, float] = {}
+        self.callback_metrics = {}  # values: 0-dim CPU tensors, as in Lightning (MetricValues)
+        self.progress_bar_metrics: dict[str, float] = {}  # floats, as in Lightning
+        self.logged_metrics = {}
         self.state = "idle"  # "fit", "validate", "test" or "predict" while one runs
         self.num_training_batches: float = 0
         self._batches_in_epoch = 0
@@ -235,10 +238,32 @@ class Trainer:
         if value != previous:  # e.g. rank 0's folder, broadcast: the loggers follow
             move_run_folder(self.loggers, previous, value)
 
-    # ---- where we are (valid inside a run) -------------------------------------------------
+    # ---- where we are -----------------------------------------------------------------------
+    # Inside a replica these are the replica's; in the calling process (a data module's
+    # prepare_data/setup, a module's prepare_data, the caller after fit) they are what the launch
+    # will have, as in Lightning: rank 0 of ``world_size`` planned replicas.
     @property
     def world_size(self) -> int:
-        return self.strategy.world_size
+        if self._replica_ready:
+            return self.strategy.world_size
+        return self._planned_world_size()
+
+    def _planned_world_size(self) -> int:
+        planned = self.strategy.launcher.planned_world_size()
+        if planned is not None:
+            return planned
+        if isinstance(self.strategy.launcher, SpmdProcess):
+            return self.num_nodes  # one SPMD process per host
+        return self.num_devices * self.num_nodes
+
+    @property
+    def num_devices(self) -> int:
+        """Devices per host the run uses (``devices``, or every local one for ``"auto"``)."""
+        return self.strategy.devices or _xla.local_device_count_without_runtime() or 1
+
+    @property
+    def device_ids(self) -> list[int]:
+        return list(range(self.num_devices))
 
     @property
     def global_rank(self) -> int:
@@ -255,6 +280,24 @@ class Trainer:
     @property
     def node_rank(self) -> int:
         return _xla.process_index() if self.state != "idle" and _xla.is_spmd() else 0
+
+    @property
+    def callback_metrics(self) -> MetricValues:
+        """The latest logged values, each a 0-dim CPU tensor (``.item()``, ``float()``), as in Lightning."""
+        return self._callback_metrics
+
+    @callback_metrics.setter
+    def callback_metrics(self, values: Any) -> None:
+        self._callback_metrics = MetricValues(values)
+
+    @property
+    def logged_metrics(self) -> MetricValues:
+        """What was sent to the loggers (values: 0-dim CPU tensors)."""
+        return self._logged_metrics
+
+    @logged_metrics.setter
+    def logged_metrics(self, values: Any) -> None:
+        self._logged_metrics = MetricValues(values)
 
     @property
     def logger(self) -> Logger | None:
@@ -275,9 +318,25 @@ class Trainer:
 
     @property
     def early_stopping_callback(self) -> Any:
+        return next(iter(self.early_stopping_callbacks), None)
+
+    @property
+    def early_stopping_callbacks(self) -> list[Any]:
         from xtrainer.callbacks import EarlyStopping
 
-        return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
+        return [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+
+    @property
+    def progress_bar_callback(self) -> Any:
+        from xtrainer.callbacks import ProgressBar
+
+        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
+
+    @property
+    def prediction_writer_callbacks(self) -> list[Any]:
+        from xtrainer.callbacks import BasePredictionWriter
+
+        return [cb for cb in self.callbacks if isinstance(cb, BasePredictionWriter)]
 
     @property
     def lightning_module(self) -> XModule:
@@ -332,9 +391,9 @@ class Trainer:
             train_dataloaders, datamodule = None, train_dataloaders
         loaders.prepare(self, "fit", model, datamodule, given=train_dataloaders is not None or val_dataloaders is not None)
         try:
-            train, val = loaders.for_fit(self, model, train_dataloaders, val_dataloaders)
+            sources = loaders.for_fit(self, model, train_dataloaders, val_dataloaders)
             with interrupts.graceful():  # SIGTERM/SIGINT: finish the step, write a checkpoint, raise
-                self._launch("fit", model, {"train": train, "validate": val}, ckpt_path)
+                self._launch("fit", model, sources, ckpt_path)
             self._fitted_model = model
         finally:
             loaders.teardown(self, "fit")
@@ -396,16 +455,16 @@ class Trainer:
             datamodule = self.datamodule  # the fit's, if it had one
         loaders.prepare(self, stage, model, datamodule, given=dataloaders is not None)
         try:
-            data = loaders.for_stage(self, model, stage, dataloaders)
+            sources = loaders.for_stage(self, model, stage, dataloaders)
             check_eval_step(model, stage)
-            results = self._launch(stage, model, {stage: data}, ckpt_path)
+            results = self._launch(stage, model, sources, ckpt_path)
         finally:
             loaders.teardown(self, stage)
         if verbose and stage != "predict":
             evaluation.print_results(stage, results)
         return results
 
-    def _launch(self, stage: str, model: XModule, sources: dict[str, list], ckpt_path: Any) -> Any:
+    def _launch(self, stage: str, model: XModule, sources: dict[str, list | None], ckpt_path: Any) -> Any:
         resolved = self._resolve_ckpt_path(ckpt_path)
         self.ckpt_path = resolved
         self.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
@@ -427,9 +486,10 @@ class Trainer:
         return result["outputs"]
 
     # ---- one replica -------------------------------------------------------------------------
-    def _run(self, stage: str, module: XModule, sources: dict[str, list], ckpt_path: str | None
+    def _run(self, stage: str, module: XModule, sources: dict[str, list | None], ckpt_path: str | None
              ) -> dict[str, Any]:
         self.strategy.setup_environment()
+        self._replica_ready = True
         if self.world_size > 1:
             # On several hosts each calling process claimed a folder of its own; rank 0's is the
             # run's (untested here: no pod), and a folder claimed for nothing is given back.
@@ -444,7 +504,12 @@ class Trainer:
         try:
             for cb in self.callbacks:
                 cb.setup(self, module, stage)
+            if self.datamodule is not None:
+                self.datamodule.trainer = self  # a replica's copy of the data module
             module.setup(stage)
+            # Lightning's order: setup(stage), then the loader hooks (the module may build its
+            # datasets in setup), in every replica.
+            sources = loaders.in_replica(self, module, sources)
             self._wrapped = self.strategy.setup_module(StepDispatcher(module, self.precision))
             data = {name: [self._device_data(dl) for dl in dls] for name, dls in sources.items()}
             if stage == "fit":
@@ -456,11 +521,13 @@ class Trainer:
                 self._optim.setup(self)
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage)
-            if stage == "fit":
-                self._fit_loop(data["train"][0], data["validate"])
-                outputs = None
-            else:
-                outputs = evaluation.run(self, stage, data[stage])
+            # an explicit metric.compute() in a hook syncs in the graph, on every replica alike
+            with metric_sync.synced_through(module, self.strategy.collectives.all_gather_tensors, self.world_size):
+                if stage == "fit":
+                    self._fit_loop(data["train"][0], data["validate"])
+                    outputs = None
+                else:
+                    outputs = evaluation.run(self, stage, data[stage])
             result: dict[str, Any] = {"outputs": outputs}
             if not in_process:
                 result.update(
@@ -700,6 +767,10 @@ class Trainer:
         return self.limits["validate"] != 0
 
     def _print_summary(self) -> None:
+        from xtrainer.callbacks import ModelSummary
+
+        if any(isinstance(cb, ModelSummary) for cb in self.callbacks):
+            return  # that callback prints it, to its own depth
         try:
             from xtrainer.summary import summarize
         except ImportError:
@@ -774,7 +845,10 @@ class Trainer:
 
     def _restore(self, path: str, stage: str) -> None:
         """Load the checkpoint at ``path`` (checked in the calling process) into this replica."""
-        run_state.restore(self, self.strategy.checkpoint_layout.load(self.strategy.collectives, path), path, stage)
+        checkpoint = self.strategy.checkpoint_layout.load(self.strategy.collectives, path)
+        if stage == "fit" and not checkpoint.get("weights_only"):
+            self._optim.prepare_resume(self, checkpoint)  # parameter groups added during the saved fit
+        run_state.restore(self, checkpoint, path, stage)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> Any:

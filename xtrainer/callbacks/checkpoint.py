@@ -330,6 +330,7 @@ class ModelCheckpoint(Callback):
 
     def on_train_end(self, trainer: "Trainer", module: "XModule") -> None:
         if (self._saves == 0 and trainer.global_step > 0 and not _sanity_checking(trainer)
+                and not getattr(trainer, "fast_dev_run", False)
                 and not self._on_train_epoch_end(trainer) and not self._validation_ran
                 and (self.every_n_epochs or self.save_last)):
             rank_zero_warn("ModelCheckpoint saved nothing: it saves after validation here (check_val_every_n_epoch="
