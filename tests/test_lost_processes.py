@@ -53,12 +53,16 @@ def test_dataloader_workers_end_with_a_sigkilled_caller_and_ignore_ctrl_c(tmp_pa
                 time.sleep(0.2)
 
         Trainer(max_epochs=50, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                enable_xla_health=False, default_root_dir={str(tmp_path)!r}, callbacks=[Slow()]).fit(
+                enable_model_summary=False, enable_xla_health=False, default_root_dir={str(tmp_path)!r},
+                callbacks=[Slow()]).fit(
             Regressor(), make_loader(num_workers=2, persistent_workers=True))
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=ENV, start_new_session=True)
-    assert proc.stdout.readline().strip() == "training", proc.communicate()[1][-3000:]
+    line = proc.stdout.readline().strip()
+    if line != "training":
+        proc.kill()
+        pytest.fail(f"the fit did not start training: {line!r} {proc.communicate()[1][-3000:]}")
     workers = children_of(proc.pid)
     assert len(workers) >= 2
     for pid in workers:

@@ -115,10 +115,12 @@ class DeviceData:
 
 
 class _WorkerOfThisRun:
-    """A DataLoader worker's start (then the user's ``worker_init_fn``): it leaves SIGINT and
-    SIGTERM to the training process, which stops gracefully and shuts the workers down (a
-    terminal's Ctrl-C reaches the whole process group), and it ends within half a second of that
-    process, however it ends (SIGKILL included), instead of waiting for torch's own check."""
+    """A DataLoader worker's start (then the user's ``worker_init_fn``): it leaves SIGINT to the
+    training process, which stops gracefully and shuts the workers down (a terminal's Ctrl-C
+    reaches the whole process group); SIGTERM ends it (a forked worker would otherwise inherit the
+    training process's graceful handler and never end when told to); and it ends within half a
+    second of the training process, however that ends (SIGKILL included), instead of waiting for
+    torch's own check."""
 
     def __init__(self, user_fn: Any) -> None:
         self.user_fn = user_fn
@@ -129,8 +131,8 @@ class _WorkerOfThisRun:
         import threading
         import time
 
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         parent = os.getppid()
 
         def watch() -> None:
