@@ -5,6 +5,7 @@ import argparse
 import csv
 import enum
 import inspect
+import glob
 import os
 import pathlib
 import pickle
@@ -473,7 +474,7 @@ def test_csv_on_a_full_disk_keeps_whole_rows_and_writes_the_rest_later(small_dis
     rows = read_csv(os.path.join(logger.log_dir, "metrics.csv"))[1]
     assert [r["loss"] for r in rows] == [repr(float(i)) for i in range(len(rows))] and len(rows) <= failed_at
     assert all(r["blob"] == payload for r in rows)
-    assert not os.path.exists(os.path.join(logger.log_dir, ".metrics.csv.tmp"))
+    assert not glob.glob(os.path.join(logger.log_dir, ".tmp-*"))
     os.remove(filler)
     logger.finalize()  # the rows that waited are written now
     rows = read_csv(os.path.join(logger.log_dir, "metrics.csv"))[1]
@@ -593,7 +594,7 @@ def test_csv_killed_at_random_points_keeps_every_written_row(tmp_path):
 def test_csv_killed_between_a_rewrite_and_its_rename_then_resumed(tmp_path):
     folder, progress = run_killed_writer(tmp_path, "mid", "5")  # killed inside its 5th header rewrite
     last = check_killed_file(folder, progress)
-    assert last >= 9 and os.path.exists(os.path.join(folder, ".metrics.csv.tmp"))  # the unfinished rewrite
+    assert last >= 9 and glob.glob(os.path.join(folder, ".tmp-*-metrics.csv"))  # the unfinished rewrite
     header_before = read_csv(os.path.join(folder, "metrics.csv"))[0]
     assert "new_12" not in header_before  # the rewrite that added it never landed
     resumed = CSVLogger(str(tmp_path / "mid"), name="", version=0, flush_logs_every_n_steps=1)
@@ -601,6 +602,7 @@ def test_csv_killed_between_a_rewrite_and_its_rename_then_resumed(tmp_path):
     resumed.log_metrics({"loss": (last + 2) * 0.5, "epoch": (last + 2) // 10, 'odd, "name"\n': -(last + 2),
                          f"new_{last + 2}": float(last + 2)}, last + 2)
     resumed.finalize()
+    assert not glob.glob(os.path.join(folder, ".tmp-*"))  # the dead writer's leftover is gone
     rows = read_csv(os.path.join(folder, "metrics.csv"))[1]
     assert [r["step"] for r in rows] == [str(i) for i in range(last + 3)]
     assert rows[-1][f"new_{last + 2}"] == repr(float(last + 2))

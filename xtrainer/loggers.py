@@ -42,7 +42,7 @@ from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any, Iterable
 
-from xtrainer.checkpoint import fs
+from xtrainer.checkpoint import fs, storage
 
 __all__ = ["CSVLogger", "Logger", "TensorBoardLogger", "claim_run_folder", "claim_version_dir",
            "move_run_folder", "run_folder_root"]
@@ -485,43 +485,8 @@ def _flatten(params: Mapping[str, Any], separator: str = "/", prefix: str = "") 
 
 
 def _atomic_write(path: str, text: str) -> None:
-    """Write ``path`` whole or not at all: a temporary file beside it, synced, then renamed (on an
-    object store: one object, which appears whole when its upload completes)."""
-    if fs.is_url(path):
-        fs.write_text(path, text)
-        return
-    folder = os.path.dirname(path) or "."
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        _remove(tmp)  # e.g. the disk is full: the file itself is as it was
-        raise
-    os.replace(tmp, path)
-    _fsync_dir(folder)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-
-
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """Write ``path`` whole or not at all (the checkpoint package's atomic replace)."""
+    storage.replace_text(path, text)
 
 
 def _write_hparams_yaml(path: str, params: Mapping[str, Any]) -> None:
@@ -738,7 +703,7 @@ class _CSVWriter:
         except (UnicodeDecodeError, csv.Error) as err:
             raise ValueError(f"{self.metrics_file_path} exists and is not a CSV file this logger can append to "
                              f"({err}): move it away, or log into another version.") from err
-        _remove(os.path.join(self.log_dir, f".{self.NAME_METRICS_FILE}.tmp"))  # a rewrite a kill cut short
+        storage.remove_leftovers(self.log_dir)  # a rewrite a kill cut short
         if not records:
             return
         self.metrics_keys = records[0]

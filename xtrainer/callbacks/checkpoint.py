@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import shutil
 import string
 import time
 from typing import TYPE_CHECKING, Any, Literal
@@ -508,49 +507,22 @@ class ModelCheckpoint(Callback):
                 print(line, flush=True)
 
     def _write(self, trainer: "Trainer", path: str, weights_only: bool) -> None:
-        if trainer.is_global_zero and getattr(trainer.strategy.checkpoint_layout, "kind", "file") != "file" \
-                and os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
-            os.remove(path)  # a checkpoint folder is renamed into place, which a link or a file would block
+        if trainer.is_global_zero and getattr(trainer.strategy.checkpoint_layout, "kind", "file") != "file":
+            storage.make_room_for_folder(path)
         trainer.save_checkpoint(path, weights_only=weights_only)
 
     def _link(self, trainer: "Trainer", last: str, target: str) -> None:
-        """Point ``last`` at ``target`` (a complete checkpoint), atomically: a new relative link under
-        a temporary name renamed over the old one. On an object store (no links): a copy."""
-        if trainer.is_global_zero and fs.is_url(last):
-            storage.copy_checkpoint(target, last)
-        elif trainer.is_global_zero:
-            folder = os.path.dirname(last)
-            tmp = os.path.join(folder, storage.temp_name(os.path.basename(last)))
-            try:
-                if os.path.isdir(last) and not os.path.islink(last):
-                    shutil.rmtree(last)  # a checkpoint folder of an older state; target is newer and complete
-                os.makedirs(folder, exist_ok=True)
-                os.symlink(os.path.relpath(target, folder), tmp)  # relative: the folder can move
-                os.replace(tmp, last)
-            except OSError as err:
-                if os.path.lexists(tmp):
-                    os.remove(tmp)
-                raise storage.write_error(err, last) from err
+        """Point ``last`` at ``target`` (a complete checkpoint); every replica waits for it."""
+        if trainer.is_global_zero:
+            storage.point_last(last, target)
         trainer.strategy.collectives.barrier("xtrainer_checkpoint_link")
 
     def _remove(self, trainer: "Trainer", paths: list[str]) -> None:
         if trainer.is_global_zero:
             for path in paths:
                 if self._owns(path):
-                    storage.remove(path)
-                    if not fs.is_url(path):  # an object store has no empty folders
-                        self._remove_empty_folders(os.path.dirname(path))
+                    storage.remove_checkpoint(path, top=self.dirpath)
         trainer.strategy.collectives.barrier("xtrainer_checkpoint_cleanup")
-
-    def _remove_empty_folders(self, folder: str) -> None:
-        """Subfolders that names with ``/`` made, once empty (Lightning leaves them behind)."""
-        top = os.path.realpath(self.dirpath)
-        while os.path.realpath(folder).startswith(top + os.sep):
-            try:
-                os.rmdir(folder)
-            except OSError:
-                return
-            folder = os.path.dirname(folder)
 
     # ---- ranking ------------------------------------------------------------------------------
     def check_monitor_top_k(self, trainer: "Trainer", current: Any = None) -> bool:
@@ -663,16 +635,11 @@ class ModelCheckpoint(Callback):
 
     def file_exists(self, filepath: str | os.PathLike, trainer: "Trainer", broadcast: bool = True) -> bool:
         """Whether ``filepath`` exists on rank 0 (told to every replica)."""
-        exists = fs.exists(os.fspath(filepath)) if fs.is_url(os.fspath(filepath)) else os.path.lexists(os.fspath(filepath))
+        exists = fs.lexists(os.fspath(filepath))
         return bool(trainer.strategy.collectives.broadcast(exists)) if broadcast and trainer.world_size > 1 else exists
 
     def _inside(self, path: str, folder: str | None = None) -> bool:
-        folder = folder or self.dirpath
-        if fs.is_url(folder) or fs.is_url(path):
-            return fs.is_url(path) and fs.normpath(path).startswith(fs.normpath(folder).rstrip("/") + "/")
-        top = os.path.realpath(folder)
-        parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
-        return parent == top or parent.startswith(top + os.sep)
+        return fs.inside(path, folder or self.dirpath)
 
     def _owns(self, path: Any) -> bool:
         """Whether ``path`` is a checkpoint inside this callback's folder (or an earlier run's of

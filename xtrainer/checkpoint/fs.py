@@ -103,7 +103,21 @@ def normalize(path: str) -> str:
     return path.rstrip("/") if is_url(path) else os.path.abspath(path)
 
 
+def inside(path: str, folder: str) -> bool:
+    """Whether ``path`` lies inside ``folder`` (links resolved for local paths)."""
+    if is_url(folder) or is_url(path):
+        return is_url(path) and normpath(path).startswith(normpath(folder).rstrip("/") + "/")
+    top = os.path.realpath(folder)
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    return parent == top or parent.startswith(top + os.sep)
+
+
 # ---- what is there -----------------------------------------------------------------------------
+def lexists(path: str) -> bool:
+    """Whether anything, a dangling link included, is at ``path``."""
+    return exists(path) if is_url(path) else os.path.lexists(path)
+
+
 def exists(path: str) -> bool:
     if not is_url(path):
         return os.path.exists(path)

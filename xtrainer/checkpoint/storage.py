@@ -325,7 +325,71 @@ def verify_folder(folder: str) -> dict[str, Any]:
     return manifest
 
 
+def replace_text(path: str, text: str) -> None:
+    """Write a small text file (a log's header rewrite, ``hparams.yaml``) whole or not at all: a
+    temporary file beside it, synced, then renamed over ``path`` (on an object store: one object,
+    which appears whole when its upload completes). An ``OSError`` is raised as it is, with
+    ``path`` as it was."""
+    if fs.is_url(path):
+        fs.write_text(path, text)
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, temp_name(os.path.basename(path)))
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)  # e.g. the disk is full: the file itself is as it was
+        raise
+    _fsync_dir(folder)
+
+
 # ---- folders of checkpoints --------------------------------------------------------------------
+def make_room_for_folder(path: str) -> None:
+    """A checkpoint folder is renamed into place, which a link or a file at ``path`` would block:
+    remove those (a folder there is replaced by the rename itself)."""
+    if not fs.is_url(path) and os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
+        os.remove(path)
+
+
+def point_last(last: str, target: str) -> None:
+    """Make ``last`` stand for the complete checkpoint ``target``, atomically: a relative link
+    under a temporary name renamed over it (an older checkpoint folder of that name is removed
+    first; ``target`` is newer and complete). On an object store, which has no links: a copy."""
+    if fs.is_url(last):
+        copy_checkpoint(target, last)
+        return
+    folder = os.path.dirname(last)
+    tmp = os.path.join(folder, temp_name(os.path.basename(last)))
+    try:
+        if os.path.isdir(last) and not os.path.islink(last):
+            shutil.rmtree(last)
+        os.makedirs(folder, exist_ok=True)
+        os.symlink(os.path.relpath(target, folder), tmp)  # relative: the folder can move
+        os.replace(tmp, last)
+    except OSError as err:
+        _remove_quietly(tmp)
+        raise write_error(err, last) from err
+
+
+def remove_checkpoint(path: str, top: str) -> None:
+    """Remove the checkpoint ``path`` (a file, a link or a folder), then the folders between it
+    and ``top`` that this left empty (names with ``/`` make them)."""
+    remove(path)
+    if fs.is_url(path):  # an object store has no empty folders
+        return
+    top, folder = os.path.realpath(top), os.path.dirname(path)
+    while os.path.realpath(folder).startswith(top + os.sep):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+        folder = os.path.dirname(folder)
+
+
 def link_last(dirpath: str, target: str) -> None:
     """Point ``dirpath/last.ckpt`` at ``target`` (a complete checkpoint), atomically: a new link
     under a temporary name renamed over the old one."""
