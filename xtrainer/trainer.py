@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import _xla, arguments, evaluation, interrupts, loaders
+from xtrainer import _xla, arguments, compile_cache, evaluation, interrupts, loaders
 from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
@@ -66,6 +66,14 @@ class Trainer:
             or ``"off"``. The check runs on the device inside each step and is read with the
             logged values (every ``log_every_n_steps`` and at epoch ends): no extra host sync,
             so training may run up to that many steps past the first bad loss before stopping.
+        compilation_cache: keep compiled graphs on disk for restarts (``xtrainer/compile_cache.py``):
+            None (on where the runtime can load them: not the CPU runtime), True, False or a folder.
+        hang_timeout, exit_on_hang: when no training step finishes for ``hang_timeout`` seconds
+            (``"auto"``: a multiple of the median step, at least minutes; None: never), write every
+            thread's Python stack to the log and the run folder, and with ``exit_on_hang`` end the
+            process with exit code 75 so that a restart loop goes on (``xtrainer/watchdog.py``).
+        enable_goodput: account wall time (compiling, data, checkpoints, restarts, steps lost to
+            preemption) per run and across restarts, in ``goodput.json`` (``xtrainer/goodput.py``).
 
     Lightning's other arguments keep Lightning's meaning (the README's "Coming from Lightning"
     table says where XLA makes a difference): ``accelerator``, ``num_nodes``, ``fast_dev_run``,
@@ -99,6 +107,10 @@ class Trainer:
         enable_checkpointing: bool = True,
         enable_xla_health: bool = True,
         detect_nonfinite: str = "raise",
+        compilation_cache: bool | str | os.PathLike | None = None,  # goodput: compile_cache.py
+        hang_timeout: float | str | None = "auto",  # goodput: watchdog.py
+        exit_on_hang: bool = False,
+        enable_goodput: bool = True,  # goodput: goodput.py
         accelerator: str = "auto",
         num_nodes: int = 1,
         fast_dev_run: int | bool = False,
@@ -423,6 +435,7 @@ class Trainer:
     # ---- one replica -------------------------------------------------------------------------
     def _run(self, stage: str, module: XModule, sources: dict[str, list], ckpt_path: str | None
              ) -> dict[str, Any]:
+        compile_cache.activate(self)  # goodput: before this process's first compilation
         self.strategy.setup_environment()
         if self.world_size > 1:
             # On several hosts each calling process claimed a folder of its own; rank 0's is the

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer import _xla
+from xtrainer import _xla, compile_cache
 from xtrainer.callbacks.base import Callback
 from xtrainer.results import batch_size
 
@@ -56,6 +56,10 @@ class XlaHealth(Callback):
         self.recompilations: list[dict[str, Any]] = []
         self._warm = self._warming_last_step = False
         self._first_epoch_shapes: set[tuple] = set()
+
+    def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+        # From the replica's start: restoring a checkpoint compiles too (cache lookups included).
+        self._cache_counts = _xla.persistent_cache_counts()
 
     def on_fit_start(self, trainer: "Trainer", module: "XModule") -> None:
         self.recompilations, self._warm, self._first_epoch_shapes = [], False, set()
@@ -160,8 +164,11 @@ class XlaHealth(Callback):
                        "compile_seconds": (end["compile_s"] - start["compile_s"]) / replicas,
                        "recompilations": sum(r["graphs"] for r in self.recompilations),
                        "transfers_per_step": (end["transfers"] - start["transfers"]) / max(steps, 1) / replicas}
+        cache, self.cache_summary = compile_cache.describe(self._cache_counts, _xla.persistent_cache_counts())
+        self.totals.update(cache)
         if self.summary and trainer.is_global_zero:
             print(summary_line(self.totals), flush=True)
+            print(f"fit: {self.cache_summary}", flush=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {"recompilations": list(self.recompilations)}

@@ -1,0 +1,60 @@
+"""A small fit in a fresh process, for the goodput tests (compilation cache, hang watchdog, goodput).
+
+    python goodput_run.py ROOT JSON_OPTIONS
+
+``JSON_OPTIONS`` holds Trainer arguments plus: ``devices``, ``steps`` (max_steps), ``ckpt_path``,
+``sleep_at`` / ``sleep_s`` (a callback sleeps that long in ``on_train_batch_start`` of that
+global step), ``term_at`` (the process sends itself SIGTERM after that global step). The
+Trainer's summary lines go to stdout.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+from conftest import Regressor, make_loader
+
+from xtrainer import Trainer
+from xtrainer.callbacks import Callback
+
+
+class SleepInStep(Callback):
+    def __init__(self, at, seconds):
+        self.at, self.seconds = at, seconds
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            sleep_inside_the_step(self.seconds)
+
+
+def sleep_inside_the_step(seconds):
+    time.sleep(seconds)
+
+
+class TermAfter(Callback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main():
+    root, options = sys.argv[1], json.loads(sys.argv[2])
+    callbacks = []
+    if "sleep_at" in options:
+        callbacks.append(SleepInStep(options.pop("sleep_at"), options.pop("sleep_s")))
+    if "term_at" in options:
+        callbacks.append(TermAfter(options.pop("term_at")))
+    steps, ckpt = options.pop("steps", 8), options.pop("ckpt_path", None)
+    kwargs = dict(default_root_dir=root, max_steps=steps, enable_progress_bar=False, logger=False,
+                  log_every_n_steps=2, callbacks=callbacks, enable_model_summary=False)
+    kwargs.update(options)
+    Trainer(**kwargs).fit(Regressor(), make_loader(64, 8), ckpt_path=ckpt)
+
+
+if __name__ == "__main__":
+    main()
