@@ -1,6 +1,7 @@
 """Goodput on real pods: the persistent compilation cache, the hang watchdog, MFU, goodput
 accounting and ``xtrainer doctor``, on the CPU runtime, in real processes."""
 
+import glob
 import json
 import os
 import re
@@ -64,3 +65,43 @@ def test_cache_folders_per_process(tmp_path):
     assert compile_cache.folder_for(False, str(tmp_path)) is None
     assert compile_cache.folder_for(True, str(tmp_path)) == str(tmp_path / "xla_cache")
     assert compile_cache.folder_for(str(tmp_path / "x"), "/elsewhere") == str(tmp_path / "x")
+
+
+def test_a_step_that_sleeps_past_the_limit_leaves_stacks_naming_it_and_the_run_goes_on(tmp_path):
+    run = run_fit(tmp_path, hang_timeout=1.5, sleep_at=3, sleep_s=5, steps=6)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "no training step finished for" in run.stderr and "sleep_inside_the_step" in run.stderr
+    [stacks] = [p for p in glob.glob(str(tmp_path / "version_0" / "hang-*.txt"))]
+    text = open(stacks).read()
+    assert "sleep_inside_the_step" in text and 'Thread "MainThread"' in text
+    assert "hang_timeout=1.5" in text
+
+
+def test_exit_on_hang_ends_the_run_non_zero_with_thread_replicas(tmp_path):
+    # The limit leaves room for the first steps' compilations on a busy machine.
+    run = run_fit(tmp_path, hang_timeout=10, exit_on_hang=True, sleep_at=4, sleep_s=120, steps=6, devices=2)
+    assert run.returncode != 0
+    assert "exit code 75" in run.stderr
+    [stacks] = glob.glob(str(tmp_path / "version_0" / "hang-*.txt"))
+    text = open(stacks).read()
+    assert text.count(", in sleep_inside_the_step") == 2  # both replicas (threads of one process) sleep there
+
+
+def test_a_run_that_keeps_stepping_never_fires(tmp_path):
+    run = run_fit(tmp_path, hang_timeout=20, steps=8)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not glob.glob(str(tmp_path / "version_0" / "hang-*.txt")) and "no training step" not in run.stderr
+
+
+def test_the_automatic_limit_waits_for_compilations_then_follows_the_median_step():
+    from xtrainer.watchdog import FLOOR, STARTUP_LIMIT, HangWatchdog
+
+    watchdog = HangWatchdog()
+    assert watchdog.limit([], 0) == STARTUP_LIMIT
+    assert watchdog.limit([0.1] * 50, 50) == FLOOR  # never less than a few minutes
+    assert watchdog.limit([60.0] * 9 + [3000.0], 10) == 1200.0  # 20 x the median, not the mean
+    assert HangWatchdog(2).limit([], 0) == 2.0
+    with pytest.raises(ValueError, match="hang_timeout"):
+        from xtrainer import Trainer
+
+        Trainer(hang_timeout=-1)
