@@ -9,8 +9,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import Regressor, make_loader
 
-from xtrainer import compile_cache
+from xtrainer import Trainer, _xla, compile_cache
+from xtrainer.callbacks import Callback, XlaHealth
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -102,6 +104,74 @@ def test_the_automatic_limit_waits_for_compilations_then_follows_the_median_step
     assert watchdog.limit([60.0] * 9 + [3000.0], 10) == 1200.0  # 20 x the median, not the mean
     assert HangWatchdog(2).limit([], 0) == 2.0
     with pytest.raises(ValueError, match="hang_timeout"):
-        from xtrainer import Trainer
-
         Trainer(hang_timeout=-1)
+
+
+# ---- MFU and tokens per second ----------------------------------------------------------------
+class Recorder(Callback):
+    """Collects the values handed to the loggers (``on_metrics``)."""
+
+    def __init__(self):
+        self.logged = []
+
+    def on_metrics(self, trainer, module, metrics, step):
+        self.logged.append(dict(metrics))
+
+
+def fit_with_health(tmp_path, module, **kwargs):
+    health, recorder = XlaHealth(), Recorder()
+    trainer = Trainer(max_steps=6, log_every_n_steps=2, default_root_dir=str(tmp_path), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, callbacks=[health, recorder], **kwargs)
+    trainer.fit(module, make_loader(64, 8))
+    return trainer, health, recorder
+
+
+def test_model_flops_are_counted_once_from_the_step_and_reported_as_achieved_flops_on_cpu(tmp_path, capsys):
+    trainer, health, recorder = fit_with_health(tmp_path, Regressor())
+    # Linear(8, 16) and Linear(16, 1) on 8 samples: forward 2*8*8*16 + 2*8*16*1; backward the
+    # weight gradients of both and the input gradient of the second (the data needs none).
+    assert health._work.flops == (2 * 8 * 8 * 16 + 2 * 8 * 16) + (2 * 8 * 8 * 16 + 2 * 2 * 8 * 16)
+    flops_logged = [m["throughput/model_flops_per_second"] for m in recorder.logged
+                    if "throughput/model_flops_per_second" in m]
+    assert flops_logged and all(v > 0 for v in flops_logged)
+    assert not any("throughput/mfu" in m for m in recorder.logged)  # the CPU runtime has no peak
+    assert trainer.progress_bar_metrics["flop/s"] == flops_logged[-1]
+    out = capsys.readouterr().out
+    assert "model FLOPs per optimizer step (counted on the meta device)" in out
+    assert "no MFU: no peak FLOP/s for the CPU runtime" in out
+
+
+class DeclaredLM(Regressor):
+    flops_per_step = 1e9
+
+    def tokens_per_step(self, batch):
+        return 4 * batch[0].shape[0]  # declared: 4 tokens per sample
+
+
+def test_declared_flops_and_tokens_and_a_chips_peak_give_mfu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XTRAINER_CHIP", "tpu-v5e")  # pick the table's entry, as on a v5e host
+    trainer, health, recorder = fit_with_health(tmp_path, DeclaredLM())
+    interval = [m for m in recorder.logged if "throughput/mfu" in m]
+    assert interval
+    for m in interval:
+        assert m["throughput/mfu"] == pytest.approx(m["throughput/model_flops_per_second"] / 197e12)
+        steps_per_s = m["throughput/steps_per_second"]
+        assert m["throughput/model_flops_per_second"] == pytest.approx(1e9 * steps_per_s, rel=0.05)
+        assert m["throughput/tokens_per_second"] == pytest.approx(32 * steps_per_s, rel=0.05)
+    assert "mfu" in trainer.progress_bar_metrics
+    out = capsys.readouterr().out
+    assert "(declared by the module)" in out and "of 1 tpu-v5e chip(s)" in out and "tokens/s" in out
+
+
+def test_flops_counting_the_watchdog_and_goodput_add_no_graph_execution_or_transfer(tmp_path):
+    def counts(**kwargs):
+        _xla.wait_device_ops()
+        _xla.clear_metrics()
+        Trainer(max_steps=8, log_every_n_steps=2, default_root_dir=str(tmp_path), logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, **kwargs).fit(Regressor(), make_loader(64, 8))
+        _xla.wait_device_ops()
+        return _xla.execute_count(), _xla.transfer_from_device_count()
+
+    off = counts(enable_xla_health=False, hang_timeout=None, enable_goodput=False)
+    on = counts(enable_xla_health=True, hang_timeout="auto", enable_goodput=True)
+    assert on == off

@@ -72,7 +72,9 @@ def activate(trainer: "Trainer") -> None:
         if root is None:
             if not _xla.compilation_cache_started():
                 os.environ.pop("XLA_PERSISTENT_CACHE_PATH", None)  # inherited from a caller that had one
-            _state.update(path=None, note="off")
+            default_cpu = trainer.settings.compilation_cache is None
+            _state.update(path=None, note="off" + (" (the default on the CPU runtime, which cannot load cached "
+                                                   "executables)" if default_cpu else ""))
             return
         shared = _xla.is_spmd() or cpu_replicas.installed()  # one process for the host's devices
         path = process_folder(root, 2 if shared else 1, 0 if shared else _xla.global_rank(), _xla.process_index())
