@@ -4,7 +4,8 @@
 
 ``JSON_OPTIONS`` holds Trainer arguments plus: ``devices``, ``steps`` (max_steps), ``ckpt_path``,
 ``sleep_at`` / ``sleep_s`` (a callback sleeps that long in ``on_train_batch_start`` of that
-global step), ``term_at`` (the process sends itself SIGTERM after that global step). The
+global step), ``term_at`` / ``kill_at`` (the process sends itself SIGTERM / SIGKILL after that global step),
+``ckpt_every`` (a ``ModelCheckpoint`` saving every that many steps). The
 Trainer's summary lines go to stdout.
 """
 
@@ -17,7 +18,7 @@ import time
 from conftest import Regressor, make_loader
 
 from xtrainer import Trainer
-from xtrainer.callbacks import Callback
+from xtrainer.callbacks import Callback, ModelCheckpoint
 
 
 class SleepInStep(Callback):
@@ -33,13 +34,13 @@ def sleep_inside_the_step(seconds):
     time.sleep(seconds)
 
 
-class TermAfter(Callback):
-    def __init__(self, at):
-        self.at = at
+class SignalAfter(Callback):
+    def __init__(self, at, signum):
+        self.at, self.signum = at, signum
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
 
 def main():
@@ -48,7 +49,11 @@ def main():
     if "sleep_at" in options:
         callbacks.append(SleepInStep(options.pop("sleep_at"), options.pop("sleep_s")))
     if "term_at" in options:
-        callbacks.append(TermAfter(options.pop("term_at")))
+        callbacks.append(SignalAfter(options.pop("term_at"), signal.SIGTERM))
+    if "kill_at" in options:
+        callbacks.append(SignalAfter(options.pop("kill_at"), signal.SIGKILL))
+    if "ckpt_every" in options:
+        callbacks.append(ModelCheckpoint(every_n_train_steps=options.pop("ckpt_every"), save_top_k=-1))
     steps, ckpt = options.pop("steps", 8), options.pop("ckpt_path", None)
     kwargs = dict(default_root_dir=root, max_steps=steps, enable_progress_bar=False, logger=False,
                   log_every_n_steps=2, callbacks=callbacks, enable_model_summary=False)

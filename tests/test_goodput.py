@@ -175,3 +175,66 @@ def test_flops_counting_the_watchdog_and_goodput_add_no_graph_execution_or_trans
     off = counts(enable_xla_health=False, hang_timeout=None, enable_goodput=False)
     on = counts(enable_xla_health=True, hang_timeout="auto", enable_goodput=True)
     assert on == off
+
+
+# ---- goodput accounting --------------------------------------------------------------------------
+def account(folder):
+    with open(os.path.join(folder, "goodput.json")) as f:
+        return json.load(f)
+
+
+def test_goodput_across_a_kill_and_a_graceful_stop_counts_restarts_and_the_steps_lost(tmp_path):
+    # Run 1 saves every 4 steps, logs every step, and is killed (SIGKILL) after step 7: its last
+    # account says step 7; the newest checkpoint is step 4.
+    killed = run_fit(tmp_path, ckpt_every=4, log_every_n_steps=1, kill_at=7, steps=12)
+    assert killed.returncode == -9
+    first = account(tmp_path / "version_0")
+    assert first["status"] == "running" and first["last_step"] == 7 and first["resumed_from_step"] is None
+    # Run 2 resumes from step 4 (3 steps lost) and is stopped by SIGTERM after step 9: it saves there.
+    stopped = run_fit(tmp_path, ckpt_every=4, log_every_n_steps=1, term_at=9, steps=12, ckpt_path="last")
+    assert stopped.returncode != 0 and "Stopped by SIGTERM" in stopped.stderr
+    second = account(tmp_path / "version_1")
+    assert second["status"] == "interrupted" and second["resumed_from_step"] == 4 and second["last_step"] == 9
+    assert second["seconds"]["checkpointing"] > 0  # the saves at step 8 and at the stop
+    # Run 3 resumes from the stop's checkpoint at step 9 (nothing lost) and finishes.
+    done = run_fit(tmp_path, ckpt_every=4, log_every_n_steps=1, steps=12, ckpt_path="last")
+    assert done.returncode == 0, done.stderr[-3000:]
+    third = account(tmp_path / "version_2")
+    assert third["status"] == "finished" and third["resumed_from_step"] == 9 and third["last_step"] == 12
+    seconds = third["seconds"]
+    assert seconds["startup"] > 0 and seconds["training"] > 0 and set(seconds) == {
+        "startup", "compiling", "data", "checkpointing", "validating", "training"}
+    assert abs(sum(seconds.values()) - (third["ended_at"] - third["process_started_at"])) < 0.5
+    assert "goodput: this run" in done.stdout
+    assert "goodput: 3 runs under this root (2 resumed)" in done.stdout and "3 steps lost to preemption" in done.stdout
+
+
+def test_time_spent_waiting_for_data_is_counted_as_such(tmp_path):
+    import time as clock
+
+    from torch.utils.data import DataLoader, Dataset
+
+    from xtrainer.goodput import Goodput
+
+    class SlowAfterAWhile(Dataset):
+        """The first 8 batches load at once; each of the next 8 takes 8 x 30 ms."""
+
+        def __init__(self):
+            self.data = make_loader(128, 1).dataset
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            if i >= 64:
+                clock.sleep(0.03)
+            return self.data[i]
+
+    account_of = Goodput()
+    Trainer(max_steps=16, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, callbacks=[account_of]).fit(Regressor(), DataLoader(SlowAfterAWhile(),
+                                                                                      batch_size=8))
+    seconds = account_of.record["seconds"]
+    # The slow half (1.9 s of loading, part of it read ahead while the first step compiled) is
+    # waited for between steps, which take far less.
+    assert seconds["data"] >= 0.5 and seconds["data"] > 3 * seconds["training"]

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import _xla, arguments, compile_cache, evaluation, interrupts, loaders
+from xtrainer import _xla, arguments, compile_cache, evaluation, goodput, interrupts, loaders
 from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
@@ -733,7 +733,8 @@ class Trainer:
         if storage_options is not None:
             raise ValueError("save_checkpoint(storage_options=...) is not supported: give a local path.")
         if self._wrapped is not None:
-            run_state.save(self, os.fspath(path), weights_only)
+            with goodput.timing(self, "checkpointing"):  # goodput: time spent saving
+                run_state.save(self, os.fspath(path), weights_only)
         elif self._fitted_model is not None:
             run_state.save_fitted(self, self._fitted_model, os.fspath(path))
         else:
