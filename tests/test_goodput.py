@@ -238,3 +238,32 @@ def test_time_spent_waiting_for_data_is_counted_as_such(tmp_path):
     # The slow half (1.9 s of loading, part of it read ahead while the first step compiled) is
     # waited for between steps, which take far less.
     assert seconds["data"] >= 0.5 and seconds["data"] > 3 * seconds["training"]
+
+
+# ---- xtrainer doctor -------------------------------------------------------------------------------
+def test_doctor_reports_the_runtime_and_checks_two_strategies(tmp_path):
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.path.dirname(HERE)}
+    report = tmp_path / "report.md"
+    done = subprocess.run([sys.executable, "-m", "xtrainer.cli", "doctor", "--strategies", "xla_native:1,xla_ddp:2",
+                           "--output", str(report)], capture_output=True, text=True, timeout=540, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = report.read_text()
+    assert text in done.stdout
+    assert "torch_xla 2.9" in text and "runtime: PJRT device CPU" in text and "flags: PJRT_DEVICE=CPU" in text
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| xla_")}
+    assert set(rows) == {"xla_native", "xla_ddp"}
+    ddp = rows["xla_ddp"].split(" | ")
+    assert ddp[1:7] == ["2", "ok", "yes (2 replicas)", "yes", "yes", "yes (from step 16 to 24)"]
+    native = rows["xla_native"].split(" | ")
+    assert native[1:7] == ["1", "ok", "yes (one replica)", "yes", "yes", "yes (from step 32 to 48)"]
+    assert float(native[10]) > 0  # model FLOP/s, counted from the step
+    assert text.index("| xla_ddp") < text.index("| xla_native")  # replicas started before this process's runtime
+    assert "All checks passed." in text
+
+
+def test_doctor_refuses_an_unknown_strategy_in_one_line():
+    from xtrainer import doctor
+
+    with pytest.raises(SystemExit, match="unknown strategy 'xla_dpp'"):
+        doctor.plan("xla_dpp:2", None)
+    assert doctor.plan("", 4)[-1] == ("xla_native", 1) and ("xla_fsdpv2", 4) in doctor.plan("", 4)
