@@ -17,8 +17,9 @@ from xtrainer.callbacks import Callback, XlaHealth
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_fit(root, timeout=240, **options):
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
+def run_fit(root, timeout=240, env=None, **options):
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)]),
+           **(env or {})}
     return subprocess.run([sys.executable, os.path.join(HERE, "goodput_run.py"), str(root), json.dumps(options)],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -59,6 +60,10 @@ def test_thread_replicas_share_one_process_folder_and_the_default_is_off_on_the_
     assert default.returncode == 0, default.stderr[-3000:]
     assert "compilation cache off" in default.stdout
     assert not os.path.exists(tmp_path / "default" / "xla_cache")
+    # A cache the environment names is the user's choice: used (one folder per process under it).
+    named = run_fit(tmp_path / "named", steps=4, env={"XLA_PERSISTENT_CACHE_PATH": str(tmp_path / "mine")})
+    assert named.returncode == 0, named.stderr[-3000:]
+    assert os.listdir(tmp_path / "mine") == ["rank_0"] and os.listdir(tmp_path / "mine" / "rank_0")
 
 
 def test_cache_folders_per_process(tmp_path):

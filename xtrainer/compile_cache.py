@@ -4,7 +4,9 @@ restart loop ``until xtrainer fit ... ckpt_path=last``) loads them instead of co
 ``Trainer(compilation_cache=...)`` (also ``trainer.compilation_cache`` in a configuration):
 
 - ``None`` (default): on, under ``<runs root>/xla_cache/``, wherever the runtime can load what it
-  wrote; off on the XLA CPU runtime, which cannot (below).
+  wrote; off on the XLA CPU runtime, which cannot (below). Where the environment already names a
+  cache (``XLA_PERSISTENT_CACHE_PATH``, as torch_xla's documentation suggests), under that folder,
+  on every runtime.
 - ``True``: on, under ``<runs root>/xla_cache/`` (the folder that holds the run's ``version_N``
   folders, so every restart of the run finds it), also on the CPU runtime.
 - a path: on, under that folder (shared by several runs, or on a faster disk).
@@ -41,6 +43,9 @@ if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
 
 _lock = threading.Lock()
+#: Set with ``XLA_PERSISTENT_CACHE_PATH`` when xtrainer chose it, so that a process started from
+#: this one (which inherits both) tells xtrainer's choice from the user's.
+_MARK = "XTRAINER_COMPILATION_CACHE"
 #: What ``activate`` did in this process: ``{"path": ..., "note": ...}``.
 _state: dict[str, Any] = {}
 
@@ -49,6 +54,9 @@ def folder_for(setting: Any, runs_root: str) -> str | None:
     """The cache's root folder for ``setting`` (``Trainer(compilation_cache=...)``), None: off."""
     if setting is False:
         return None
+    given = os.environ.get("XLA_PERSISTENT_CACHE_PATH")
+    if setting is None and given and os.environ.get(_MARK) != given:
+        return given  # the user's own, from the environment
     if setting is None and _xla.requested_device_type() == "CPU":
         return None  # the CPU runtime cannot load what it writes (module docstring)
     if setting in (None, True):
@@ -88,6 +96,7 @@ def activate(trainer: "Trainer") -> None:
                                               f"with {had}; start the run in a fresh process to use {path}")
             return
         _xla.initialize_compilation_cache(path)
+        os.environ[_MARK] = path
         _state.update(path=path, note="")
 
 
