@@ -229,6 +229,9 @@ class _Work:
             self.note = "declared by the module"
         elif not module.automatic_optimization:
             self.note = "not counted under manual optimization: declare flops_per_step on the module"
+        elif trainer.strategy.name == "xla_fsdp":
+            self.note = ("not counted under xla_fsdp (its parameters are flattened shards): declare flops_per_step "
+                         "on the module")
         else:
             try:
                 self.flops = flops.count_training_step(module, batch, batch_idx, keep=(trainer,))
