@@ -66,7 +66,7 @@ def with_defaults(settings: TrainerSettings, given: list[Any]) -> list[Callback]
     if settings.enable_xla_health and not has(XlaHealth):
         found.append(XlaHealth())
     if settings.enable_goodput and not has(Goodput):
-        found.append(Goodput())
+        found.append(Goodput(summary=settings.enable_xla_health))  # printed with the health summary
     if settings.hang_timeout is not None and not has(HangWatchdog):
         found.append(HangWatchdog(settings.hang_timeout, settings.exit_on_hang))
     if settings.enable_progress_bar and not has(ProgressBar):

@@ -61,9 +61,12 @@ def process_started_at() -> float:
 
 
 class Goodput(Callback):
-    """Accounts the fit's wall time (module docstring). ``record`` is this run's account."""
+    """Accounts the fit's wall time (module docstring). ``record`` is this run's account;
+    ``summary=False`` keeps the end-of-fit lines to ``summary`` (the Trainer prints them when
+    ``enable_xla_health`` is on, with the other summary lines)."""
 
-    def __init__(self) -> None:
+    def __init__(self, summary: bool = True) -> None:
+        self.print_summary = summary  # the two lines at the end of fit (rank 0)
         self.process_started_at = process_started_at()  # the calling process: the one restarted
         self.record: dict[str, Any] = {}
         self.summary = ""
@@ -149,7 +152,7 @@ class Goodput(Callback):
         self.record["status"] = "finished"
         self.record["last_step"] = trainer.global_step
         self._finish()
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.print_summary:
             print(self.summary, flush=True)
 
     def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
@@ -167,8 +170,9 @@ class Goodput(Callback):
         self.summary = summarize(self.record, runs)
 
     def _save(self) -> None:
-        if not self._write:
-            return
+        if not self._write or (self.record["status"] == "failed" and self.record["last_step"] == 0
+                               and self.record["resumed_from_step"] is None):
+            return  # failed before training anything: the run leaves no folder behind (trainer._launch)
         record = dict(self.record, seconds=dict(self.record["seconds"]), updated_at=time.time())
         if record["status"] == "running":  # the clock so far, as a killed run would leave it
             open_phase = time.time() - self._since
@@ -184,7 +188,7 @@ class Goodput(Callback):
             pass  # accounting must never stop training
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k in ("process_started_at", "record", "summary", "_active")}
+        return {k: v for k, v in self.__dict__.items() if k in ("process_started_at", "record", "summary", "_active", "print_summary")}
 
 
 @contextlib.contextmanager
