@@ -272,3 +272,53 @@ def test_doctor_refuses_an_unknown_strategy_in_one_line():
     with pytest.raises(SystemExit, match="unknown strategy 'xla_dpp'"):
         doctor.plan("xla_dpp:2", None)
     assert doctor.plan("", 4)[-1] == ("xla_native", 1) and ("xla_fsdpv2", 4) in doctor.plan("", 4)
+
+
+# ---- asynchronous checkpoints ---------------------------------------------------------------------
+def test_background_writes_give_the_same_checkpoints_as_synchronous_ones(tmp_path):
+    import torch
+
+    from xtrainer.callbacks import ModelCheckpoint
+    from xtrainer.checkpoint import load_checkpoint
+
+    def fit(folder, background):
+        saver = ModelCheckpoint(every_n_train_steps=2, save_top_k=2, monitor="train_loss_step", save_last=True)
+        model = Regressor()
+        Trainer(max_steps=12, default_root_dir=str(tmp_path / folder), logger=False, enable_progress_bar=False,
+                log_every_n_steps=2, async_checkpointing=background, callbacks=[saver]).fit(model, make_loader(64, 8))
+        return saver, model
+
+    sync_saver, sync_model = fit("sync", False)
+    async_saver, async_model = fit("async", True)
+    names = lambda saver: sorted(os.listdir(saver.dirpath))  # noqa: E731
+    assert names(async_saver) == names(sync_saver) and len(names(sync_saver)) == 3  # top 2 and last
+    for name in names(sync_saver):
+        a = load_checkpoint(os.path.join(async_saver.dirpath, name))
+        s = load_checkpoint(os.path.join(sync_saver.dirpath, name))
+        assert a["loops"] == s["loops"] and a["optimizer_states"][0]["param_groups"] == s["optimizer_states"][0][
+            "param_groups"]
+        saver_state = lambda c: {k: v for k, v in next(iter(c["callbacks"].values())).items()  # noqa: E731
+                                 if "path" not in k and k not in ("best_k_models", "kept", "last_target")}
+        assert str(saver_state(a)) == str(saver_state(s))  # the saver's bookkeeping as it was at that step
+        assert all(torch.equal(a["state_dict"][k], v) for k, v in s["state_dict"].items())
+    assert all(torch.equal(a, b) for a, b in zip(async_model.state_dict().values(), sync_model.state_dict().values()))
+
+
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint_bitwise(tmp_path):
+    import torch
+
+    # Slow writes (50 ms per chunk): the loop goes on while step 8's checkpoint is written; the
+    # process is killed in the middle of that write.
+    killed = run_fit(tmp_path / "runs", steps=16, ckpt_every=4, async_checkpointing=True, die_writing="step=8",
+                     slow_write_s=0.05)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    reached = int(re.search(r"loop at step (\d+)", killed.stdout).group(1))
+    assert reached > 8  # the loop did not wait for the write
+    resumed = run_fit(tmp_path / "runs", steps=16, ckpt_every=4, async_checkpointing=True, ckpt_path="last",
+                      out=str(tmp_path / "resumed.pt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step=4.ckpt" in resumed.stdout.split("resuming from", 1)[1].splitlines()[0]  # the previous one
+    straight = run_fit(tmp_path / "straight", steps=16, out=str(tmp_path / "straight.pt"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "straight.pt")
+    assert all(torch.equal(a[k], b[k]) for k in b)

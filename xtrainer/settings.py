@@ -38,6 +38,7 @@ class TrainerSettings:
     hang_timeout: Any = "auto"
     exit_on_hang: bool = False
     enable_goodput: bool = True
+    async_checkpointing: bool = False
     # Lightning's names, with Lightning's meaning (README: "Coming from Lightning").
     accelerator: str = "auto"
     num_nodes: int = 1

@@ -17,6 +17,7 @@ from xtrainer import _xla, arguments, compile_cache, evaluation, goodput, interr
 from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
+from xtrainer.checkpoint import background as ckpt_background
 from xtrainer.datamodule import XDataModule
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
 from xtrainer.module import XModule
@@ -74,6 +75,8 @@ class Trainer:
             process with exit code 75 so that a restart loop goes on (``xtrainer/watchdog.py``).
         enable_goodput: account wall time (compiling, data, checkpoints, restarts, steps lost to
             preemption) per run and across restarts, in ``goodput.json`` (``xtrainer/goodput.py``).
+        async_checkpointing: write whole-file checkpoints in a background thread; the loop pays only
+            the copy off the device (``xtrainer/checkpoint/background.py``).
 
     Lightning's other arguments keep Lightning's meaning (the README's "Coming from Lightning"
     table says where XLA makes a difference): ``accelerator``, ``num_nodes``, ``fast_dev_run``,
@@ -111,6 +114,7 @@ class Trainer:
         hang_timeout: float | str | None = "auto",  # goodput: watchdog.py
         exit_on_hang: bool = False,
         enable_goodput: bool = True,  # goodput: goodput.py
+        async_checkpointing: bool = False,  # goodput: checkpoint/background.py
         accelerator: str = "auto",
         num_nodes: int = 1,
         fast_dev_run: int | bool = False,
@@ -436,6 +440,7 @@ class Trainer:
     def _run(self, stage: str, module: XModule, sources: dict[str, list], ckpt_path: str | None
              ) -> dict[str, Any]:
         compile_cache.activate(self)  # goodput: before this process's first compilation
+        ckpt_background.use(self.settings.async_checkpointing)  # goodput: background checkpoint writes
         self.strategy.setup_environment()
         if self.world_size > 1:
             # On several hosts each calling process claimed a folder of its own; rank 0's is the
@@ -466,6 +471,7 @@ class Trainer:
                 outputs = None
             else:
                 outputs = evaluation.run(self, stage, data[stage])
+            ckpt_background.drain()  # goodput: every background write done (a failed one raises here)
             result: dict[str, Any] = {"outputs": outputs}
             if not in_process:
                 result.update(
@@ -481,6 +487,7 @@ class Trainer:
                 self._call_on_exception(err)
             raise
         finally:
+            ckpt_background.drain(raise_errors=False)  # goodput: a stop waits for the checkpoint's write
             self._publisher.close(self, failed)  # flush what was logged, also when training failed
             if self._wrapped is not None:
                 self.strategy.teardown(self._wrapped, failed)

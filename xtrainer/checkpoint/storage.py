@@ -343,6 +343,10 @@ def copy_checkpoint(source: str, target: str) -> None:
     no links): ``last.ckpt`` there. A file is one server-side copy (whole when it completes); a
     folder is copied file by file after the old ``target``'s manifest is removed, and its
     manifest is copied last, so ``target`` is never a mix of two checkpoints that verifies."""
+    from xtrainer.checkpoint import background
+
+    if background.behind_writes(lambda: copy_checkpoint(source, target)):
+        return  # ``source`` is still being written: copied once it is complete
     try:
         if fs.isdir(target):
             remove(fs.join(target, MANIFEST))
@@ -358,6 +362,10 @@ def copy_checkpoint(source: str, target: str) -> None:
 
 
 def remove(path: str) -> None:
+    from xtrainer.checkpoint import background
+
+    if background.behind_writes(lambda: remove(path)):
+        return  # a newer checkpoint is being written in the background: removed once it is complete
     if fs.is_url(path):
         fs.remove(path)
         return
