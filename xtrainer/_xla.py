@@ -320,6 +320,70 @@ def clear_metrics() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# The persistent compilation cache and the chip (goodput: xtrainer/compile_cache.py, flops.py).
+# --------------------------------------------------------------------------------------------
+#: torch_xla's counters of the persistent compilation cache: a graph found on disk and loaded
+#: (hit), not found (miss, compiled and written), found but not loadable (compiled again).
+PERSISTENT_CACHE_COUNTERS = {"hits": "PersistentCacheHit", "misses": "PersistentCacheMiss",
+                             "unloadable": "PersistentCacheDeserializeFailure"}
+
+
+def compilation_cache_started() -> bool:
+    """Whether this process's in-memory computation cache exists: it is made at the first
+    compilation, and reads the persistent cache's settings then, never again."""
+    return bool(torch_xla._XLAC._xla_computation_cache_is_initialized())
+
+
+def initialize_compilation_cache(path: str) -> None:
+    """Keep compiled executables in ``path`` (``torch_xla.runtime.initialize_cache``), for this
+    process's later compilations and later processes. Must come before the process's first
+    compilation (``compilation_cache_started()``); torch_xla reads it from the environment then."""
+    os.makedirs(path, exist_ok=True)
+    xr.initialize_cache(path, readonly=False)
+
+
+def compilation_cache_path() -> str | None:
+    """The persistent cache this process was given (None: none)."""
+    return os.environ.get("XLA_PERSISTENT_CACHE_PATH") or None
+
+
+def persistent_cache_counts() -> dict[str, int]:
+    """``{"hits", "misses", "unloadable"}`` of the persistent compilation cache in this process
+    (host counters, no device access)."""
+    return {key: int(_metrics.counter_value(name) or 0) for key, name in PERSISTENT_CACHE_COUNTERS.items()}
+
+
+def chip_name() -> str | None:
+    """The accelerator chip this process runs on, as ``flops.PEAK_BF16_FLOPS`` names it
+    (``"tpu-v5e"``, ``"trainium2"``...), or None where it cannot be told (the CPU runtime; an
+    unknown device). TPU: the accelerator type the TPU VM announces (``TPU_ACCELERATOR_TYPE`` or
+    its metadata server); Trainium: the instance type (``XTRAINER_CHIP`` overrides both).
+    Untested on real TPUs and Trainium here (none on CI)."""
+    if os.environ.get("XTRAINER_CHIP"):
+        return os.environ["XTRAINER_CHIP"]
+    kind = requested_device_type()
+    if kind == "TPU":
+        accelerator = os.environ.get("TPU_ACCELERATOR_TYPE", "")
+        if not accelerator:
+            try:
+                import torch_xla._internal.tpu as tpu  # private API: the metadata server
+
+                accelerator = str(tpu.get_tpu_type())
+            except Exception:  # noqa: BLE001 - no metadata server: the chip stays unknown
+                return None
+        accelerator = accelerator.lower()
+        for prefix, name in (("v5litepod", "tpu-v5e"), ("v5lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
+                             ("v5p", "tpu-v5p"), ("v6e", "tpu-v6e"), ("v4", "tpu-v4")):
+            if accelerator.startswith(prefix):
+                return name
+        return f"tpu-{accelerator.split('-')[0]}" if accelerator else None
+    if kind == "NEURON":
+        instance = os.environ.get("AWS_INSTANCE_TYPE", "") or os.environ.get("NEURON_INSTANCE_TYPE", "")
+        return "trainium2" if instance.startswith("trn2") else "trainium1" if instance.startswith("trn1") else None
+    return None
+
+
+# --------------------------------------------------------------------------------------------
 # SPMD: one program partitioned over every device by sharding annotations.
 # --------------------------------------------------------------------------------------------
 def use_spmd() -> None:

@@ -15,6 +15,8 @@ from xtrainer import _xla
 from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.settings import TrainerSettings
+from xtrainer.goodput import Goodput
+from xtrainer.watchdog import HangWatchdog
 
 
 def resolve(values: dict[str, Any], callbacks: Any, logger: Any, plugins: Any, model_registry: Any
@@ -64,6 +66,10 @@ def with_defaults(settings: TrainerSettings, given: list[Any]) -> list[Callback]
         raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is among the callbacks.")
     if settings.enable_xla_health and not has(XlaHealth):
         found.append(XlaHealth())
+    if settings.enable_goodput and not has(Goodput):
+        found.append(Goodput(summary=settings.enable_xla_health))  # printed with the health summary
+    if settings.hang_timeout is not None and not has(HangWatchdog):
+        found.append(HangWatchdog(settings.hang_timeout, settings.exit_on_hang))
     if settings.enable_progress_bar and not has(ProgressBar):
         found.append(ProgressBar())
     if settings.profiler is not None:

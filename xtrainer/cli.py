@@ -3,6 +3,7 @@
     xtrainer fit --config run.yaml [key=value ...]       # also validate, test, predict
     xtrainer config --config run.yaml [key=value ...]    # check, then print the resolved configuration
     xtrainer consolidate CHECKPOINT_DIR -o full.pt       # one state dict from a sharded folder
+    xtrainer doctor                                      # check this machine (xtrainer/doctor.py)
     xtrainer --version
 
 A configuration mistake is a one-line message and exit code 2, before anything trains. A fit
@@ -266,6 +267,9 @@ def _parser() -> argparse.ArgumentParser:
     consolidate.add_argument("checkpoint", help="the checkpoint folder (holds trainer.pt, and rank-*-of-*.pt or state/)")
     consolidate.add_argument("-o", "--output", required=True, help="where to write the state dict (.pt)")
     consolidate.set_defaults(run=_consolidate_command)
+    from xtrainer import doctor  # light: imports torch only when it runs
+
+    doctor.add_command(commands)
     return parser
 
 

@@ -33,6 +33,12 @@ class TrainerSettings:
     enable_checkpointing: bool = True
     enable_xla_health: bool = True
     detect_nonfinite: str = "raise"
+    # Goodput (xtrainer/compile_cache.py, watchdog.py, goodput.py).
+    compilation_cache: Any = None
+    hang_timeout: Any = "auto"
+    exit_on_hang: bool = False
+    enable_goodput: bool = True
+    async_checkpointing: bool = False
     # Lightning's names, with Lightning's meaning (docs/lightning.md, "Coming from Lightning").
     accelerator: str = "auto"
     num_nodes: int = 1
@@ -75,6 +81,7 @@ class TrainerSettings:
             raise ValueError(f"detect_nonfinite={self.detect_nonfinite!r}: use 'raise', 'warn' or 'off'.")
         if self.gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={self.gradient_clip_algorithm!r}: use 'norm' or 'value'.")
+        _check_goodput(self)
         accelerator = str(self.accelerator).lower()
         if accelerator in ("gpu", "cuda", "mps"):
             raise ValueError(f"accelerator={self.accelerator!r}: xtrainer runs on XLA devices. Use 'auto' (what "
@@ -99,6 +106,23 @@ class TrainerSettings:
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def _check_goodput(settings: TrainerSettings) -> None:
+    cache = settings.compilation_cache
+    if not (cache is None or isinstance(cache, bool) or (isinstance(cache, str) and cache.strip())
+            or hasattr(cache, "__fspath__")):
+        raise ValueError(f"compilation_cache={cache!r}: give True (a cache under the runs root), False (none), "
+                         "a folder, or leave it unset (on wherever the runtime can load it).")
+    timeout = settings.hang_timeout
+    if timeout is False:
+        settings.hang_timeout = None
+    elif not (timeout is None or timeout == "auto" or (isinstance(timeout, (int, float)) and not isinstance(
+            timeout, bool) and timeout > 0)):
+        raise ValueError(f"hang_timeout={timeout!r}: give a number of seconds, 'auto' (a multiple of the median step "
+                         "time, at least a few minutes) or None (no hang watchdog).")
+    if settings.exit_on_hang and settings.hang_timeout is None:
+        raise ValueError("exit_on_hang=True needs the hang watchdog: set hang_timeout (seconds or 'auto').")
 
 
 def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:

@@ -13,10 +13,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import _xla, arguments, evaluation, interrupts, loaders, metric_sync
+from xtrainer import _xla, arguments, compile_cache, evaluation, goodput, interrupts, loaders, metric_sync
 from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
+from xtrainer.checkpoint import background as ckpt_background
 from xtrainer.datamodule import XDataModule
 from xtrainer.metric_values import MetricValues
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
@@ -69,6 +70,16 @@ class Trainer:
             or ``"off"``. The check runs on the device inside each step and is read with the
             logged values (every ``log_every_n_steps`` and at epoch ends): no extra host sync,
             so training may run up to that many steps past the first bad loss before stopping.
+        compilation_cache: keep compiled graphs on disk for restarts (``xtrainer/compile_cache.py``):
+            None (on where the runtime can load them: not the CPU runtime), True, False or a folder.
+        hang_timeout, exit_on_hang: when no training step finishes for ``hang_timeout`` seconds
+            (``"auto"``: a multiple of the median step, at least minutes; None: never), write every
+            thread's Python stack to the log and the run folder, and with ``exit_on_hang`` end the
+            process with exit code 75 so that a restart loop goes on (``xtrainer/watchdog.py``).
+        enable_goodput: account wall time (compiling, data, checkpoints, restarts, steps lost to
+            preemption) per run and across restarts, in ``goodput.json`` (``xtrainer/goodput.py``).
+        async_checkpointing: write whole-file checkpoints in a background thread; the loop pays only
+            the copy off the device (``xtrainer/checkpoint/background.py``).
 
     Lightning's other arguments keep Lightning's meaning (the table in "Coming from Lightning",
     docs/lightning.md, says where XLA makes a difference): ``accelerator``, ``num_nodes``, ``fast_dev_run``,
@@ -102,6 +113,11 @@ class Trainer:
         enable_checkpointing: bool = True,
         enable_xla_health: bool = True,
         detect_nonfinite: str = "raise",
+        compilation_cache: bool | str | os.PathLike | None = None,  # goodput: compile_cache.py
+        hang_timeout: float | str | None = "auto",  # goodput: watchdog.py
+        exit_on_hang: bool = False,
+        enable_goodput: bool = True,  # goodput: goodput.py
+        async_checkpointing: bool = False,  # goodput: checkpoint/background.py
         accelerator: str = "auto",
         num_nodes: int = 1,
         fast_dev_run: int | bool = False,
@@ -488,6 +504,8 @@ class Trainer:
     # ---- one replica -------------------------------------------------------------------------
     def _run(self, stage: str, module: XModule, sources: dict[str, list | None], ckpt_path: str | None
              ) -> dict[str, Any]:
+        compile_cache.activate(self)  # goodput: before this process's first compilation
+        ckpt_background.use(self.settings.async_checkpointing)  # goodput: background checkpoint writes
         self.strategy.setup_environment()
         self._replica_ready = True
         if self.world_size > 1:
@@ -528,6 +546,7 @@ class Trainer:
                     outputs = None
                 else:
                     outputs = evaluation.run(self, stage, data[stage])
+            ckpt_background.drain()  # goodput: every background write done (a failed one raises here)
             result: dict[str, Any] = {"outputs": outputs}
             if not in_process:
                 result.update(
@@ -543,6 +562,7 @@ class Trainer:
                 self._call_on_exception(err)
             raise
         finally:
+            ckpt_background.drain(raise_errors=False)  # goodput: a stop waits for the checkpoint's write
             self._publisher.close(self, failed)  # flush what was logged, also when training failed
             if self._wrapped is not None:
                 self.strategy.teardown(self._wrapped, failed)
@@ -830,7 +850,8 @@ class Trainer:
         if storage_options is not None:
             raise ValueError("save_checkpoint(storage_options=...) is not supported: give a local path.")
         if self._wrapped is not None:
-            run_state.save(self, os.fspath(path), weights_only)
+            with goodput.timing(self, "checkpointing"):  # goodput: time spent saving
+                run_state.save(self, os.fspath(path), weights_only)
         elif self._fitted_model is not None:
             run_state.save_fitted(self, self._fitted_model, os.fspath(path))
         else:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer import _xla
+from xtrainer import _xla, compile_cache, flops
 from xtrainer.callbacks.base import Callback
 from xtrainer.results import batch_size
 
@@ -38,6 +38,14 @@ class XlaHealth(Callback):
     ``xla/compilations`` but are not recompilations. ``on_recompile="raise"``
     turns the report into an error (for CI). ``fit`` ends with a summary line.
 
+    Model FLOPs (``xtrainer/flops.py``: counted once at the first batch on the ``meta`` device, or
+    the module's ``flops_per_step``) give ``throughput/model_flops_per_second`` and, where the
+    chip's peak is known, ``throughput/mfu`` (also on the progress line: ``mfu``, else
+    ``flop/s``); tokens (``input_ids``, or ``tokens_per_step``) give
+    ``throughput/tokens_per_second``. The summary adds a line for them and one for the persistent
+    compilation cache (``xtrainer/compile_cache.py``): graphs loaded from it, and plainly when it
+    did not hit.
+
     torch_xla's counters belong to the process. Where one process runs several replicas (threads,
     on the CPU runtime with ``devices=N``) they add up every replica's work, so this callback
     divides them by the replicas the process runs: the logged ``xla/`` figures and the summary
@@ -56,6 +64,11 @@ class XlaHealth(Callback):
         self.recompilations: list[dict[str, Any]] = []
         self._warm = self._warming_last_step = False
         self._first_epoch_shapes: set[tuple] = set()
+        self._cache_counts: dict[str, int] = {}
+
+    def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+        # From the replica's start: restoring a checkpoint compiles too (cache lookups included).
+        self._cache_counts = _xla.persistent_cache_counts()
 
     def on_fit_start(self, trainer: "Trainer", module: "XModule") -> None:
         self.recompilations, self._warm, self._first_epoch_shapes = [], False, set()
@@ -63,6 +76,7 @@ class XlaHealth(Callback):
         self._fit = self._mark(trainer)
         self._interval = self._fit
         self._samples = self._interval_samples = 0
+        self._work = _Work(trainer)
         self._replicas = replicas_in_process(trainer)
         self._compiles_seen = self._fit["compiles"] - trainer.checkpoint_compilations
 
@@ -76,6 +90,7 @@ class XlaHealth(Callback):
         samples = batch_size(batch) * trainer.world_size  # counted before the step's values are read
         self._samples += samples
         self._interval_samples += samples
+        self._work.batch(trainer, module, batch, batch_idx)
 
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -126,7 +141,13 @@ class XlaHealth(Callback):
     def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
         """The interval's figures join the logged values on their way to the loggers."""
         if trainer.state == "fit" and step != self._interval["step"]:
-            metrics.update(self._interval_figures(trainer))
+            figures = self._interval_figures(trainer)
+            metrics.update(figures)
+            # The progress line: MFU where the chip's peak is known, else the achieved FLOP/s.
+            shown = {"mfu": figures.get("throughput/mfu"), "flop/s": figures.get("throughput/model_flops_per_second")}
+            key = "mfu" if shown["mfu"] is not None else "flop/s"
+            if shown[key] is not None:
+                trainer.progress_bar_metrics[key] = shown[key]
 
     def _interval_figures(self, trainer: "Trainer") -> dict[str, float]:
         now, before = self._mark(trainer), self._interval
@@ -140,6 +161,7 @@ class XlaHealth(Callback):
             "throughput/steps_per_second": (now["step"] - before["step"]) / seconds,
             "throughput/samples_per_second": self._interval_samples / seconds,
         }
+        figures.update(self._work.figures(seconds, interval=True))
         memory = _xla.memory_info()
         if memory is not None:
             figures.update({"xla/memory_bytes_used": memory["bytes_used"],
@@ -160,14 +182,96 @@ class XlaHealth(Callback):
                        "compile_seconds": (end["compile_s"] - start["compile_s"]) / replicas,
                        "recompilations": sum(r["graphs"] for r in self.recompilations),
                        "transfers_per_step": (end["transfers"] - start["transfers"]) / max(steps, 1) / replicas}
+        self.totals.update(self._work.figures(seconds, interval=False))
+        self.work_summary = self._work.summary(self.totals)
+        cache, self.cache_summary = compile_cache.describe(self._cache_counts, _xla.persistent_cache_counts())
+        self.totals.update(cache)
         if self.summary and trainer.is_global_zero:
             print(summary_line(self.totals), flush=True)
+            print(f"fit: {self.work_summary}", flush=True)
+            print(f"fit: {self.cache_summary}", flush=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {"recompilations": list(self.recompilations)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.recompilations = list(state_dict.get("recompilations", []))
+
+
+class _Work:
+    """Model FLOPs and tokens of the fit (``xtrainer/flops.py``): counted at the first training
+    batch on the host (shapes only), multiplied by the micro-batches run, over the host clock's
+    seconds. No device value is read."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        spmd = _xla.is_spmd()
+        # MPMD: every replica runs the counted step on its own batch; SPMD: one program whose
+        # batch and module are the global ones, spread over every device.
+        self.replicas = 1 if spmd else max(1, trainer.world_size)
+        self.chips = _xla.spmd_device_count() if spmd else max(1, trainer.world_size)
+        self.chip = _xla.chip_name()
+        self.peak = flops.peak_flops(self.chip)
+        self.flops = self.tokens = None
+        self.note = ""
+        self.micro = self.interval_micro = 0
+        self.accumulate = trainer.accumulate_grad_batches
+        self._counted = False
+
+    def batch(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
+        self.micro += 1
+        self.interval_micro += 1
+        if self._counted:
+            return
+        self._counted = True
+        self.tokens = flops.declared(module, "tokens_per_step", batch) or flops.tokens_in(batch)
+        self.flops = flops.declared(module, "flops_per_step", batch)
+        if self.flops is not None:
+            self.note = "declared by the module"
+        elif not module.automatic_optimization:
+            self.note = "not counted under manual optimization: declare flops_per_step on the module"
+        elif trainer.strategy.name == "xla_fsdp":
+            self.note = ("not counted under xla_fsdp (its parameters are flattened shards): declare flops_per_step "
+                         "on the module")
+        else:
+            try:
+                self.flops = flops.count_training_step(module, batch, batch_idx, keep=(trainer,))
+                self.note = "counted on the meta device"
+            except Exception as err:  # noqa: BLE001 - counting must never stop training
+                self.note = (f"not counted ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}); "
+                             "declare flops_per_step on the module")
+
+    def figures(self, seconds: float, interval: bool) -> dict[str, float]:
+        micro = self.interval_micro if interval else self.micro
+        if interval:
+            self.interval_micro = 0
+        out: dict[str, float] = {}
+        if self.flops:
+            achieved = self.flops * micro * self.replicas / seconds
+            out["throughput/model_flops_per_second"] = achieved
+            if self.peak:
+                out["throughput/mfu"] = achieved / (self.peak * self.chips)
+        if self.tokens:
+            out["throughput/tokens_per_second"] = self.tokens * micro * self.replicas / seconds
+        if not interval:
+            out = {k.split("/", 1)[1]: v for k, v in out.items()}
+        return out
+
+    def summary(self, totals: dict[str, Any]) -> str:
+        if not self.flops:
+            text = f"model FLOPs {self.note}" if self.note else "model FLOPs unknown"
+        else:
+            per_step = self.flops * self.accumulate * self.replicas
+            text = (f"{per_step:.3g} model FLOPs per optimizer step ({self.note}), "
+                    f"{totals['model_flops_per_second']:.3g} FLOP/s achieved")
+            if self.peak:
+                text += (f"; MFU {100 * totals['mfu']:.1f}% of {self.chips} {self.chip} chip(s) at "
+                         f"{self.peak:.3g} bf16 FLOP/s each")
+            else:
+                what = "the CPU runtime" if _xla.requested_device_type() == "CPU" else f"chip {self.chip or 'unknown'}"
+                text += f"; no MFU: no peak FLOP/s for {what} (xtrainer.flops.PEAK_BF16_FLOPS, XTRAINER_CHIP)"
+        if "tokens_per_second" in totals:
+            text += f"; {totals['tokens_per_second']:.4g} tokens/s"
+        return text
 
 
 def replicas_in_process(trainer: "Trainer") -> int:

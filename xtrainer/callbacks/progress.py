@@ -108,7 +108,7 @@ class ProgressBar(Callback):
 
     def _values(self, trainer: "Trainer", mid_epoch: bool) -> str:
         shown = {k: v for k, v in trainer.progress_bar_metrics.items() if not (mid_epoch and k in self._stale)}
-        if len(shown) > 1:
+        if len(shown.keys() - THROUGHPUT_KEYS) > 1:  # the user shows a loss of their own
             shown.pop(LOSS_KEY, None)
         return " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
 
@@ -124,6 +124,10 @@ class ProgressBar(Callback):
             return
         print(f"epoch {trainer.current_epoch} {where} step {trainer.global_step} ({rate:.1f} it/s) {values}",
               file=self._out(), flush=True)
+
+
+#: What ``XlaHealth`` adds to the line (MFU, else the achieved model FLOP/s).
+THROUGHPUT_KEYS = frozenset({"mfu", "flop/s"})
 
 
 def _fmt_total(total: float) -> str:

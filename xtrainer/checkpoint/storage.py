@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from xtrainer.checkpoint import fs
+from xtrainer.checkpoint import background, fs
 from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointError
 
 LAST = "last.ckpt"
@@ -358,7 +358,10 @@ def make_room_for_folder(path: str) -> None:
 def point_last(last: str, target: str) -> None:
     """Make ``last`` stand for the complete checkpoint ``target``, atomically: a relative link
     under a temporary name renamed over it (an older checkpoint folder of that name is removed
-    first; ``target`` is newer and complete). On an object store, which has no links: a copy."""
+    first; ``target`` is newer and complete). On an object store, which has no links: a copy.
+    Behind a background write in flight (``background``), once ``target`` is complete."""
+    if background.behind_writes(lambda: point_last(last, target)):
+        return
     if fs.is_url(last):
         copy_checkpoint(target, last)
         return
@@ -377,7 +380,10 @@ def point_last(last: str, target: str) -> None:
 
 def remove_checkpoint(path: str, top: str) -> None:
     """Remove the checkpoint ``path`` (a file, a link or a folder), then the folders between it
-    and ``top`` that this left empty (names with ``/`` make them)."""
+    and ``top`` that this left empty (names with ``/`` make them). Behind a background write in
+    flight, once the newer checkpoint is complete."""
+    if background.behind_writes(lambda: remove_checkpoint(path, top)):
+        return
     remove(path)
     if fs.is_url(path):  # an object store has no empty folders
         return
@@ -408,6 +414,8 @@ def copy_checkpoint(source: str, target: str) -> None:
     no links): ``last.ckpt`` there. A file is one server-side copy (whole when it completes); a
     folder is copied file by file after the old ``target``'s manifest is removed, and its
     manifest is copied last, so ``target`` is never a mix of two checkpoints that verifies."""
+    if background.behind_writes(lambda: copy_checkpoint(source, target)):
+        return  # ``source`` is still being written: copied once it is complete
     try:
         if fs.isdir(target):
             remove(fs.join(target, MANIFEST))
@@ -423,6 +431,8 @@ def copy_checkpoint(source: str, target: str) -> None:
 
 
 def remove(path: str) -> None:
+    if background.behind_writes(lambda: remove(path)):
+        return  # a newer checkpoint is being written in the background: removed once it is complete
     if fs.is_url(path):
         fs.remove(path)
         return

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
-from xtrainer.checkpoint import distributed, fs, safe, storage
+from xtrainer.checkpoint import background, distributed, fs, safe, storage
 from xtrainer.checkpoint.format import CheckpointError, check_header, check_savable
 from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, Layout, Replicas
 
@@ -24,7 +25,12 @@ class WholeFile(Layout):
 
         check_savable(checkpoint)  # before anything walks it: it may even be circular
         checkpoint = _xla.to_cpu(checkpoint)  # host sync: checkpoints are written from the host
-        if replicas.is_global_zero:
+        if replicas.is_global_zero and background.enabled():
+            # The training loop goes on at once: the write, on a snapshot of the host state (the
+            # loop may change what the dict refers to), is the background thread's (background.py).
+            snapshot = copy.deepcopy(checkpoint)
+            background.submit(lambda: storage.write_file(snapshot, path), save=True)
+        elif replicas.is_global_zero:
             storage.write_file(checkpoint, path)
         replicas.barrier("xtrainer_save_checkpoint")
 

@@ -1,0 +1,324 @@
+"""Goodput on real pods: the persistent compilation cache, the hang watchdog, MFU, goodput
+accounting and ``xtrainer doctor``, on the CPU runtime, in real processes."""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import Regressor, make_loader
+
+from xtrainer import Trainer, _xla, compile_cache
+from xtrainer.callbacks import Callback, XlaHealth
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_fit(root, timeout=240, env=None, **options):
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)]),
+           **(env or {})}
+    return subprocess.run([sys.executable, os.path.join(HERE, "goodput_run.py"), str(root), json.dumps(options)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def cache_line(out):
+    return next(line for line in out.splitlines() if "compilation cache" in line)
+
+
+def test_each_process_has_its_own_cache_folder_and_a_second_process_finds_every_graph(tmp_path):
+    cache = tmp_path / "cache"
+    first = run_fit(tmp_path / "runs", compilation_cache=str(cache))
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = os.listdir(cache / "rank_0")  # one replica in the process: its global rank
+    line = cache_line(first.stdout)
+    loaded = int(re.search(r"(\d+) of (\d+) graphs loaded", line).group(2))
+    assert written and loaded >= len(written), line  # every graph compiled was looked up, and written
+
+    second = run_fit(tmp_path / "runs", compilation_cache=str(cache), ckpt_path="last", steps=16)
+    assert second.returncode == 0, second.stderr[-3000:]
+    line = cache_line(second.stdout)
+    hits, lookups = map(int, re.search(r"(\d+) of (\d+) graphs loaded", line).groups())
+    unloadable = int(re.search(r"(\d+) found but NOT loadable", line).group(1)) if "NOT loadable" in line else 0
+    # The second process looked every graph of the first up and found its file: loaded (a hit),
+    # or, on the CPU runtime, found and refused by the CPU client (compile_cache's docstring).
+    assert hits + unloadable >= len(written), line
+    if hits == 0:
+        assert "did NOT hit" in line and "cannot load cached executables" in line, line
+        assert "Deserializing serialized executable not supported" in second.stderr
+    assert sorted(os.listdir(cache)) == ["rank_0"]
+
+
+def test_thread_replicas_share_one_process_folder_and_the_default_is_off_on_the_cpu_runtime(tmp_path):
+    on = run_fit(tmp_path / "runs", compilation_cache=True, devices=2, steps=4)
+    assert on.returncode == 0, on.stderr[-3000:]
+    assert os.listdir(tmp_path / "runs" / "xla_cache") == ["process_0"]  # two replicas, one process
+    assert os.listdir(tmp_path / "runs" / "xla_cache" / "process_0")
+    default = run_fit(tmp_path / "default", steps=4)
+    assert default.returncode == 0, default.stderr[-3000:]
+    assert "compilation cache off" in default.stdout
+    assert not os.path.exists(tmp_path / "default" / "xla_cache")
+    # A cache the environment names is the user's choice: used (one folder per process under it).
+    named = run_fit(tmp_path / "named", steps=4, env={"XLA_PERSISTENT_CACHE_PATH": str(tmp_path / "mine")})
+    assert named.returncode == 0, named.stderr[-3000:]
+    assert os.listdir(tmp_path / "mine") == ["rank_0"] and os.listdir(tmp_path / "mine" / "rank_0")
+
+
+def test_cache_folders_per_process(tmp_path):
+    assert compile_cache.process_folder("/c", 1, 3, 0) == "/c/rank_3"
+    assert compile_cache.process_folder("/c", 4, 0, 1) == "/c/process_1"
+    assert compile_cache.folder_for(False, str(tmp_path)) is None
+    assert compile_cache.folder_for(True, str(tmp_path)) == str(tmp_path / "xla_cache")
+    assert compile_cache.folder_for(str(tmp_path / "x"), "/elsewhere") == str(tmp_path / "x")
+
+
+def test_a_step_that_sleeps_past_the_limit_leaves_stacks_naming_it_and_the_run_goes_on(tmp_path):
+    run = run_fit(tmp_path, hang_timeout=1.5, sleep_at=3, sleep_s=5, steps=6)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "no training step finished for" in run.stderr and "sleep_inside_the_step" in run.stderr
+    [stacks] = [p for p in glob.glob(str(tmp_path / "version_0" / "hang-*.txt"))]
+    text = open(stacks).read()
+    assert "sleep_inside_the_step" in text and 'Thread "MainThread"' in text
+    assert "hang_timeout=1.5" in text
+
+
+def test_exit_on_hang_ends_the_run_non_zero_with_thread_replicas(tmp_path):
+    # The limit leaves room for the first steps' compilations on a busy machine.
+    run = run_fit(tmp_path, hang_timeout=10, exit_on_hang=True, sleep_at=4, sleep_s=120, steps=6, devices=2)
+    assert run.returncode != 0
+    assert "exit code 75" in run.stderr
+    [stacks] = glob.glob(str(tmp_path / "version_0" / "hang-*.txt"))
+    text = open(stacks).read()
+    assert text.count(", in sleep_inside_the_step") == 2  # both replicas (threads of one process) sleep there
+
+
+def test_a_run_that_keeps_stepping_never_fires(tmp_path):
+    run = run_fit(tmp_path, hang_timeout=20, steps=8)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not glob.glob(str(tmp_path / "version_0" / "hang-*.txt")) and "no training step" not in run.stderr
+
+
+def test_the_automatic_limit_waits_for_compilations_then_follows_the_median_step():
+    from xtrainer.watchdog import FLOOR, STARTUP_LIMIT, HangWatchdog
+
+    watchdog = HangWatchdog()
+    assert watchdog.limit([], 0) == STARTUP_LIMIT
+    assert watchdog.limit([0.1] * 50, 50) == FLOOR  # never less than a few minutes
+    assert watchdog.limit([60.0] * 9 + [3000.0], 10) == 1200.0  # 20 x the median, not the mean
+    assert HangWatchdog(2).limit([], 0) == 2.0
+    with pytest.raises(ValueError, match="hang_timeout"):
+        Trainer(hang_timeout=-1)
+
+
+# ---- MFU and tokens per second ----------------------------------------------------------------
+class Recorder(Callback):
+    """Collects the values handed to the loggers (``on_metrics``)."""
+
+    def __init__(self):
+        self.logged = []
+
+    def on_metrics(self, trainer, module, metrics, step):
+        self.logged.append(dict(metrics))
+
+
+def fit_with_health(tmp_path, module, **kwargs):
+    health, recorder = XlaHealth(), Recorder()
+    trainer = Trainer(max_steps=6, log_every_n_steps=2, default_root_dir=str(tmp_path), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, callbacks=[health, recorder], **kwargs)
+    trainer.fit(module, make_loader(64, 8))
+    return trainer, health, recorder
+
+
+def test_model_flops_are_counted_once_from_the_step_and_reported_as_achieved_flops_on_cpu(tmp_path, capsys):
+    trainer, health, recorder = fit_with_health(tmp_path, Regressor())
+    # Linear(8, 16) and Linear(16, 1) on 8 samples: forward 2*8*8*16 + 2*8*16*1; backward the
+    # weight gradients of both and the input gradient of the second (the data needs none).
+    assert health._work.flops == (2 * 8 * 8 * 16 + 2 * 8 * 16) + (2 * 8 * 8 * 16 + 2 * 2 * 8 * 16)
+    flops_logged = [m["throughput/model_flops_per_second"] for m in recorder.logged
+                    if "throughput/model_flops_per_second" in m]
+    assert flops_logged and all(v > 0 for v in flops_logged)
+    assert not any("throughput/mfu" in m for m in recorder.logged)  # the CPU runtime has no peak
+    assert trainer.progress_bar_metrics["flop/s"] == flops_logged[-1]
+    out = capsys.readouterr().out
+    assert "model FLOPs per optimizer step (counted on the meta device)" in out
+    assert "no MFU: no peak FLOP/s for the CPU runtime" in out
+
+
+class DeclaredLM(Regressor):
+    flops_per_step = 1e9
+
+    def tokens_per_step(self, batch):
+        return 4 * batch[0].shape[0]  # declared: 4 tokens per sample
+
+
+def test_declared_flops_and_tokens_and_a_chips_peak_give_mfu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XTRAINER_CHIP", "tpu-v5e")  # pick the table's entry, as on a v5e host
+    trainer, health, recorder = fit_with_health(tmp_path, DeclaredLM())
+    interval = [m for m in recorder.logged if "throughput/mfu" in m]
+    assert interval
+    for m in interval:
+        assert m["throughput/mfu"] == pytest.approx(m["throughput/model_flops_per_second"] / 197e12)
+        steps_per_s = m["throughput/steps_per_second"]
+        assert m["throughput/model_flops_per_second"] == pytest.approx(1e9 * steps_per_s, rel=0.05)
+        assert m["throughput/tokens_per_second"] == pytest.approx(32 * steps_per_s, rel=0.05)
+    assert "mfu" in trainer.progress_bar_metrics
+    out = capsys.readouterr().out
+    assert "(declared by the module)" in out and "of 1 tpu-v5e chip(s)" in out and "tokens/s" in out
+
+
+def test_flops_counting_the_watchdog_and_goodput_add_no_graph_execution_or_transfer(tmp_path):
+    def counts(**kwargs):
+        _xla.wait_device_ops()
+        _xla.clear_metrics()
+        Trainer(max_steps=8, log_every_n_steps=2, default_root_dir=str(tmp_path), logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, **kwargs).fit(Regressor(), make_loader(64, 8))
+        _xla.wait_device_ops()
+        return _xla.execute_count(), _xla.transfer_from_device_count()
+
+    off = counts(enable_xla_health=False, hang_timeout=None, enable_goodput=False)
+    on = counts(enable_xla_health=True, hang_timeout="auto", enable_goodput=True)
+    assert on == off
+
+
+# ---- goodput accounting --------------------------------------------------------------------------
+def account(folder):
+    with open(os.path.join(folder, "goodput.json")) as f:
+        return json.load(f)
+
+
+def test_goodput_across_a_kill_and_a_graceful_stop_counts_restarts_and_the_steps_lost(tmp_path):
+    # Run 1 saves every 4 steps, logs every step, and is killed (SIGKILL) after step 7: its last
+    # account says step 7; the newest checkpoint is step 4.
+    killed = run_fit(tmp_path, ckpt_every=4, log_every_n_steps=1, kill_at=7, steps=12)
+    assert killed.returncode == -9
+    first = account(tmp_path / "version_0")
+    assert first["status"] == "running" and first["last_step"] == 7 and first["resumed_from_step"] is None
+    # Run 2 resumes from step 4 (3 steps lost) and is stopped by SIGTERM after step 9: it saves there.
+    stopped = run_fit(tmp_path, ckpt_every=4, log_every_n_steps=1, term_at=9, steps=12, ckpt_path="last")
+    assert stopped.returncode != 0 and "Stopped by SIGTERM" in stopped.stderr
+    second = account(tmp_path / "version_1")
+    assert second["status"] == "interrupted" and second["resumed_from_step"] == 4 and second["last_step"] == 9
+    assert second["seconds"]["checkpointing"] > 0  # the saves at step 8 and at the stop
+    # Run 3 resumes from the stop's checkpoint at step 9 (nothing lost) and finishes.
+    done = run_fit(tmp_path, ckpt_every=4, log_every_n_steps=1, steps=12, ckpt_path="last")
+    assert done.returncode == 0, done.stderr[-3000:]
+    third = account(tmp_path / "version_2")
+    assert third["status"] == "finished" and third["resumed_from_step"] == 9 and third["last_step"] == 12
+    seconds = third["seconds"]
+    assert seconds["startup"] > 0 and seconds["training"] > 0 and set(seconds) == {
+        "startup", "compiling", "data", "checkpointing", "validating", "training"}
+    assert abs(sum(seconds.values()) - (third["ended_at"] - third["process_started_at"])) < 0.5
+    assert "goodput: this run" in done.stdout
+    assert "goodput: 3 runs under this root (2 resumed)" in done.stdout and "3 steps lost to preemption" in done.stdout
+
+
+def test_time_spent_waiting_for_data_is_counted_as_such(tmp_path):
+    import time as clock
+
+    from torch.utils.data import DataLoader, Dataset
+
+    from xtrainer.goodput import Goodput
+
+    class SlowAfterAWhile(Dataset):
+        """The first 8 batches load at once; each of the next 8 takes 8 x 30 ms."""
+
+        def __init__(self):
+            self.data = make_loader(128, 1).dataset
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            if i >= 64:
+                clock.sleep(0.03)
+            return self.data[i]
+
+    account_of = Goodput()
+    Trainer(max_steps=16, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, callbacks=[account_of]).fit(Regressor(), DataLoader(SlowAfterAWhile(),
+                                                                                      batch_size=8))
+    seconds = account_of.record["seconds"]
+    # The slow half (1.9 s of loading, part of it read ahead while the first step compiled) is
+    # waited for between steps, which take far less.
+    assert seconds["data"] >= 0.5 and seconds["data"] > 3 * seconds["training"]
+
+
+# ---- xtrainer doctor -------------------------------------------------------------------------------
+def test_doctor_reports_the_runtime_and_checks_two_strategies(tmp_path):
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.path.dirname(HERE)}
+    report = tmp_path / "report.md"
+    done = subprocess.run([sys.executable, "-m", "xtrainer.cli", "doctor", "--strategies", "xla_native:1,xla_ddp:2",
+                           "--output", str(report)], capture_output=True, text=True, timeout=540, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = report.read_text()
+    assert text in done.stdout
+    assert "torch_xla 2.9" in text and "runtime: PJRT device CPU" in text and "flags: PJRT_DEVICE=CPU" in text
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| xla_")}
+    assert set(rows) == {"xla_native", "xla_ddp"}
+    ddp = rows["xla_ddp"].split(" | ")
+    assert ddp[1:7] == ["2", "ok", "yes (2 replicas)", "yes", "yes", "yes (from step 16 to 24)"]
+    native = rows["xla_native"].split(" | ")
+    assert native[1:7] == ["1", "ok", "yes (one replica)", "yes", "yes", "yes (from step 32 to 48)"]
+    assert float(native[10]) > 0  # model FLOP/s, counted from the step
+    assert text.index("| xla_ddp") < text.index("| xla_native")  # replicas started before this process's runtime
+    assert "All checks passed." in text
+
+
+def test_doctor_refuses_an_unknown_strategy_in_one_line():
+    from xtrainer import doctor
+
+    with pytest.raises(SystemExit, match="unknown strategy 'xla_dpp'"):
+        doctor.plan("xla_dpp:2", None)
+    assert doctor.plan("", 4)[-1] == ("xla_native", 1) and ("xla_fsdpv2", 4) in doctor.plan("", 4)
+
+
+# ---- asynchronous checkpoints ---------------------------------------------------------------------
+def test_background_writes_give_the_same_checkpoints_as_synchronous_ones(tmp_path):
+    import torch
+
+    from xtrainer.callbacks import ModelCheckpoint
+    from xtrainer.checkpoint import load_checkpoint
+
+    def fit(folder, background):
+        saver = ModelCheckpoint(every_n_train_steps=2, save_top_k=2, monitor="train_loss_step", save_last=True)
+        model = Regressor()
+        Trainer(max_steps=12, default_root_dir=str(tmp_path / folder), logger=False, enable_progress_bar=False,
+                log_every_n_steps=2, async_checkpointing=background, callbacks=[saver]).fit(model, make_loader(64, 8))
+        return saver, model
+
+    sync_saver, sync_model = fit("sync", False)
+    async_saver, async_model = fit("async", True)
+    names = lambda saver: sorted(os.listdir(saver.dirpath))  # noqa: E731
+    assert names(async_saver) == names(sync_saver) and len(names(sync_saver)) == 3  # top 2 and last
+    for name in names(sync_saver):
+        a = load_checkpoint(os.path.join(async_saver.dirpath, name))
+        s = load_checkpoint(os.path.join(sync_saver.dirpath, name))
+        assert a["loops"] == s["loops"] and a["optimizer_states"][0]["param_groups"] == s["optimizer_states"][0][
+            "param_groups"]
+        saver_state = lambda c: {k: v for k, v in next(iter(c["callbacks"].values())).items()  # noqa: E731
+                                 if "path" not in k and k not in ("best_k_models", "kept", "last_target")}
+        assert str(saver_state(a)) == str(saver_state(s))  # the saver's bookkeeping as it was at that step
+        assert all(torch.equal(a["state_dict"][k], v) for k, v in s["state_dict"].items())
+    assert all(torch.equal(a, b) for a, b in zip(async_model.state_dict().values(), sync_model.state_dict().values()))
+
+
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint_bitwise(tmp_path):
+    import torch
+
+    # Slow writes (50 ms per chunk): the loop goes on while step 8's checkpoint is written; the
+    # process is killed in the middle of that write.
+    killed = run_fit(tmp_path / "runs", steps=16, ckpt_every=4, async_checkpointing=True, die_writing="step=8",
+                     slow_write_s=0.05)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    reached = int(re.search(r"loop at step (\d+)", killed.stdout).group(1))
+    assert reached > 8  # the loop did not wait for the write
+    resumed = run_fit(tmp_path / "runs", steps=16, ckpt_every=4, async_checkpointing=True, ckpt_path="last",
+                      out=str(tmp_path / "resumed.pt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step=4.ckpt" in resumed.stdout.split("resuming from", 1)[1].splitlines()[0]  # the previous one
+    straight = run_fit(tmp_path / "straight", steps=16, out=str(tmp_path / "straight.pt"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "straight.pt")
+    assert all(torch.equal(a[k], b[k]) for k in b)

@@ -1,0 +1,121 @@
+"""The persistent compilation cache: compiled graphs kept on disk, so that a restarted run (the
+restart loop ``until xtrainer fit ... ckpt_path=last``) loads them instead of compiling again.
+
+``Trainer(compilation_cache=...)`` (also ``trainer.compilation_cache`` in a configuration):
+
+- ``None`` (default): on, under ``<runs root>/xla_cache/``, wherever the runtime can load what it
+  wrote; off on the XLA CPU runtime, which cannot (below). Where the environment already names a
+  cache (``XLA_PERSISTENT_CACHE_PATH``, as torch_xla's documentation suggests), under that folder,
+  on every runtime.
+- ``True``: on, under ``<runs root>/xla_cache/`` (the folder that holds the run's ``version_N``
+  folders, so every restart of the run finds it), also on the CPU runtime.
+- a path: on, under that folder (shared by several runs, or on a faster disk).
+- ``False``: off.
+
+Every process gets a folder of its own, ``rank_<k>`` for a process that runs one replica (its
+global rank) or ``process_<i>`` for one that runs several (thread replicas on the CPU runtime, an
+SPMD program: its process index), so that processes never write the same files at once. torch_xla
+reads the setting at a process's first compilation; ``activate`` runs at the start of every
+replica, before anything is compiled. A process that compiled before its run started (a test
+session, a notebook's second fit with another folder) cannot switch to another cache: the health
+summary says so.
+
+**The XLA CPU runtime writes the cache but cannot load it.** torch_xla 2.9's
+``PjRtComputationClient::DeserializeComputation`` asks the PJRT client for
+``DeserializeExecutable``; the CPU client of the XLA it ships (``xla::PjRtCpuClient``) implements
+only the newer ``LoadSerializedExecutable``, so ``DeserializeExecutable`` is ``PjRtClient``'s
+default, ``UNIMPLEMENTED: Deserializing serialized executable not supported.``. torch_xla logs
+``Failed to deserialize executable``, counts ``PersistentCacheDeserializeFailure`` and compiles
+the graph again. Every lookup of a second process finds its file and fails to load it
+(``tests/test_goodput.py`` checks exactly that), so the default leaves the cache off there. TPU
+runtimes (the PJRT C API client) load serialized executables; not tried here (no TPU).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from xtrainer import _xla
+
+if TYPE_CHECKING:
+    from xtrainer.trainer import Trainer
+
+_lock = threading.Lock()
+#: Set with ``XLA_PERSISTENT_CACHE_PATH`` when xtrainer chose it, so that a process started from
+#: this one (which inherits both) tells xtrainer's choice from the user's.
+_MARK = "XTRAINER_COMPILATION_CACHE"
+#: What ``activate`` did in this process: ``{"path": ..., "note": ...}``.
+_state: dict[str, Any] = {}
+
+
+def folder_for(setting: Any, runs_root: str) -> str | None:
+    """The cache's root folder for ``setting`` (``Trainer(compilation_cache=...)``), None: off."""
+    if setting is False:
+        return None
+    given = os.environ.get("XLA_PERSISTENT_CACHE_PATH")
+    if setting is None and given and os.environ.get(_MARK) != given:
+        return given  # the user's own, from the environment
+    if setting is None and _xla.requested_device_type() == "CPU":
+        return None  # the CPU runtime cannot load what it writes (module docstring)
+    if setting in (None, True):
+        return os.path.join(runs_root, "xla_cache")
+    return os.path.abspath(os.path.expanduser(os.fspath(setting)))
+
+
+def process_folder(root: str, replicas_in_process: int, global_rank: int, process_index: int) -> str:
+    """This process's own folder under ``root``: ranks never share one."""
+    name = f"rank_{global_rank}" if replicas_in_process == 1 else f"process_{process_index}"
+    return os.path.join(root, name)
+
+
+def activate(trainer: "Trainer") -> None:
+    """At the start of each replica, before its first compilation: give this process its cache
+    folder (or make sure it has none when the run asks for none). Host-side only."""
+    from xtrainer.strategies import cpu_replicas
+
+    root = folder_for(trainer.settings.compilation_cache, trainer._runs_root)
+    with _lock:
+        if root is None:
+            if not _xla.compilation_cache_started():
+                os.environ.pop("XLA_PERSISTENT_CACHE_PATH", None)  # inherited from a caller that had one
+            default_cpu = trainer.settings.compilation_cache is None
+            _state.update(path=None, note="off" + (" (the default on the CPU runtime, which cannot load cached "
+                                                   "executables)" if default_cpu else ""))
+            return
+        shared = _xla.is_spmd() or cpu_replicas.installed()  # one process for the host's devices
+        path = process_folder(root, 2 if shared else 1, 0 if shared else _xla.global_rank(), _xla.process_index())
+        current = _xla.compilation_cache_path()
+        if _xla.compilation_cache_started():
+            if current == path:
+                _state.update(path=path, note="")
+            else:
+                had = f"its cache at {current}" if current else "no persistent cache"
+                _state.update(path=None, note=f"not used: this process compiled graphs before the run started, "
+                                              f"with {had}; start the run in a fresh process to use {path}")
+            return
+        _xla.initialize_compilation_cache(path)
+        os.environ[_MARK] = path
+        _state.update(path=path, note="")
+
+
+def describe(before: dict[str, int], after: dict[str, int]) -> tuple[dict[str, Any], str]:
+    """The cache's figures between two ``_xla.persistent_cache_counts()`` and one sentence for
+    the summary, which says plainly when nothing was loaded from it."""
+    counts = {k: after[k] - before.get(k, 0) for k in after}
+    path = _state.get("path")
+    figures = {"compilation_cache": path, **{f"cache_{k}": v for k, v in counts.items()}}
+    if path is None:
+        note = _state.get("note", "off")
+        return figures, f"compilation cache {note}"
+    hits, misses, unloadable = counts["hits"], counts["misses"], counts["unloadable"]
+    lookups = hits + misses + unloadable
+    text = f"compilation cache {path}: {hits} of {lookups} graphs loaded"
+    if unloadable:
+        text += (f"; {unloadable} found but NOT loadable (compiled again: "
+                 + ("the XLA CPU runtime cannot load cached executables)" if _xla.requested_device_type() == "CPU"
+                    else "written by another torch_xla, libtpu or chip?)"))
+    if lookups and not hits:
+        text += "; the cache did NOT hit" + ("" if unloadable else " (a first run fills it; a restart should hit)")
+    return figures, text

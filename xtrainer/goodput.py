@@ -1,0 +1,246 @@
+"""Goodput: where a run's wall time goes, and what its restarts cost.
+
+``Goodput`` (added by the Trainer: ``enable_goodput=True``) attributes every second of a fit, on
+the host clock, to one of:
+
+- ``startup``: from the start of the process (the one ``xtrainer fit`` or the script runs in; a
+  restart loop starts a new one each time) to the end of the first training step: imports, the
+  runtime, restoring the checkpoint, the sanity check and the first compilations;
+- ``compiling``: XLA compilations after that (torch_xla's ``CompileTime``, per replica);
+- ``data``: waiting for the next batch (from the end of one batch's hooks to the start of the
+  next, less what validation and checkpoints took in between);
+- ``checkpointing``: ``Trainer.save_checkpoint`` (every save, from any callback or hook);
+- ``validating``: validation during the fit;
+- ``training``: the rest, the steps themselves.
+
+Each run writes ``goodput.json`` in its run folder (rank 0; replaced atomically at every logging
+step and at the end, so a killed run leaves its last state). At the end of ``fit`` one line sums
+this run, and one the lineage: every ``version_*/goodput.json`` under the same runs root (the
+runs a restart loop makes), with the **steps lost to preemption**: for each resumed run, the
+global step the run before it had reached (at its interrupt, or its last logging step when it
+was killed) minus the step of the checkpoint it resumed from.
+
+Only host clock readings and torch_xla's host counters: no host sync, nothing added to a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+from xtrainer import _xla
+from xtrainer.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from xtrainer.module import XModule
+    from xtrainer.trainer import Trainer
+
+FILE = "goodput.json"
+BUCKETS = ("startup", "compiling", "data", "checkpointing", "validating", "training")
+_IMPORTED_AT = time.time()
+#: When the last fit of this process ended: a second fit's startup counts from there.
+_last_fit_ended_at = 0.0
+
+
+def process_started_at() -> float:
+    """This process's start, as wall-clock seconds (Linux: ``/proc``; elsewhere the time xtrainer
+    was imported, a little later)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime: field 22 of stat, the 20th after the command name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
+
+
+class Goodput(Callback):
+    """Accounts the fit's wall time (module docstring). ``record`` is this run's account;
+    ``summary=False`` keeps the end-of-fit lines to ``summary`` (the Trainer prints them when
+    ``enable_xla_health`` is on, with the other summary lines)."""
+
+    def __init__(self, summary: bool = True) -> None:
+        self.print_summary = summary  # the two lines at the end of fit (rank 0)
+        self.process_started_at = process_started_at()  # the calling process: the one restarted
+        self.record: dict[str, Any] = {}
+        self.summary = ""
+        self._active = False
+
+    # ---- the clock ------------------------------------------------------------------------------
+    def _switch(self, phase: str) -> None:
+        """Close the current phase (its compile seconds go to ``compiling``) and open ``phase``."""
+        now, compiled = time.time(), _xla.compile_seconds() / self._replicas
+        wall, compile_s = now - self._since, compiled - self._compiled
+        seconds = self.record["seconds"]
+        if self._phase == "startup":
+            seconds["startup"] += wall
+            self.record["startup_compiling"] += compile_s
+        else:
+            seconds["compiling"] += compile_s
+            seconds[self._phase] += max(0.0, wall - compile_s)
+        self._since, self._compiled, self._phase = now, compiled, phase
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute the time inside to ``name``, then go back to what ran before."""
+        if not self._active or self._phase == "startup":
+            yield
+            return
+        previous = self._phase
+        self._switch(name)
+        try:
+            yield
+        finally:
+            self._switch(previous)
+
+    # ---- hooks ------------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: "Trainer", module: "XModule") -> None:
+        from xtrainer.callbacks.health import replicas_in_process
+
+        self._replicas = replicas_in_process(trainer)
+        first = _last_fit_ended_at == 0.0
+        self._since = self.process_started_at if first else _last_fit_ended_at
+        self._compiled = 0.0 if first else _xla.compile_seconds() / self._replicas
+        self._phase, self._active = "startup", True
+        self._folder, self._root = trainer.log_dir, trainer._runs_root
+        self._write = trainer.is_global_zero
+        self.record = {"run": os.path.basename(trainer.log_dir), "process_started_at": self.process_started_at,
+                       "resumed_from_step": trainer.global_step if trainer.ckpt_path else None,
+                       "resumed_from": trainer.ckpt_path, "last_step": trainer.global_step, "status": "running",
+                       "startup_compiling": 0.0, "seconds": dict.fromkeys(BUCKETS, 0.0)}
+
+    def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
+        if self._active and self._phase != "startup":
+            self._switch("training")
+
+    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._active:
+            self._switch("data")  # from here to the next batch: the other hooks, then the loader
+            self.record["last_step"] = trainer.global_step
+
+    def on_validation_start(self, trainer: "Trainer", module: "XModule") -> None:
+        if self._active and trainer.state == "fit" and not trainer.sanity_checking and self._phase != "startup":
+            self._resume_to = self._phase
+            self._switch("validating")
+
+    def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
+        if self._active and self._phase == "validating":
+            self._switch(getattr(self, "_resume_to", "data"))
+
+    def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
+        if self._active and trainer.state == "fit":
+            self.record["last_step"] = max(self.record["last_step"], trainer.global_step)
+            self._save()
+
+    def on_exception(self, trainer: "Trainer", module: "XModule", exception: BaseException) -> None:
+        if self._active:
+            from xtrainer.interrupts import TrainingInterrupted
+
+            self.record["status"] = "interrupted" if isinstance(exception, TrainingInterrupted) else "failed"
+            self.record["last_step"] = trainer.global_step
+
+    def on_fit_end(self, trainer: "Trainer", module: "XModule") -> None:
+        if not self._active:
+            return
+        self.record["status"] = "finished"
+        self.record["last_step"] = trainer.global_step
+        self._finish()
+        if trainer.is_global_zero and self.print_summary:
+            print(self.summary, flush=True)
+
+    def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+        if self._active and self.record["status"] != "finished":
+            self._finish()  # interrupted or failed: the account so far, for the next run's summary
+        self._active = False
+
+    # ---- the record -----------------------------------------------------------------------------
+    def _finish(self) -> None:
+        global _last_fit_ended_at
+        self._switch(self._phase)
+        self.record["ended_at"] = _last_fit_ended_at = time.time()
+        self._save()
+        runs = lineage(self._root)
+        self.summary = summarize(self.record, runs)
+
+    def _save(self) -> None:
+        if not self._write or (self.record["status"] == "failed" and self.record["last_step"] == 0
+                               and self.record["resumed_from_step"] is None):
+            return  # failed before training anything: the run leaves no folder behind (trainer._launch)
+        record = dict(self.record, seconds=dict(self.record["seconds"]), updated_at=time.time())
+        if record["status"] == "running":  # the clock so far, as a killed run would leave it
+            open_phase = time.time() - self._since
+            key = "startup" if self._phase == "startup" else self._phase
+            record["seconds"][key] += open_phase
+        path = os.path.join(self._folder, FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, path)  # atomic: a reader sees the old account or the new one
+        except OSError:
+            pass  # accounting must never stop training
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k in ("process_started_at", "record", "summary", "_active", "print_summary")}
+
+
+@contextlib.contextmanager
+def timing(trainer: "Trainer", phase: str) -> Iterator[None]:
+    """``with goodput.timing(trainer, "checkpointing"):`` around work the loop does not see."""
+    owner = next((cb for cb in trainer.callbacks if isinstance(cb, Goodput)), None)
+    if owner is None:
+        yield
+        return
+    with owner.phase(phase):
+        yield
+
+
+def lineage(runs_root: str) -> list[dict[str, Any]]:
+    """Every run's account under ``runs_root`` (its ``version_*`` folders), oldest first."""
+    runs = []
+    for path in glob.glob(os.path.join(glob.escape(runs_root), "version_*", FILE)):
+        try:
+            with open(path) as f:
+                runs.append(json.load(f))
+        except (OSError, ValueError):
+            continue  # a folder without a readable account: not counted
+    return sorted(runs, key=lambda r: r.get("process_started_at", 0.0))
+
+
+def steps_lost(runs: list[dict[str, Any]]) -> int:
+    """Steps trained again after restarts: for each resumed run, the step the run before it had
+    reached minus the step it resumed from."""
+    lost = 0
+    for before, run in zip(runs, runs[1:]):
+        if run.get("resumed_from_step") is not None:
+            lost += max(0, int(before.get("last_step", 0)) - int(run["resumed_from_step"]))
+    return lost
+
+
+def _share(seconds: dict[str, float]) -> tuple[float, str]:
+    total = sum(seconds.values())
+    parts = [f"{name} {seconds[name]:.1f} s ({100 * seconds[name] / total:.0f}%)" for name in BUCKETS
+             if seconds.get(name, 0.0) > 0.05 or name == "training"] if total > 0 else []
+    return total, ", ".join(parts)
+
+
+def summarize(record: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    """Two lines: this run's account, and its lineage's."""
+    total, parts = _share(record["seconds"])
+    text = (f"goodput: this run {total:.1f} s: {parts}; of startup, {record['startup_compiling']:.1f} s compiling")
+    if len(runs) > 1:
+        seconds = {name: sum(r["seconds"].get(name, 0.0) for r in runs) for name in BUCKETS}
+        all_total, _ = _share(seconds)
+        training = seconds["training"] / all_total if all_total else 0.0
+        restarts = sum(1 for r in runs if r.get("resumed_from_step") is not None)
+        text += (f"\ngoodput: {len(runs)} runs under this root ({restarts} resumed): {100 * training:.0f}% of "
+                 f"{all_total:.1f} s training, {seconds['startup']:.1f} s starting, "
+                 f"{steps_lost(runs)} steps lost to preemption")
+    return text
