@@ -57,7 +57,7 @@ def test_every_registered_strategy_fits_saves_and_validates_from_its_checkpoint(
     again = Trainer(strategy=name, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False)
     [metrics] = again.validate(Regressor(), make_loader(n=16, seed=1), ckpt_path="last")
     assert again.ckpt_path == last
-    assert metrics["val_loss"] == pytest.approx(trainer.callback_metrics["val_loss"], rel=1e-5)
+    assert metrics["val_loss"] == pytest.approx(float(trainer.callback_metrics["val_loss"]), rel=1e-5)
 
 
 def _module_level_imports(path: str, name: str) -> set[str]:

@@ -75,7 +75,7 @@ class Recorder(Callback):
         weights = _xla.to_cpu(trainer.strategy.full_module_state_dict(trainer.model))  # all ranks gather
         torch.save({"rank": trainer.global_rank, "world_size": trainer.world_size, "seen": self.seen,
                     "weights": weights, "global_step": trainer.global_step,
-                    "metrics": dict(trainer.callback_metrics)},
+                    "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    os.path.join(self.folder, f"rank-{trainer.global_rank}.pt"))
 
 
@@ -147,7 +147,7 @@ def test_synced_metrics_are_the_global_values(tmp_path_factory, reference, strat
     assert trainer.callback_metrics["rows"] == expected["rows"] == 64.0
     assert trainer.callback_metrics["biggest"] == expected["biggest"] == make_data().tensors[0].abs().max().item()
     for name in ("val_loss", "train_loss_epoch", "train_loss_step"):
-        assert trainer.callback_metrics[name] == pytest.approx(expected[name], rel=1e-5), name
+        assert float(trainer.callback_metrics[name]) == pytest.approx(expected[name], rel=1e-5), name
         for r in replicas:  # every replica holds the same reduced values
             assert r["metrics"][name] == trainer.callback_metrics[name], (name, r["rank"])
 

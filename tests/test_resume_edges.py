@@ -33,12 +33,14 @@ def straight(tmp_path, **spec):
     return torch.load(spec["out"], weights_only=True)
 
 
-def stopped_then_resumed(tmp_path, event, expect=143, **spec):
-    """Run ``spec`` until ``event`` stops it (exit status ``expect``), then resume it from
-    ``last`` to the end; the resumed run's outcome and the stopped run's stderr."""
+def stopped_then_resumed(tmp_path, event, expect=143, check=None, **spec):
+    """Run ``spec`` until ``event`` stops it (exit status ``expect``), then (after ``check(stderr)``)
+    resume it from ``last`` to the end; the resumed run's outcome and the stopped run's stderr."""
     root = str(tmp_path / "run")
     code, err = start({**spec, "root": root, "event": event})
     assert code == expect, err[-3000:]
+    if check is not None:
+        check(err)
     out = str(tmp_path / "resumed.pt")
     code, resumed_err = start({**spec, "root": root, "resume": True, "out": out})
     assert code == 0, resumed_err[-3000:]
@@ -85,19 +87,21 @@ def test_replicas_that_agree_to_stop_at_an_epochs_end_are_interrupted(tmp_path):
 
 def test_sigterm_between_micro_batches_stops_at_the_optimizer_step_and_resumes_bitwise(tmp_path):
     spec = {"accumulate": 3, "log_every_n_steps": 1}
-    resumed, err = stopped_then_resumed(tmp_path, "term@1:3", **spec)
-    saved = interrupted_checkpoint(err)
-    assert saved["loops"]["batches_in_epoch"] == 6  # the accumulation finished: batches 3, 4 and 5
+    def at_the_step(err):
+        saved = interrupted_checkpoint(err)
+        assert saved["loops"]["batches_in_epoch"] == 6  # the accumulation finished: batches 3, 4 and 5
+
+    resumed, _ = stopped_then_resumed(tmp_path, "term@1:3", check=at_the_step, **spec)
     assert_same(resumed, straight(tmp_path, **spec))
 
 
 def test_killed_right_after_a_mid_epoch_validation_resumes_bitwise(tmp_path):
     spec = {"val_check_interval": 0.5, "checkpoint": {}}
-    resumed, _ = stopped_then_resumed(tmp_path, "kill@valend:12", expect=-signal.SIGKILL, **spec)
-    last = load_checkpoint(str(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt")) \
-        if os.path.exists(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt") else None
-    if last is not None:
-        assert not last["loops"]["validation_pending"]
+    def validated(err):
+        last = load_checkpoint(str(tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt"))
+        assert last["loops"]["global_step"] == 12 and not last["loops"]["validation_pending"]
+
+    resumed, _ = stopped_then_resumed(tmp_path, "kill@valend:12", expect=-signal.SIGKILL, check=validated, **spec)
     assert_same(resumed, straight(tmp_path, **spec))
 
 

@@ -26,7 +26,7 @@ class Steps(Callback):
         self.losses, self.sharding = [], None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(trainer.callback_metrics["train_loss_step"])
+        self.losses.append(float(trainer.callback_metrics["train_loss_step"]))
         self.sharding = _xla.sharding_of(module.net[0].weight)
 
     def state_dict(self):
@@ -57,7 +57,7 @@ def test_spmd_follows_native_on_the_same_global_batches(tmp_path, native, strate
     _, ref_model, ref_steps = native
     assert len(steps.losses) == 16
     assert steps.losses == pytest.approx(ref_steps.losses, rel=1e-4, abs=1e-6)
-    assert trainer.callback_metrics["val_loss"] == pytest.approx(native[0].callback_metrics["val_loss"], rel=1e-4)
+    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(float(native[0].callback_metrics["val_loss"]), rel=1e-4)
     for name, tensor in ref_model.state_dict().items():
         assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name
     # data parallel replicates the weights; FSDPv2 splits them over the 4 devices

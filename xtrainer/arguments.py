@@ -35,12 +35,14 @@ def resolve(values: dict[str, Any], callbacks: Any, logger: Any, plugins: Any, m
     if settings.barebones:  # Lightning's meaning: nothing that costs time beyond the loop itself
         settings.enable_progress_bar = settings.enable_model_summary = settings.enable_checkpointing = False
         settings.enable_xla_health, settings.num_sanity_val_steps, logger = False, 0, False
+        settings.enable_goodput, settings.hang_timeout = False, None
     if settings.fast_dev_run:  # Lightning's meaning: n batches of every loop, nothing written
         n = 1 if settings.fast_dev_run is True else settings.fast_dev_run
         settings.limit_train_batches = settings.limit_val_batches = n
         settings.limit_test_batches = settings.limit_predict_batches = n
         settings.max_steps, settings.max_epochs, settings.num_sanity_val_steps = n, 1, 0
         settings.val_check_interval, settings.check_val_every_n_epoch = 1.0, 1
+        settings.enable_goodput, settings.hang_timeout = False, None  # no goodput.json, no hang reports
         logger = False
         # As in Lightning, the checkpoint callbacks stay (trainer.checkpoint_callback is the
         # user's, best_model_path ""); they save nothing under fast_dev_run.

@@ -22,6 +22,7 @@ runtime has no meaningful peak: there the achieved FLOP/s are reported, and no M
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -69,11 +70,14 @@ def _meta_like(value: Any) -> Any:
     return value
 
 
-def count_training_step(module: nn.Module, batch: Any, batch_idx: int, keep: tuple = ()) -> float:
+def count_training_step(module: nn.Module, batch: Any, batch_idx: int, keep: tuple = (), precision: Any = None
+                        ) -> float:
     """FLOPs of ``module.training_step(batch, batch_idx)`` and its backward, counted on a copy of
     the module on the ``meta`` device. Host-side only: reads shapes, never values. ``keep``:
     objects the copy shares instead of copying (the trainer). Raises what the step raises on meta."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    from xtrainer.steps import positional_count
 
     memo: dict[int, Any] = {id(obj): obj for obj in keep}
     for tensor in list(module.parameters()) + list(module.buffers()):
@@ -83,8 +87,12 @@ def count_training_step(module: nn.Module, batch: Any, batch_idx: int, keep: tup
     twin = copy.deepcopy(module, memo)
     twin.log = twin.log_dict = lambda *args, **kwargs: None  # the real run logs; the count must not
     counter = FlopCounterMode(display=False)
-    with counter, torch.device("meta"):
-        out = twin.training_step(_meta_like(batch), batch_idx)
+    context = precision.step_context() if precision is not None else contextlib.nullcontext()
+    batch = _meta_like(batch)
+    batch = precision.convert_input(batch) if precision is not None else batch  # as the step sees it
+    with counter, torch.device("meta"), context:
+        args = (batch_idx,)[:max(0, positional_count(twin.training_step) - 1)]  # as the step dispatcher does
+        out = twin.training_step(batch, *args)
         loss = out.get("loss") if isinstance(out, dict) else out
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()

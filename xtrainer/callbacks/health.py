@@ -234,7 +234,8 @@ class _Work:
                          "on the module")
         else:
             try:
-                self.flops = flops.count_training_step(module, batch, batch_idx, keep=(trainer,))
+                self.flops = flops.count_training_step(module, batch, batch_idx, keep=(trainer,),
+                                                       precision=trainer.precision)
                 self.note = "counted on the meta device"
             except Exception as err:  # noqa: BLE001 - counting must never stop training
                 self.note = (f"not counted ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}); "
