@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer import _xla
 from xtrainer.callbacks.base import Callback
 from xtrainer.results import batch_size
 
@@ -67,9 +66,7 @@ class XlaHealth(Callback):
         self._compiles_seen = self._fit["compiles"] - trainer.checkpoint_compilations
 
     def _mark(self, trainer: "Trainer") -> dict[str, float]:
-        return {"time": time.perf_counter(), "step": trainer.global_step, "compiles": _xla.compile_count(),
-                "compile_s": _xla.compile_seconds(), "executions": _xla.execute_count(),
-                "transfers": _xla.transfer_from_device_count()}
+        return {"time": time.perf_counter(), "step": trainer.global_step, **trainer.strategy.device_counters()}
 
     # ---- every batch: recompilations (host counters only) ------------------------------------
     def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
@@ -82,7 +79,7 @@ class XlaHealth(Callback):
         shapes = _shapes(batch)
         if self._warming_last_step:  # the first step after the first epoch (and its validation)
             self._warming_last_step, self._warm = False, True
-            self._compiles_seen = _xla.compile_count() - trainer.checkpoint_compilations
+            self._compiles_seen = trainer.strategy.device_counters()["compiles"] - trainer.checkpoint_compilations
         if not self._warm:
             self._first_epoch_shapes.add(shapes)
         self._check(trainer, f"training batch {batch_idx}", shapes)
@@ -100,7 +97,7 @@ class XlaHealth(Callback):
             self._warming_last_step = True
 
     def _check(self, trainer: "Trainer", where: str, shapes: tuple | None) -> None:
-        count = _xla.compile_count() - trainer.checkpoint_compilations
+        count = trainer.strategy.device_counters()["compiles"] - trainer.checkpoint_compilations
         if not self._warm or count == self._compiles_seen:
             self._compiles_seen = count
             return
@@ -140,7 +137,7 @@ class XlaHealth(Callback):
             "throughput/steps_per_second": (now["step"] - before["step"]) / seconds,
             "throughput/samples_per_second": self._interval_samples / seconds,
         }
-        memory = _xla.memory_info()
+        memory = trainer.strategy.memory_info()
         if memory is not None:
             figures.update({"xla/memory_bytes_used": memory["bytes_used"],
                             "xla/memory_bytes_limit": memory["bytes_limit"]})

@@ -7,6 +7,7 @@ from xtrainer.strategies.ddp import XlaDDP
 from xtrainer.strategies.fsdp import XlaFSDP
 from xtrainer.strategies.native import XlaNative
 from xtrainer.strategies.spmd import XlaFSDPv2, XlaSPMD
+from xtrainer.strategies.torch_native import NativeDDP, NativeFSDP, NativeSingle
 from xtrainer.suggest import did_you_mean
 
 #: Every name ``Trainer(strategy=...)`` accepts, mapped to its class.
@@ -16,6 +17,9 @@ STRATEGIES: dict[str, type[Strategy]] = {
     XlaFSDP.name: XlaFSDP,
     XlaSPMD.name: XlaSPMD,
     XlaFSDPv2.name: XlaFSDPv2,
+    NativeSingle.name: NativeSingle,
+    NativeDDP.name: NativeDDP,
+    NativeFSDP.name: NativeFSDP,
 }
 
 
@@ -44,4 +48,4 @@ def resolve_strategy(strategy: "str | Strategy") -> Strategy:
                      f"(Lightning's {', '.join(sorted(LIGHTNING_NAMES))} map to them); or pass a Strategy instance.")
 
 
-__all__ = ["LIGHTNING_NAMES", "STRATEGIES", "Strategy", "XlaDDP", "XlaFSDP", "XlaFSDPv2", "XlaNative", "XlaSPMD", "resolve_strategy"]
+__all__ = ["LIGHTNING_NAMES", "STRATEGIES", "NativeDDP", "NativeFSDP", "NativeSingle", "Strategy", "XlaDDP", "XlaFSDP", "XlaFSDPv2", "XlaNative", "XlaSPMD", "resolve_strategy"]
