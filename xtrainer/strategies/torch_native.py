@@ -449,6 +449,8 @@ class NativeFSDP(NativeSingle):
             units = [m for m in module.module.modules()
                      if type(m).__name__ == "CheckpointWrapper" and id(getattr(m, "_checkpoint_wrapped_module", None))
                      in wrapped_ids]
+        if self.world_size == 1:
+            return module  # nothing to shard over; checkpoints are still distributed folders
         kwargs = {"reshard_after_forward": self.reshard_after_forward, **self.fsdp_kwargs}
         for unit in units:
             fully_shard(unit, **kwargs)
@@ -456,7 +458,9 @@ class NativeFSDP(NativeSingle):
         return module
 
     def no_backward_sync(self, wrapped: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        return _gradient_sync_off(wrapped) if enabled else contextlib.nullcontext()
+        if enabled and hasattr(wrapped, "set_requires_gradient_sync"):  # sharded (more than one process)
+            return _gradient_sync_off(wrapped)
+        return contextlib.nullcontext()
 
     def check_manual_optimization(self) -> None:
         pass
