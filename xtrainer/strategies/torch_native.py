@@ -517,10 +517,12 @@ class NativeFSDP(NativeSingle):
                         f"{len(params)} parameters: is it a checkpoint of another model or optimizer?")
                 value = _empty_like_saved(params[index], entry) if entry.shape is not None else None
                 target["state"].setdefault(entry.where[1], {})[entry.where[2]] = value
-            else:  # param_groups, and anything else the optimizer saved
-                _place(target, entry.where, None)
+            else:  # param_groups, and anything else the optimizer saved (keys as the loader names them)
+                _place(target, tuple(str(key) for key in entry.where), None)
         load_into({"optimizer_states": {part.key.split(".")[1]: target}}, part.path, spmd=False)
-        return {**target, "state": {int(index): value for index, value in target["state"].items()}}
+        groups = target.get("param_groups", {})
+        return {**target, "state": {int(index): value for index, value in target["state"].items()},
+                "param_groups": [groups[key] for key in sorted(groups, key=int)]}
 
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
         self._closures = []
