@@ -64,6 +64,21 @@ def test_one_process_moves_the_weights(one_process):
     assert any(not torch.equal(start[k], one_process[k]) for k in start)  # the comparisons below mean something
 
 
+def test_compile_runs_the_forward_through_torch_compile_with_the_same_result(tmp_path, one_process):
+    from xtrainer.strategies import NativeSingle
+
+    compiles = []
+
+    def backend(graph, example_inputs):  # torch.compile's backend: counts the graphs, runs them as traced
+        compiles.append(graph)
+        return graph.forward
+
+    strategy = NativeSingle(compile=True, compile_kwargs={"backend": backend})
+    trainer, model = native_run.fit(strategy, 1, str(tmp_path), STEPS, 8)
+    assert compiles  # the forward went through torch.compile
+    _assert_bitwise(_weights(model), one_process)
+
+
 @pytest.mark.multi_device
 @pytest.mark.parametrize("strategy", ["native_ddp", "native_fsdp"])
 def test_two_processes_end_bitwise_equal_to_one_on_the_same_global_batches(tmp_path, one_process, strategy):
