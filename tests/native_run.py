@@ -77,7 +77,8 @@ class ExactNet(XModule):
 
 class Pause(Callback):
     """Slows every step down (so a signal arrives mid-fit) and writes ``ready`` once the first
-    steps are done; every process writes ``rank-R.step`` with its step when the fit ends."""
+    steps are done (only the first time: a restarted run does not); every process writes
+    ``rank-R.step`` with its step when the fit ends."""
 
     def __init__(self, seconds: float, ready: str | None, folder: str) -> None:
         self.seconds, self.ready, self.folder = seconds, ready, folder
@@ -85,9 +86,11 @@ class Pause(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if self.seconds:
             time.sleep(self.seconds)
-        if self.ready and trainer.global_step == 3 and trainer.is_global_zero:
-            with open(self.ready, "w") as f:
-                f.write(str(os.getpid()))
+        if self.ready and trainer.global_step == 3:  # READY (rank 0) and READY-R (each rank): the pid
+            for path in ([self.ready] if trainer.is_global_zero else []) + [f"{self.ready}-{trainer.global_rank}"]:
+                if not os.path.exists(path):
+                    with open(path, "w") as f:
+                        f.write(str(os.getpid()))
 
     def teardown(self, trainer, module, stage):
         if stage == "fit":

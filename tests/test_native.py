@@ -145,6 +145,62 @@ def test_torchrun_runs_each_replica_in_place(tmp_path, one_process):
     assert out["log_dir"] == folder and os.listdir(os.path.join(folder, "checkpoints"))
 
 
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+@pytest.mark.multi_device
+def test_two_torchrun_nodes_on_one_rendezvous_make_one_run(tmp_path, one_process):
+    """Two torchrun commands ("nodes" on localhost, one process each) meet at a c10d rendezvous:
+    one run folder, both ranks' shards in one checkpoint, the same weights as one process."""
+    from xtrainer.strategies.process import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    script = [os.path.join(HERE, "native_run.py"), "--strategy", "native_fsdp", "--steps", str(STEPS),
+              "--root", str(tmp_path), "--out", str(tmp_path / "out.pt")]
+    nodes = [subprocess.Popen(_torchrun("--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                                        f"--rdzv-endpoint={endpoint}", "--rdzv-id=native-test", *script),
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for node in nodes:
+        _, err = node.communicate(timeout=240)
+        assert node.returncode == 0, err[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["world_size"] == 2 and out["global_step"] == STEPS
+    _assert_bitwise(out["weights"], one_process)
+    [folder] = glob.glob(str(tmp_path / "version_*"))
+    state = os.path.join(os.path.realpath(os.path.join(folder, "checkpoints", "last.ckpt")), "state")
+    assert sorted(os.listdir(state)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.mark.multi_device
+def test_torchrun_restarts_after_a_killed_worker_and_resumes_bitwise(tmp_path):
+    """A worker killed (SIGKILL) mid-fit under torchrun --max-restarts: the group restarts,
+    resumes from last, and ends with the weights of an uninterrupted run."""
+    steps = "16"
+    reference = _script("--strategy", "native_ddp", "--devices", "2", "--steps", steps, "--root",
+                        str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    ready = tmp_path / "ready"
+    job = subprocess.Popen(_torchrun("--nproc_per_node=2", "--max-restarts=2", "--monitor-interval=0.2",
+                                     os.path.join(HERE, "native_run.py"), "--strategy", "native_ddp", "--steps", steps,
+                                     "--root", str(tmp_path / "run"), "--out", str(tmp_path / "out.pt"),
+                                     "--ckpt", "last", "--pause", "0.2", "--ready", str(ready)),
+                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not os.path.exists(f"{ready}-1") and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert os.path.exists(f"{ready}-1"), job.communicate()[1][-3000:]
+    time.sleep(0.5)  # a step or two later: mid-epoch, after the checkpoint of step 2
+    os.kill(int(open(f"{ready}-1").read()), signal.SIGKILL)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-3000:]
+    assert "resuming from" in out + err  # the restarted group resumed from a checkpoint
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
+    assert a["global_step"] == b["global_step"] == int(steps)
+    _assert_bitwise(a["weights"], b["weights"])
+
+
 def test_the_native_strategies_refuse_what_they_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="devices=2: strategy='native' runs on one device"):
         Trainer(strategy="native", devices=2)

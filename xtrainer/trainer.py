@@ -432,9 +432,10 @@ class Trainer:
              ) -> dict[str, Any]:
         self.strategy.setup_environment()
         if self.world_size > 1:
-            # On several hosts each calling process claimed a folder of its own; rank 0's is the
-            # run's (untested here: no pod), and a folder claimed for nothing is given back.
-            own, self.log_dir = self.log_dir, self.strategy.collectives.broadcast(self.log_dir)
+            # On several hosts (or under torchrun) each calling process claimed a folder and drew a
+            # seed of its own; rank 0's are the run's, and a folder claimed for nothing is given back.
+            own = self.log_dir
+            self.log_dir, self._seed = self.strategy.collectives.broadcast((self.log_dir, self._seed))
             if own != self.log_dir:
                 _remove_if_empty(own)
         self.strategy.set_rng_state(self._seed + self.global_rank)
