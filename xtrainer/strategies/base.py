@@ -17,6 +17,11 @@ checkpoints are written. The Trainer owns the loop and calls these members in th
       checkpoint_layout.save / .load     # called on every replica, never on one only
       teardown(wrapped)                  # the user's module unwrapped, on the CPU
 
+The loop reaches the device only through the strategy: ``to_cpu``, the device's random generator
+(``rng_state``, ``set_rng_state``, ``rng_state_kept``), ``add_step_closure`` (the logging step's
+read), ``batches_on_device``, ``device_counters`` and ``memory_info``. The XLA strategies hand
+these to ``xtrainer._xla``; the native ones (``strategies/torch_native.py``) to PyTorch.
+
 Launching is a family of its own (``strategies.launch``), and so are the replicas' collectives
 (``strategies.collectives``), and delivering batches (``strategies.data``). Every member runs on
 every replica; collectives (``collectives.reduce``, ``collectives.barrier``,
@@ -64,6 +69,19 @@ class Strategy(abc.ABC):
         """Receive the Trainer's ``devices`` (None: every local device) and precision."""
         self.devices = devices
         self.precision = precision
+
+    def check_accelerator(self, accelerator: str, num_nodes: int) -> None:
+        """Refuse an ``accelerator`` (or ``num_nodes``) this strategy cannot run on (calling
+        process, before launch)."""
+        from xtrainer import arguments
+
+        arguments.check_accelerator(accelerator, num_nodes)
+
+    def resolve_devices(self, devices: int | str) -> int | None:
+        """The Trainer's ``devices`` as a count (None: every local device)."""
+        from xtrainer import arguments
+
+        return arguments.resolve_devices(devices)
 
     # ---- launching ---------------------------------------------------------------------
     @property
@@ -188,19 +206,6 @@ class Strategy(abc.ABC):
         """A backward pass under manual optimization (one of possibly several per step)."""
         del wrapped
         self.backward(loss, *args, **kwargs)
-
-    def check_accelerator(self, accelerator: str, num_nodes: int) -> None:
-        """Refuse an ``accelerator`` (or ``num_nodes``) this strategy cannot run on (calling
-        process, before launch)."""
-        from xtrainer import arguments
-
-        arguments.check_accelerator(accelerator, num_nodes)
-
-    def resolve_devices(self, devices: int | str) -> int | None:
-        """The Trainer's ``devices`` as a count (None: every local device)."""
-        from xtrainer import arguments
-
-        return arguments.resolve_devices(devices)
 
     def check_manual_optimization(self) -> None:
         """Refuse manual optimization where this strategy cannot do it (all but FSDP can)."""

@@ -227,6 +227,9 @@ class NativeSingle(Strategy):
 
     def resolve_devices(self, devices: int | str) -> int | None:
         if under_torchrun():
+            if int(os.environ["WORLD_SIZE"]) > 1 and not self.multi_process:
+                raise ValueError(f"strategy={self.name!r} runs on one device, but torchrun started "
+                                 f"{os.environ['WORLD_SIZE']} processes: use 'native_ddp' or 'native_fsdp'.")
             return int(os.environ["WORLD_SIZE"])
         if devices == "auto":
             return torch_devices.local_count(self._kind or "cpu") if self.multi_process else 1
