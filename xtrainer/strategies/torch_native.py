@@ -236,8 +236,8 @@ class NativeSingle(Strategy):
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices={devices!r}: give a positive int or 'auto'.")
         if devices > 1 and not self.multi_process:
-            raise ValueError(f"devices={devices}: strategy={self.name!r} runs on one device; use 'native_ddp' or "
-                             "'native_fsdp' for several.")
+            raise ValueError(f"devices={devices}: strategy={self.name!r} "
+                             "runs on one device; use 'native_ddp' or 'native_fsdp' for several.")
         return devices
 
     @property
