@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from xtrainer.strategies.base import Strategy
 from xtrainer.strategies.ddp import XlaDDP
 from xtrainer.strategies.fsdp import XlaFSDP
@@ -39,6 +41,8 @@ def resolve_strategy(strategy: "str | Strategy") -> Strategy:
     instance given."""
     if isinstance(strategy, Strategy):
         return strategy
+    if strategy == "auto" and importlib.util.find_spec("torch_xla") is None:
+        strategy = NativeDDP.name  # no torch_xla: standard PyTorch (one device, or DDP with devices=N)
     if isinstance(strategy, str):
         strategy = LIGHTNING_NAMES.get(strategy, strategy)
     if isinstance(strategy, str) and strategy in STRATEGIES:
