@@ -1,18 +1,24 @@
+import importlib.util
 import os
 
-# Every test runs on torch_xla's CPU runtime: real compilation, real execution.
+# Every test runs on torch_xla's CPU runtime: real compilation, real execution (the native
+# strategies' tests, tests/test_native.py, also run where torch_xla is not installed).
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from xtrainer import XModule, _xla  # noqa: E402
+from xtrainer import XModule  # noqa: E402
 
-# Start the XLA runtime before any CPU backward in a test: PyTorch's autograd engine sizes its
-# per-device queues on its first backward and would not know the XLA device otherwise.
-_xla.device()
+if HAS_XLA:
+    from xtrainer import _xla
+
+    # Start the XLA runtime before any CPU backward in a test: PyTorch's autograd engine sizes its
+    # per-device queues on its first backward and would not know the XLA device otherwise.
+    _xla.device()
 
 
 def make_data(n: int = 64, seed: int = 0, features: int = 8) -> TensorDataset:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
-from xtrainer import _xla
+from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.settings import TrainerSettings
@@ -29,8 +29,7 @@ def resolve(values: dict[str, Any], callbacks: Any, logger: Any, plugins: Any, m
     if plugins is not None:
         raise ValueError("plugins=...: Lightning's plugins (precision, environment, checkpoint IO) have no "
                          "counterpart here; precision= and the strategy's arguments cover what XLA needs.")
-    settings = TrainerSettings(**values).check()
-    check_accelerator(settings.accelerator, settings.num_nodes)
+    settings = TrainerSettings(**values).check()  # the strategy checks the accelerator (check_accelerator)
     callbacks = as_list(callbacks)
     if settings.barebones:  # Lightning's meaning: nothing that costs time beyond the loop itself
         settings.enable_progress_bar = settings.enable_model_summary = settings.enable_checkpointing = False
@@ -120,8 +119,12 @@ def resolve_devices(devices: int | str) -> int | None:
 def check_accelerator(accelerator: str, num_nodes: int) -> None:
     """``accelerator`` names the XLA device kind: "cpu" is the XLA CPU runtime, "tpu"/"xla" what
     PJRT_DEVICE names (the settings refused anything else)."""
-    requested = _xla.requested_device_type()
     accelerator = accelerator.lower()
+    if accelerator in ("gpu", "cuda", "neuron"):
+        raise ValueError(f"accelerator={accelerator!r}: the XLA strategies run on XLA devices. Use a native strategy "
+                         "(strategy='native', 'native_ddp' or 'native_fsdp') for it, or accelerator='auto', 'tpu' or "
+                         "'cpu' (the XLA CPU runtime).")
+    requested = _xla.requested_device_type()
     if accelerator == "cpu" and requested != "CPU":
         raise ValueError(f"accelerator='cpu' asks for the XLA CPU runtime, but PJRT_DEVICE={requested}; "
                          "unset PJRT_DEVICE (or set it to CPU), or use accelerator='auto'.")

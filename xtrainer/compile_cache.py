@@ -37,7 +37,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from xtrainer import _xla
+from xtrainer._lazy_xla import xla as _xla
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
@@ -75,6 +75,9 @@ def activate(trainer: "Trainer") -> None:
     folder (or make sure it has none when the run asks for none). Host-side only."""
     from xtrainer.strategies import cpu_replicas
 
+    if not trainer.strategy.compiles_with_xla:
+        _state.update(path=None, note="not used (the strategy does not compile with XLA)")
+        return
     root = folder_for(trainer.settings.compilation_cache, trainer._runs_root)
     with _lock:
         if root is None:

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xtrainer import _xla
 from xtrainer.results import Results, batch_size
 
 if TYPE_CHECKING:
@@ -45,7 +44,7 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
                 results.in_step = False
                 if stage == "predict":
                     # host sync: predictions are returned on the host, batch by batch
-                    outputs = _xla.to_cpu(outputs)
+                    outputs = trainer.strategy.to_cpu(outputs)
                     outputs_of_loader.append(outputs)
                 trainer.strategy.sync()  # the graph cut: one execution per evaluation batch
                 trainer._call(f"on_{hook}_batch_end", outputs, batch, batch_idx, *extra)
@@ -81,7 +80,7 @@ def sanity_check(trainer: "Trainer", val: list) -> None:
     trainer.sanity_checking = True
     steps = trainer.num_sanity_val_steps
     try:
-        with _xla.rng_state_kept(), torch.random.fork_rng(devices=[]):
+        with trainer.strategy.rng_state_kept(), torch.random.fork_rng(devices=[]):
             for cb in trainer.callbacks:
                 cb.on_sanity_check_start(trainer, trainer.module)
             run(trainer, "validate", val, cap=steps if steps > 0 else None)

@@ -32,7 +32,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Iterator
 
-from xtrainer import _xla
+from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks.base import Callback
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class Goodput(Callback):
     # ---- the clock ------------------------------------------------------------------------------
     def _switch(self, phase: str) -> None:
         """Close the current phase (its compile seconds go to ``compiling``) and open ``phase``."""
-        now, compiled = time.time(), _xla.compile_seconds() / self._replicas
+        now, compiled = time.time(), self._compile_seconds() / self._replicas
         wall, compile_s = now - self._since, compiled - self._compiled
         seconds = self.record["seconds"]
         if self._phase == "startup":
@@ -106,7 +106,8 @@ class Goodput(Callback):
         self._replicas = replicas_in_process(trainer)
         first = _last_fit_ended_at == 0.0
         self._since = self.process_started_at if first else _last_fit_ended_at
-        self._compiled = 0.0 if first else _xla.compile_seconds() / self._replicas
+        self._compile_seconds = lambda: trainer.strategy.device_counters()["compile_s"]
+        self._compiled = 0.0 if first else self._compile_seconds() / self._replicas
         self._phase, self._active = "startup", True
         self._folder, self._root = trainer.log_dir, trainer._runs_root
         self._write = trainer.is_global_zero

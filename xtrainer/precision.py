@@ -39,11 +39,13 @@ class Precision:
                            "precision='bf16-mixed' (no gradient scaler is needed).")
         self.name = _ALIASES[value]
         self.dtype = _DTYPES[self.name]
+        #: The device kind autocast acts on (a native strategy sets its own: "cpu", "cuda"...).
+        self.device_type = "xla"
 
     def step_context(self) -> contextlib.AbstractContextManager:
         """What each step runs under: autocast for ``"bf16-mixed"``."""
         if self.name == "bf16-mixed":
-            return torch.autocast("xla", dtype=torch.bfloat16)
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def convert_module(self, module: nn.Module) -> nn.Module:

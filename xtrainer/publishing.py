@@ -17,12 +17,11 @@ Nothing else calls a logger's ``log_metrics``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer import _xla
 from xtrainer.results import to_floats
 
 if TYPE_CHECKING:
@@ -107,7 +106,7 @@ class Publisher:
         stop = trainer.strategy.collectives.any_replica(trainer.should_stop) if shares_stop else False
         if isinstance(stop, torch.Tensor):  # rides along with the values read
             tensors = {**tensors, _STOP_KEY: stop}
-        values = to_floats(tensors) if tensors else {}  # host sync: the only place logged values reach the host
+        values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the only place logged values reach the host
         if isinstance(stop, torch.Tensor):
             stop = values.pop(_STOP_KEY) > 0
         if stop:
@@ -129,7 +128,7 @@ class Publisher:
             for optimizer in trainer.optimizers:
                 for i, group in enumerate(optimizer.param_groups):
                     lr = group["lr"]
-                    if not _xla.is_xla_tensor(lr):  # an lr kept on the device is not read here
+                    if not _on_device(lr):  # an lr kept on the device is not read here
                         logged[f"lr-{type(optimizer).__name__}/pg{i}"] = float(lr)
         module = trainer.module
         for cb in trainer.callbacks:
@@ -163,10 +162,15 @@ class Publisher:
         if self.watch is None:
             return None
         if self._checked_step != trainer.global_step:
-            with _xla.rng_state_kept():  # whether a run checks or not, it draws the same numbers
-                first = int(_xla.to_cpu(self.watch.first)[0])  # host sync: before a save only
+            with trainer.strategy.rng_state_kept():  # whether a run checks or not, it draws the same numbers
+                first = int(trainer.strategy.to_cpu(self.watch.first)[0])  # host sync: before a save only
                 if trainer.world_size > 1:
                     first = min(trainer.strategy.collectives.all_gather_object(first))
             self._checked_step, self._first_bad = trainer.global_step, first
         return self._first_bad if self._first_bad < trainer.global_step else None
 
+
+
+def _on_device(value: Any) -> bool:
+    """Whether ``value`` is a tensor on a device (reading it would sync the host)."""
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"

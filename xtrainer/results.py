@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import torch
 
-from xtrainer import _xla
 
 REDUCE_FXS = ("mean", "sum", "max", "min")
 _REDUCE_CALLABLES = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min", sum: "sum",
@@ -173,12 +172,12 @@ class Results:
         return {variant for name, entry in self.entries.items() if not entry.logger
                 for variant in (name, name + "_step", name + "_epoch")}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The epoch accumulators so far (on the host: a host sync, as a checkpoint is), so that a
-        run resumed inside an epoch reports values over the whole epoch."""
+    def state_dict(self, to_cpu: Callable[[Any], Any]) -> dict[str, Any]:
+        """The epoch accumulators so far (on the host, by ``to_cpu``, the strategy's: a host sync,
+        as a checkpoint is), so that a run resumed inside an epoch reports values over the whole epoch."""
         totals = {name: entry.total for name, entry in self.entries.items()
                   if entry.metric is None and entry.on_epoch and entry.total is not None}
-        host = _xla.to_cpu(totals) if totals else {}  # host sync: the checkpoint's copy
+        host = to_cpu(totals) if totals else {}  # host sync: the checkpoint's copy
         return {name: {"total": host[name], "weight": entry.weight, "on_step": entry.on_step,
                        "prog_bar": entry.prog_bar, "sync_dist": entry.sync_dist, "reduce_fx": entry.reduce_fx,
                        "logger": entry.logger}
@@ -232,9 +231,9 @@ def _combine(reduce_fx: str, total: torch.Tensor, value: torch.Tensor) -> torch.
     return torch.minimum(total, value)
 
 
-def to_floats(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Device scalars to Python floats in one batched transfer. Syncs the host."""
-    host = _xla.to_cpu(tensors)  # host sync: one transfer for every value
+def to_floats(tensors: dict[str, torch.Tensor], to_cpu: Callable[[Any], Any]) -> dict[str, float]:
+    """Device scalars to Python floats in one batched transfer (``to_cpu``: the strategy's). Syncs the host."""
+    host = to_cpu(tensors)  # host sync: one transfer for every value
     return {name: float(value) for name, value in host.items()}
 
 

@@ -83,12 +83,12 @@ class TrainerSettings:
             raise ValueError(f"gradient_clip_algorithm={self.gradient_clip_algorithm!r}: use 'norm' or 'value'.")
         _check_goodput(self)
         accelerator = str(self.accelerator).lower()
-        if accelerator in ("gpu", "cuda", "mps"):
-            raise ValueError(f"accelerator={self.accelerator!r}: xtrainer runs on XLA devices. Use 'auto' (what "
-                             "PJRT_DEVICE names, else the XLA CPU runtime), 'tpu'/'xla', or 'cpu' (the XLA CPU "
-                             "runtime); for GPUs use Lightning itself.")
-        if accelerator not in ("auto", "tpu", "xla", "cpu"):
-            raise ValueError(f"accelerator={self.accelerator!r}: use 'auto', 'tpu', 'xla' or 'cpu'.")
+        if accelerator == "mps":
+            raise ValueError(f"accelerator={self.accelerator!r}: xtrainer runs on XLA devices, or with a native "
+                             "strategy on 'cpu', 'cuda', 'tpu' (TorchTPU) or 'neuron' (TorchNeuron); not on MPS.")
+        if accelerator not in ("auto", "tpu", "xla", "cpu", "gpu", "cuda", "neuron"):
+            raise ValueError(f"accelerator={self.accelerator!r}: use 'auto', 'tpu', 'xla' or 'cpu' (and with a native "
+                             "strategy 'cuda'/'gpu' or 'neuron').")
         _check_positive("num_nodes", self.num_nodes)
         if isinstance(self.num_sanity_val_steps, bool) or not isinstance(self.num_sanity_val_steps, int) \
                 or self.num_sanity_val_steps < -1:

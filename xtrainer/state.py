@@ -16,9 +16,10 @@ import signal
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer import _xla, interrupts
+from xtrainer import interrupts
 from xtrainer import checkpoint as ckpt_io
 from xtrainer.checkpoint import format as ckpt_format
 from xtrainer.checkpoint import resume
@@ -52,7 +53,7 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
                   "epoch_schedulers_due": trainer._epoch_schedulers_due,
                   "callback_metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}},
         "rng_states": rng_states(strategy),
-        "epoch_results": per_replica(strategy, trainer._train_results.state_dict()),
+        "epoch_results": per_replica(strategy, trainer._train_results.state_dict(strategy.to_cpu)),
         "data_state": per_replica(strategy, trainer._train_data_state()),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "hyper_parameters": ckpt_format.plain_hparams(trainer.module.hparams),
@@ -71,19 +72,19 @@ def save(trainer: "Trainer", path: str, weights_only: bool = False) -> None:
             f"Not writing {path!r}: the training loss became NaN or infinite at global step {bad}, so "
             "the weights are not good any more. The checkpoints written before are intact.")
     module = trainer.module
-    with _xla.rng_state_kept():  # the run goes on from the state the checkpoint records, as a resumed one does
+    with trainer.strategy.rng_state_kept():  # the run goes on from the state the checkpoint records, as a resumed one does
         checkpoint = build_checkpoint(trainer)
         module.on_save_checkpoint(checkpoint)
         for cb in trainer.callbacks:
             cb.on_save_checkpoint(trainer, module, checkpoint)
         if weights_only:
             keep_weights_only(checkpoint)
-        compiles = _xla.compile_count()
+        compiles = trainer.strategy.device_counters()["compiles"]
         trainer.strategy.checkpoint_layout.save(trainer.strategy.collectives, checkpoint, path)
         # A save that computes anything on the device (gathering shards, say) compiles graphs of
         # its own; those are not the training step's, and XlaHealth does not count them as
         # recompilations.
-        trainer.checkpoint_compilations += _xla.compile_count() - compiles
+        trainer.checkpoint_compilations += trainer.strategy.device_counters()["compiles"] - compiles
 
 
 def save_fitted(trainer: "Trainer", model: Any, path: str) -> None:
@@ -100,6 +101,10 @@ class _Alone:
 
     def barrier(self, name: str = "") -> None:
         del name
+
+    def to_cpu(self, data: Any) -> Any:
+        """The fitted module's tensors are on the host already (the replicas' teardown moved them)."""
+        return apply_to_collection(data, torch.Tensor, lambda tensor: tensor.cpu())
 
 
 def stop_on_signal(trainer: "Trainer", signum: int) -> None:
@@ -210,7 +215,7 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
                 "is not exactly the batches the original run would have seen.")
         trainer.global_step = loops["global_step"]
         trainer._seed = loops.get("seed", trainer._seed)
-        set_rng_states(checkpoint.get("rng_states"), trainer.global_rank, trainer.world_size)
+        set_rng_states(checkpoint.get("rng_states"), trainer.strategy)
         trainer._epoch_finished = loops["epoch_finished"]
         trainer.current_epoch = loops["epoch"] + (1 if loops["epoch_finished"] else 0)
         trainer._skip_batches = 0 if loops["epoch_finished"] else loops["batches_in_epoch"]
@@ -255,12 +260,13 @@ def rng_states(strategy: Any) -> dict[str, Any]:
     if _numpy is not None:  # as plain lists: the checkpoint stays loadable with torch.load(weights_only=True)
         name, keys, pos, has_gauss, cached = _numpy.random.get_state()
         states["numpy"] = [name, keys.tolist(), pos, has_gauss, cached]  # a NumPy array: no device involved
-    xla = _xla.rng_state()
+    xla = strategy.rng_state()
     states["xla"] = strategy.collectives.all_gather_object(xla) if strategy.world_size > 1 else [xla]
     return states
 
 
-def set_rng_states(states: dict[str, Any] | None, rank: int, world_size: int) -> None:
+def set_rng_states(states: dict[str, Any] | None, strategy: Any) -> None:
+    rank, world_size = strategy.global_rank, strategy.world_size
     if not states:
         return
     # Saving turns tuples into lists (xm's device-to-host copy); the generators want tuples.
@@ -271,7 +277,7 @@ def set_rng_states(states: dict[str, Any] | None, rank: int, world_size: int) ->
         name, keys, pos, has_gauss, cached = states["numpy"]
         _numpy.random.set_state((name, _numpy.array(keys, dtype=_numpy.uint32), pos, has_gauss, cached))
     xla = states["xla"]
-    _xla.set_rng_state(xla[rank] if len(xla) == world_size else xla[0] + rank)
+    strategy.set_rng_state(xla[rank] if len(xla) == world_size else strategy.derived_rng_state(xla[0], rank))
 
 
 def seed_everything(seed: int, workers: bool = False) -> int:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import _xla, arguments, compile_cache, evaluation, goodput, interrupts, loaders, metric_sync
+from xtrainer import arguments, compile_cache, evaluation, goodput, interrupts, loaders, metric_sync
 from xtrainer import state as run_state
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
@@ -157,8 +157,9 @@ class Trainer:
         self.use_distributed_sampler = settings.use_distributed_sampler
         self.num_nodes = settings.num_nodes
         self.strategy = resolve_strategy(strategy)
+        self.strategy.check_accelerator(settings.accelerator, settings.num_nodes)
         self.precision = Precision(settings.precision)
-        self.strategy.connect(arguments.resolve_devices(settings.devices), self.precision)
+        self.strategy.connect(self.strategy.resolve_devices(settings.devices), self.precision)
         self.settings = settings
         self.max_epochs, self.max_steps = settings.max_epochs, settings.max_steps
         self.limits = {"train": settings.limit_train_batches, "validate": settings.limit_val_batches,
@@ -275,7 +276,7 @@ class Trainer:
     @property
     def num_devices(self) -> int:
         """Devices per host the run uses (``devices``, or every local one for ``"auto"``)."""
-        return self.strategy.devices or _xla.local_device_count_without_runtime() or 1
+        return self.strategy.devices or self.strategy.local_device_count() or 1
 
     @property
     def device_ids(self) -> list[int]:
@@ -295,7 +296,7 @@ class Trainer:
 
     @property
     def node_rank(self) -> int:
-        return _xla.process_index() if self.state != "idle" and _xla.is_spmd() else 0
+        return self.strategy.node_rank if self.state != "idle" else 0
 
     @property
     def callback_metrics(self) -> MetricValues:
@@ -509,12 +510,13 @@ class Trainer:
         self.strategy.setup_environment()
         self._replica_ready = True
         if self.world_size > 1:
-            # On several hosts each calling process claimed a folder of its own; rank 0's is the
-            # run's (untested here: no pod), and a folder claimed for nothing is given back.
-            own, self.log_dir = self.log_dir, self.strategy.collectives.broadcast(self.log_dir)
+            # On several hosts (or under torchrun) each calling process claimed a folder and drew a
+            # seed of its own; rank 0's are the run's, and a folder claimed for nothing is given back.
+            own = self.log_dir
+            self.log_dir, self._seed = self.strategy.collectives.broadcast((self.log_dir, self._seed))
             if own != self.log_dir:
                 _remove_if_empty(own)
-        _xla.set_rng_state(self._seed + self.global_rank)
+        self.strategy.set_rng_state(self._seed + self.global_rank)
         self.state, self.should_stop, self._publisher.stop_agreed = stage, False, False
         module.trainer = self
         self._module = module
@@ -550,7 +552,7 @@ class Trainer:
             result: dict[str, Any] = {"outputs": outputs}
             if not in_process:
                 result.update(
-                    state_dict=_xla.to_cpu(self.strategy.full_module_state_dict(self._wrapped)),  # host sync
+                    state_dict=self.strategy.to_cpu(self.strategy.full_module_state_dict(self._wrapped)),  # host sync
                     global_step=self.global_step, current_epoch=self.current_epoch,
                     epoch_finished=self._epoch_finished, should_stop=self.should_stop,
                     callback_metrics=dict(self.callback_metrics),
@@ -644,7 +646,7 @@ class Trainer:
                 # A stop asked for at the epoch's end reaches every replica. The exchange may cut a
                 # graph, which advances the XLA generator: kept as it was, since a run resumed from
                 # a checkpoint written in the epoch-end hooks above does not make this exchange.
-                with _xla.rng_state_kept():
+                with self.strategy.rng_state_kept():
                     self._publisher.publish(self, {})
             if self._epoch_finished:
                 if self._optim.automatic:  # under manual optimization the module steps its schedulers
@@ -743,7 +745,7 @@ class Trainer:
         if steps and self.global_step % self.log_every_n_steps == 0:
             # Read once the step's graph is launched, as torch_xla's step closures run: the
             # values are this step's outputs, and reading them is the interval's one host sync.
-            _xla.add_step_closure(self._publish_step_values)
+            self.strategy.add_step_closure(self._publish_step_values)
         self.strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
         self._batches_in_epoch = batch_idx + 1
         self._call("on_train_batch_end", outputs, batch, batch_idx)
@@ -765,7 +767,7 @@ class Trainer:
         self._stepped = True  # the module stepped (or not) itself: any batch is a boundary
         self._optim.forget_pending_clips()
         if self.global_step // self.log_every_n_steps > before // self.log_every_n_steps:
-            _xla.add_step_closure(self._publish_step_values)  # a logging step was crossed: as in _train_batch
+            self.strategy.add_step_closure(self._publish_step_values)  # a logging step was crossed: as in _train_batch
         self.strategy.sync()  # the graph cut: one execution per training_step call
         self._batches_in_epoch = batch_idx + 1
         self._call("on_train_batch_end", outputs, batch, batch_idx)

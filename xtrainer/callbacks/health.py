@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer import _xla, compile_cache, flops
+from xtrainer import compile_cache, flops
+from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks.base import Callback
 from xtrainer.results import batch_size
 
@@ -68,7 +69,7 @@ class XlaHealth(Callback):
 
     def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         # From the replica's start: restoring a checkpoint compiles too (cache lookups included).
-        self._cache_counts = _xla.persistent_cache_counts()
+        self._cache_counts = _cache_counts(trainer)
 
     def on_fit_start(self, trainer: "Trainer", module: "XModule") -> None:
         self.recompilations, self._warm, self._first_epoch_shapes = [], False, set()
@@ -81,9 +82,7 @@ class XlaHealth(Callback):
         self._compiles_seen = self._fit["compiles"] - trainer.checkpoint_compilations
 
     def _mark(self, trainer: "Trainer") -> dict[str, float]:
-        return {"time": time.perf_counter(), "step": trainer.global_step, "compiles": _xla.compile_count(),
-                "compile_s": _xla.compile_seconds(), "executions": _xla.execute_count(),
-                "transfers": _xla.transfer_from_device_count()}
+        return {"time": time.perf_counter(), "step": trainer.global_step, **trainer.strategy.device_counters()}
 
     # ---- every batch: recompilations (host counters only) ------------------------------------
     def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
@@ -97,7 +96,7 @@ class XlaHealth(Callback):
         shapes = _shapes(batch)
         if self._warming_last_step:  # the first step after the first epoch (and its validation)
             self._warming_last_step, self._warm = False, True
-            self._compiles_seen = _xla.compile_count() - trainer.checkpoint_compilations
+            self._compiles_seen = trainer.strategy.device_counters()["compiles"] - trainer.checkpoint_compilations
         if not self._warm:
             self._first_epoch_shapes.add(shapes)
         self._check(trainer, f"training batch {batch_idx}", shapes)
@@ -115,7 +114,7 @@ class XlaHealth(Callback):
             self._warming_last_step = True
 
     def _check(self, trainer: "Trainer", where: str, shapes: tuple | None) -> None:
-        count = _xla.compile_count() - trainer.checkpoint_compilations
+        count = trainer.strategy.device_counters()["compiles"] - trainer.checkpoint_compilations
         if not self._warm or count == self._compiles_seen:
             self._compiles_seen = count
             return
@@ -162,7 +161,7 @@ class XlaHealth(Callback):
             "throughput/samples_per_second": self._interval_samples / seconds,
         }
         figures.update(self._work.figures(seconds, interval=True))
-        memory = _xla.memory_info()
+        memory = trainer.strategy.memory_info()
         if memory is not None:
             figures.update({"xla/memory_bytes_used": memory["bytes_used"],
                             "xla/memory_bytes_limit": memory["bytes_limit"]})
@@ -184,7 +183,7 @@ class XlaHealth(Callback):
                        "transfers_per_step": (end["transfers"] - start["transfers"]) / max(steps, 1) / replicas}
         self.totals.update(self._work.figures(seconds, interval=False))
         self.work_summary = self._work.summary(self.totals)
-        cache, self.cache_summary = compile_cache.describe(self._cache_counts, _xla.persistent_cache_counts())
+        cache, self.cache_summary = compile_cache.describe(self._cache_counts, _cache_counts(trainer))
         self.totals.update(cache)
         if self.summary and trainer.is_global_zero:
             print(summary_line(self.totals), flush=True)
@@ -198,18 +197,25 @@ class XlaHealth(Callback):
         self.recompilations = list(state_dict.get("recompilations", []))
 
 
+def _cache_counts(trainer: "Trainer") -> dict[str, int]:
+    """The persistent compilation cache's counters (none for a strategy that does not compile with XLA)."""
+    return _xla.persistent_cache_counts() if trainer.strategy.compiles_with_xla else {}
+
+
 class _Work:
     """Model FLOPs and tokens of the fit (``xtrainer/flops.py``): counted at the first training
     batch on the host (shapes only), multiplied by the micro-batches run, over the host clock's
     seconds. No device value is read."""
 
     def __init__(self, trainer: "Trainer") -> None:
-        spmd = _xla.is_spmd()
+        xla = trainer.strategy.compiles_with_xla
+        spmd = xla and _xla.is_spmd()
         # MPMD: every replica runs the counted step on its own batch; SPMD: one program whose
         # batch and module are the global ones, spread over every device.
         self.replicas = 1 if spmd else max(1, trainer.world_size)
         self.chips = _xla.spmd_device_count() if spmd else max(1, trainer.world_size)
-        self.chip = _xla.chip_name()
+        self.chip = _xla.chip_name() if xla else None
+        self.on_cpu = _xla.requested_device_type() == "CPU" if xla else str(trainer.strategy.device).startswith("cpu")
         self.peak = flops.peak_flops(self.chip)
         self.flops = self.tokens = None
         self.note = ""
@@ -268,7 +274,7 @@ class _Work:
                 text += (f"; MFU {100 * totals['mfu']:.1f}% of {self.chips} {self.chip} chip(s) at "
                          f"{self.peak:.3g} bf16 FLOP/s each")
             else:
-                what = "the CPU runtime" if _xla.requested_device_type() == "CPU" else f"chip {self.chip or 'unknown'}"
+                what = "the CPU runtime" if self.on_cpu else f"chip {self.chip or 'unknown'}"
                 text += f"; no MFU: no peak FLOP/s for {what} (xtrainer.flops.PEAK_BF16_FLOPS, XTRAINER_CHIP)"
         if "tokens_per_second" in totals:
             text += f"; {totals['tokens_per_second']:.4g} tokens/s"

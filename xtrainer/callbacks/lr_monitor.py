@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer import _xla
 from xtrainer.callbacks.base import Callback
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ class LearningRateMonitor(Callback):
 
 def _host_float(value: Any) -> float | None:
     """``value`` as a float if that needs no device sync (None for an XLA tensor)."""
-    if value is None or _xla.is_xla_tensor(value):
+    if value is None or (isinstance(value, torch.Tensor) and value.device.type != "cpu"):
         return None
     try:
         return float(value)

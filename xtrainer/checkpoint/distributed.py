@@ -69,10 +69,15 @@ class DistributedEntry:
 
 class Distributed(Layout):
     """Each process writes and reads only its own shards; any mesh resumes. Also reads a whole
-    file (its tensors copied into the sharded ones)."""
+    file (its tensors copied into the sharded ones). ``spmd``: tensors sharded over torch_xla's
+    SPMD mesh (its planners); else ``torch.distributed`` tensors (DTensors of the native FSDP
+    strategy) with torch's own planners."""
 
     kind = DISTRIBUTED
     reads = {DISTRIBUTED: "any", FILE: "any"}
+
+    def __init__(self, spmd: bool = True) -> None:
+        self.spmd = spmd
 
     def save(self, replicas: Replicas, checkpoint: dict[str, Any], path: str) -> None:
         checkpoint = dict(checkpoint)
@@ -80,7 +85,7 @@ class Distributed(Layout):
         check_savable(checkpoint)
 
         def write_state(folder: str) -> dict[str, Any]:
-            return _save_state(state, folder, replicas.global_rank)
+            return _save_state(state, folder, replicas.global_rank, self.spmd)
 
         save_folder(replicas, path, DISTRIBUTED, checkpoint, write_state)
 
@@ -92,7 +97,7 @@ class Distributed(Layout):
         return whole.read(path, verify=False)
 
 
-def _save_state(state: dict[str, Any], folder: str, rank: int) -> dict[str, Any]:
+def _save_state(state: dict[str, Any], folder: str, rank: int, spmd: bool = True) -> dict[str, Any]:
     """Write ``state`` (the module's and optimizers' state, tensors sharded over the SPMD mesh) to
     ``folder/state``: every process writes the shards it holds, straight from the device, and
     nothing is gathered; then hashes the files it wrote (one read of its own shards). With several
@@ -100,10 +105,8 @@ def _save_state(state: dict[str, Any], folder: str, rank: int) -> dict[str, Any]
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from xtrainer import _xla
-
     target = fs.join(folder, STATE_DIR)
-    planner, _ = _xla.spmd_checkpoint_planners()
+    planner = _planners(spmd)[0]
     try:
         with _quiet_dcp():
             dcp.save(state, storage_writer=_writer(target), planner=planner,
@@ -155,23 +158,35 @@ def entries(path: str) -> dict[str, list[DistributedEntry]]:
     return parts
 
 
-def load_into(target: dict[str, Any], path: str) -> None:
+def _planners(spmd: bool) -> tuple[Any, Any]:
+    """(save planner, load planner): torch_xla's SPMD ones, or torch's defaults."""
+    if not spmd:
+        from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+        return DefaultSavePlanner(), DefaultLoadPlanner()
+    from xtrainer import _xla
+
+    return _xla.spmd_checkpoint_planners()
+
+
+def load_into(target: dict[str, Any], path: str, spmd: bool = True) -> None:
     """Read a distributed checkpoint into ``target`` in place: ``{"state_dict": ...}`` or
     ``{"optimizer_states": [...]}``, shaped as saved, tensors on the device with the sharding
     they are to have. Each process reads only the pieces of the files its shards need."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from xtrainer import _xla
-
     folder = fs.join(path, STATE_DIR)
     reader = safe.dcp_reader(folder)
     reader.read_metadata()  # refused here, with its own message, if it is not plain metadata
-    _, planner = _xla.spmd_checkpoint_planners()
-    # The load planner finds each shard's place from the tensors' device data: tensors that are
-    # still pending computations (new zeros) have none until they are executed.
-    _xla.sync()
-    _xla.wait_device_ops()  # host sync: before reading the checkpoint, not in a training step
+    _, planner = _planners(spmd)
+    if spmd:
+        from xtrainer import _xla
+
+        # The load planner finds each shard's place from the tensors' device data: tensors that are
+        # still pending computations (new zeros) have none until they are executed.
+        _xla.sync()
+        _xla.wait_device_ops()  # host sync: before reading the checkpoint, not in a training step
     try:
         with _quiet_dcp():
             dcp.load(target, storage_reader=reader, planner=safe.safe_load_planner(planner),

@@ -39,6 +39,7 @@ class Replicas(Protocol):
     is_global_zero: bool
 
     def barrier(self, name: str = ...) -> None: ...
+    def to_cpu(self, data: Any) -> Any: ...
     def broadcast(self, obj: Any) -> Any: ...
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
@@ -161,8 +162,6 @@ def save_folder(replicas: Replicas, path: str, layout: str, trainer_state: dict[
     On an object store (no rename) the folder is written in place, an older one of the same name
     removed first (its manifest before anything else); the manifest, written last, is what marks
     the new one complete."""
-    from xtrainer import _xla
-
     in_place = fs.is_url(path)
     staging = path if in_place else os.path.join(os.path.dirname(path), storage.temp_name(os.path.basename(path)))
     staging = replicas.broadcast(staging) if replicas.world_size > 1 else staging
@@ -185,7 +184,7 @@ def save_folder(replicas: Replicas, path: str, layout: str, trainer_state: dict[
         for rank, written in enumerate(gathered):
             for name, info in written.items():
                 listing[name] = {**info, "rank": info.get("rank", rank)}
-        trainer_state = _xla.to_cpu(trainer_state)  # host sync: written from the host
+        trainer_state = replicas.to_cpu(trainer_state)  # host sync: written from the host
         written = storage.write_file(trainer_state, fs.join(staging, TRAINER_FILE))
         listing[TRAINER_FILE] = {"size": written.size, "sha256": written.sha256, "rank": None}
         storage.write_manifest(staging, listing, manifest_header(layout, trainer_state))

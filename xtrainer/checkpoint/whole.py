@@ -21,10 +21,8 @@ class WholeFile(Layout):
     def save(self, replicas: Replicas, checkpoint: dict[str, Any], path: str) -> None:
         """Tensors are brought to the host on every replica (a host sync), then rank 0 writes the
         file atomically and all replicas meet at a barrier, so no one races ahead of the file."""
-        from xtrainer import _xla
-
         check_savable(checkpoint)  # before anything walks it: it may even be circular
-        checkpoint = _xla.to_cpu(checkpoint)  # host sync: checkpoints are written from the host
+        checkpoint = replicas.to_cpu(checkpoint)  # host sync: checkpoints are written from the host
         if replicas.is_global_zero and background.enabled():
             # The training loop goes on at once: the write, on a snapshot of the host state (the
             # loop may change what the dict refers to), is the background thread's (background.py).

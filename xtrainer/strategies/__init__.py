@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from xtrainer.strategies.base import Strategy
 from xtrainer.strategies.ddp import XlaDDP
 from xtrainer.strategies.fsdp import XlaFSDP
 from xtrainer.strategies.native import XlaNative
 from xtrainer.strategies.spmd import XlaFSDPv2, XlaSPMD
+from xtrainer.strategies.torch_native import NativeDDP, NativeFSDP, NativeSingle
 from xtrainer.suggest import did_you_mean
 
 #: Every name ``Trainer(strategy=...)`` accepts, mapped to its class.
@@ -16,6 +19,9 @@ STRATEGIES: dict[str, type[Strategy]] = {
     XlaFSDP.name: XlaFSDP,
     XlaSPMD.name: XlaSPMD,
     XlaFSDPv2.name: XlaFSDPv2,
+    NativeSingle.name: NativeSingle,
+    NativeDDP.name: NativeDDP,
+    NativeFSDP.name: NativeFSDP,
 }
 
 
@@ -35,6 +41,8 @@ def resolve_strategy(strategy: "str | Strategy") -> Strategy:
     instance given."""
     if isinstance(strategy, Strategy):
         return strategy
+    if strategy == "auto" and importlib.util.find_spec("torch_xla") is None:
+        strategy = NativeDDP.name  # no torch_xla: standard PyTorch (one device, or DDP with devices=N)
     if isinstance(strategy, str):
         strategy = LIGHTNING_NAMES.get(strategy, strategy)
     if isinstance(strategy, str) and strategy in STRATEGIES:
@@ -44,4 +52,4 @@ def resolve_strategy(strategy: "str | Strategy") -> Strategy:
                      f"(Lightning's {', '.join(sorted(LIGHTNING_NAMES))} map to them); or pass a Strategy instance.")
 
 
-__all__ = ["LIGHTNING_NAMES", "STRATEGIES", "Strategy", "XlaDDP", "XlaFSDP", "XlaFSDPv2", "XlaNative", "XlaSPMD", "resolve_strategy"]
+__all__ = ["LIGHTNING_NAMES", "STRATEGIES", "NativeDDP", "NativeFSDP", "NativeSingle", "Strategy", "XlaDDP", "XlaFSDP", "XlaFSDPv2", "XlaNative", "XlaSPMD", "resolve_strategy"]

@@ -17,6 +17,11 @@ checkpoints are written. The Trainer owns the loop and calls these members in th
       checkpoint_layout.save / .load     # called on every replica, never on one only
       teardown(wrapped)                  # the user's module unwrapped, on the CPU
 
+The loop reaches the device only through the strategy: ``to_cpu``, the device's random generator
+(``rng_state``, ``set_rng_state``, ``rng_state_kept``), ``add_step_closure`` (the logging step's
+read), ``batches_on_device``, ``device_counters`` and ``memory_info``. The XLA strategies hand
+these to ``xtrainer._xla``; the native ones (``strategies/torch_native.py``) to PyTorch.
+
 Launching is a family of its own (``strategies.launch``), and so are the replicas' collectives
 (``strategies.collectives``), and delivering batches (``strategies.data``). Every member runs on
 every replica; collectives (``collectives.reduce``, ``collectives.barrier``,
@@ -34,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from xtrainer import _xla
+from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint import layout as ckpt_layout
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.whole import WholeFile
@@ -64,6 +69,19 @@ class Strategy(abc.ABC):
         """Receive the Trainer's ``devices`` (None: every local device) and precision."""
         self.devices = devices
         self.precision = precision
+
+    def check_accelerator(self, accelerator: str, num_nodes: int) -> None:
+        """Refuse an ``accelerator`` (or ``num_nodes``) this strategy cannot run on (calling
+        process, before launch)."""
+        from xtrainer import arguments
+
+        arguments.check_accelerator(accelerator, num_nodes)
+
+    def resolve_devices(self, devices: int | str) -> int | None:
+        """The Trainer's ``devices`` as a count (None: every local device)."""
+        from xtrainer import arguments
+
+        return arguments.resolve_devices(devices)
 
     # ---- launching ---------------------------------------------------------------------
     @property
@@ -106,6 +124,11 @@ class Strategy(abc.ABC):
     def is_global_zero(self) -> bool:
         """Whether this is rank 0 (which writes logs and a checkpoint's shared files)."""
         return self.global_rank == 0
+
+    @property
+    def node_rank(self) -> int:
+        """This replica's host among all of them (0 before ``setup_environment()``)."""
+        return self.collectives.node_rank
 
     # ---- the module and the optimizers -------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -199,6 +222,57 @@ class Strategy(abc.ABC):
         """Cut the lazy graph and launch its execution (asynchronously)."""
         _xla.sync()
 
+    def add_step_closure(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the step's work has been launched, at the next ``sync()`` (where
+        reading the step's values costs one host sync)."""
+        _xla.add_step_closure(fn)
+
+    # ---- the device: transfers, random numbers, counters -----------------------------------
+    def to_cpu(self, data: Any) -> Any:
+        """Every device tensor in ``data`` (nested) copied to the host in one batched transfer.
+        Syncs the host: callers say so where they call it."""
+        return _xla.to_cpu(data)
+
+    def rng_state(self) -> Any:
+        """This replica's device random generator state (for XLA, a seed that every random op
+        advances); what ``set_rng_state`` takes back."""
+        return _xla.rng_state()
+
+    def set_rng_state(self, state: Any) -> None:
+        """Set this replica's device random generator: a state from ``rng_state()``, or an int seed."""
+        _xla.set_rng_state(state)
+
+    def rng_state_kept(self) -> contextlib.AbstractContextManager:
+        """Leave this replica's device generator as it was found (see ``_xla.rng_state_kept``)."""
+        return _xla.rng_state_kept()
+
+    def derived_rng_state(self, state: Any, offset: int) -> Any:
+        """A generator state for replica ``offset`` when a checkpoint of another world size holds
+        ``state`` (rank 0's): for XLA's seed, the seed plus the rank."""
+        return state + offset
+
+    def device_counters(self) -> dict[str, float]:
+        """This process's counters of compiled graphs, compile seconds, executions and transfers
+        to the host (``XlaHealth``); zeros where the device keeps none."""
+        return {"compiles": _xla.compile_count(), "compile_s": _xla.compile_seconds(),
+                "executions": _xla.execute_count(), "transfers": _xla.transfer_from_device_count()}
+
+    def memory_info(self) -> dict[str, int] | None:
+        """``{"bytes_used", "bytes_limit"}`` of this replica's device, or None where unknown."""
+        return _xla.memory_info()
+
+    def local_device_count(self) -> int:
+        """This host's devices, as known without starting the runtime (0: unknown)."""
+        return _xla.local_device_count_without_runtime()
+
+    #: Whether this strategy's graphs are XLA's (the compilation cache, XLA's counters and chips).
+    compiles_with_xla: bool = True
+
+    def batches_on_device(self, loader: Iterable, start: int = 0) -> Iterable:
+        """``loader``'s batches delivered on this replica's device (``start``: the index of its
+        first batch in the epoch, for messages)."""
+        return _xla.DeviceBatches(loader, self.device, self._input_sharding(), start=start)
+
     # ---- data ----------------------------------------------------------------------------
     def process_dataloader(self, loader: Iterable, distribute: bool = True) -> DeviceData:
         """Give this replica its share of ``loader`` and deliver batches on the device
@@ -207,7 +281,7 @@ class Strategy(abc.ABC):
         if distribute and isinstance(loader, DataLoader) and (self.world_size > 1 or _plain_random(loader)):
             distributed = distribute_dataloader(loader, self.world_size, self.global_rank)
             owns_sampler, loader = distributed is not loader, distributed
-        return DeviceData(loader, self.device, owns_sampler, self._input_sharding())
+        return DeviceData(loader, self.batches_on_device, owns_sampler)
 
     def _input_sharding(self) -> Any:
         """How batches are laid out over the devices as they are sent (None: on this replica's)."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from xtrainer import _xla
+from xtrainer._lazy_xla import xla as _xla
 
 
 class Collectives:
@@ -43,6 +43,16 @@ class Collectives:
     def is_global_zero(self) -> bool:
         """Whether this is rank 0."""
         return self.global_rank == 0
+
+    @property
+    def node_rank(self) -> int:
+        """This replica's host among all of them."""
+        return 0
+
+    def to_cpu(self, data: Any) -> Any:
+        """Every device tensor in ``data`` (nested) on the host, in one batched transfer. Syncs
+        the host (callers say so)."""
+        return _xla.to_cpu(data)
 
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """All-reduce recorded in the graph (``sum``, ``max``, ``min``); identity for one replica."""
@@ -136,6 +146,10 @@ class SpmdHosts(XlaReplicas):
     @property
     def local_rank(self) -> int:
         return 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.global_rank  # one process per host
 
     def barrier(self, name: str = "barrier") -> None:
         if self.world_size > 1:

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from xtrainer import _xla
+from xtrainer._lazy_xla import xla as _xla
 from xtrainer.strategies.process import free_port, run_in_new_process
 
 #: Seconds the first failing replica gives the others to stop at a graph cut or barrier (and

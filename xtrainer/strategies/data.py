@@ -8,17 +8,16 @@ puts a ``DistributedSampler`` in a plain loader, and ``sequential_dataloader`` t
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from xtrainer import _xla
 
 
 class DeviceData:
-    """A data loader whose batches arrive on an XLA device, re-seeded at every epoch.
+    """A data loader whose batches arrive on the device, re-seeded at every epoch.
 
     A sampler the strategy put in (``owns_sampler``) shuffles with the run's seed and the epoch
     only, so a resumed run sees the same order as the original one. Any other loader draws its
@@ -26,15 +25,18 @@ class DeviceData:
     epoch) from generators of the epoch's own: ones seeded with the run's seed and the epoch where
     the loader has none, or the user's, whose state at the epoch's start a checkpoint keeps
     (``state_dict``). Either way a run resumed inside an epoch draws that epoch's order again.
+
+    ``on_device(loader, start=0)`` delivers a host loader's batches on the device (the strategy's
+    ``batches_on_device``).
     """
 
-    def __init__(self, loader: Iterable, device: torch.device, owns_sampler: bool = False,
-                 input_sharding: Any = None) -> None:
+    def __init__(self, loader: Iterable, on_device: Callable[..., Iterable], owns_sampler: bool = False) -> None:
         self.loader, self.owns_sampler = loader, owns_sampler
         if isinstance(loader, DataLoader) and loader.num_workers > 0 \
                 and not isinstance(loader.worker_init_fn, _WorkerOfThisRun):
             loader.worker_init_fn = _WorkerOfThisRun(loader.worker_init_fn)
-        self._device_loader = _xla.DeviceBatches(loader, device, input_sharding)
+        self._on_device = on_device
+        self._device_loader = on_device(loader)
         self._ours: set[int] = set()  # ids of the generators this object put in
         self._epoch_start: dict[str, Any] = {}  # the user's generators' states when the epoch began
         self._epoch_seed: int | None = None
@@ -109,8 +111,7 @@ class DeviceData:
             return enumerate(self._device_loader)
         else:
             loader = _skipping_loader(self.loader, skip)
-        device_loader = _xla.DeviceBatches(loader, self._device_loader.device, self._device_loader.input_sharding,
-                                           start=skip)
+        device_loader = self._on_device(loader, start=skip)
         return enumerate(device_loader, start=skip)
 
 

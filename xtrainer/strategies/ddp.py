@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from xtrainer import _xla
+from xtrainer._lazy_xla import xla as _xla
 from xtrainer.strategies import cpu_replicas
 from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
 from xtrainer.strategies.process import free_port

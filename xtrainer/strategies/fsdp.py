@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from xtrainer import _xla
+from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.fsdp import FsdpShards, consolidate_state_dicts
 from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
@@ -300,6 +300,23 @@ def _policy_parts(policy: Any) -> tuple[str, Any]:
     if callable(policy):
         return "callable", policy
     raise TypeError(f"auto_wrap_policy={policy!r}: {_POLICY_FORMS}.")
+
+
+def policy_kind(policy: Any) -> str:
+    """What ``policy`` asks for: ``"none"``, ``"callable"``, ``"size"``, ``"classes"`` or
+    ``"no_split"`` (refusing a malformed one)."""
+    return _policy_parts(policy)[0]
+
+
+def policy_layer_classes(policy: Any, module: nn.Module) -> set[type]:
+    """The layer classes of ``module`` that a ``"classes"`` or ``"no_split"`` policy names (empty
+    for the other kinds); the native FSDP strategy shards each such layer as a unit."""
+    kind, value = _policy_parts(policy)
+    if kind == "no_split":
+        return no_split_classes(module)
+    if kind == "classes":
+        return layer_classes(module, value)
+    return set()
 
 
 def _checked_class(cls: type) -> type:

@@ -32,7 +32,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from xtrainer import _xla, interrupts
+from xtrainer import interrupts
+from xtrainer._lazy_xla import xla as _xla
 from xtrainer.interrupts import TrainingInterrupted
 from xtrainer.strategies import cpu_replicas
 from xtrainer.strategies.process import run_in_new_process
@@ -77,15 +78,28 @@ class InCaller(Launcher):
         return fn(*args)
 
 
+def xla_ranks() -> tuple[int, int, int]:
+    """This replica's (global rank, world size, local rank) in XLA's runtime."""
+    return _xla.global_rank(), _xla.world_size(), _xla.local_rank()
+
+
 class _StartedReplicas(Launcher):
     """Replicas started elsewhere: ``start`` runs a ``_ReplicaJob`` in each."""
 
-    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+    #: Where a replica learns its (global rank, world size, local rank): a module-level function
+    #: (the job that holds it is pickled to the replicas).
+    ranks: ClassVar[Callable[[], tuple[int, int, int]]] = staticmethod(xla_ranks)
+
+    def check(self) -> None:
+        """Refuse a launch that cannot work, in the calling process, before anything starts."""
         _refuse_cpu_processes_of_torchrun()
+
+    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self.check()
         rng_state = torch.get_rng_state()
         _remove_stale_launch_folders()
         with tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_PREFIX}{os.getpid()}-") as tmp:
-            job = _ReplicaJob(fn, args, tmp, rng_state)
+            job = _ReplicaJob(fn, args, tmp, rng_state, type(self).ranks)
             try:
                 exitcode = self.start(job)
             except BaseException as err:
@@ -249,8 +263,9 @@ class _ReplicaJob:
 
     _copy_lock = threading.Lock()
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, folder: str, rng_state: torch.Tensor) -> None:
-        self.fn, self.args, self.rng_state = fn, args, rng_state
+    def __init__(self, fn: Callable[..., Any], args: tuple, folder: str, rng_state: torch.Tensor,
+                 ranks: Callable[[], tuple[int, int, int]] = xla_ranks) -> None:
+        self.fn, self.args, self.rng_state, self.ranks = fn, args, rng_state, ranks
         self.result_path = os.path.join(folder, "result.pt")
         self.error_path = os.path.join(folder, "error.pkl")
 
@@ -267,7 +282,7 @@ class _ReplicaJob:
             # The first replica of each host reports to that host's calling process (on a
             # multi-host pod every host runs its own; untested here). Weights are the same on
             # every replica.
-            if _xla.local_rank() == 0:
+            if self.ranks()[2] == 0:
                 # Private to this launch (a folder only this user can read, made by the calling
                 # process): the result may hold any object the user's hooks return.
                 torch.save({"result": result}, self.result_path)
@@ -278,7 +293,8 @@ class _ReplicaJob:
             _current.rng_state = None
 
     def _record_failure(self, err: BaseException) -> None:
-        record = {"rank": _xla.global_rank(), "world_size": _xla.world_size(), "type": type(err).__name__,
+        rank, world_size, _ = self.ranks()
+        record = {"rank": rank, "world_size": world_size, "type": type(err).__name__,
                   "message": str(err), "traceback": "".join(traceback.format_exception(err))}
         try:
             payload = pickle.dumps({**record, "exception": err})

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from xtrainer import _xla
+from xtrainer._lazy_xla import xla as _xla
 from xtrainer.strategies.base import Strategy
 
 

@@ -12,6 +12,7 @@ import os
 import pickle
 import tempfile
 import threading
+import time
 from typing import Callable, Iterator
 
 from xtrainer import interrupts
@@ -48,37 +49,106 @@ def run_in_new_process(target: Callable[..., None], args: tuple, env: dict[str, 
     ``args`` are pickled: a clear error says what to change when they cannot be. Interrupting
     the caller (Ctrl-C) ends the process too.
     """
+    return run_in_new_processes(target, args, [env], what)
+
+
+def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[dict[str, str]], what: str) -> int:
+    """``target(*args)`` in one new (spawned) process per item of ``envs``, each started with its
+    environment; the first non-zero exit code among them (0 if all end well).
+
+    When one process ends with an error, the others are ended too (they may be waiting for it in
+    a collective). Stop signals the caller receives are forwarded to every process.
+    """
     context = multiprocessing.get_context("spawn")
     inherited_marker = os.environ.get(_UNGUARDED_MARKER)  # set if this is a started process itself
     marker = os.path.join(tempfile.gettempdir(), f"xtrainer-unguarded-{os.getpid()}-{id(args)}")
-    with _environ({**env, _UNGUARDED_MARKER: marker}):
-        process = context.Process(target=_child_main, args=(target, args, os.getpid()), name="xtrainer-replicas")
+    child_args: tuple = (target, args, os.getpid())
+    if len(envs) > 1:
+        # Pickled here with the plain pickler, once: multiprocessing's own would put every tensor in
+        # shared memory, and the processes would all train the same weights.
         try:
-            process.start()  # pickles the job: trainer, module, callbacks, dataloaders
-        except RuntimeError as err:
-            if "bootstrapping phase" not in str(err) or inherited_marker is None:
-                raise
-            # This is the started process, importing the caller's unguarded script: tell the caller.
-            with open(inherited_marker, "w"):
-                pass
-            raise RuntimeError(_UNGUARDED_MESSAGE) from err
+            child_args = (_unpickled_main, (pickle.dumps((target, args)),), os.getpid())
         except (pickle.PicklingError, AttributeError, TypeError) as err:
-            raise TypeError(
-                f"{what} sends the trainer, the module, the callbacks and the dataloaders to a new process by "
-                f"pickling them, and that failed: {err}. Define classes and functions at the top level of a "
-                "module (not inside a function or a notebook cell's function), and start the script's work "
-                "under `if __name__ == '__main__':`.") from err
+            raise TypeError(_unpicklable(what, err)) from err
+    processes: list = []
     try:
-        with interrupts.forwarding_to(process.pid):  # SIGTERM/SIGINT reach the replicas through here
-            process.join()
+        for env in envs:
+            with _environ({**env, _UNGUARDED_MARKER: marker}):
+                process = context.Process(target=_child_main, args=child_args, name="xtrainer-replicas")
+                try:
+                    process.start()  # pickles the job: trainer, module, callbacks, dataloaders
+                except RuntimeError as err:
+                    if "bootstrapping phase" not in str(err) or inherited_marker is None:
+                        raise
+                    # This is the started process, importing the caller's unguarded script: tell the caller.
+                    with open(inherited_marker, "w"):
+                        pass
+                    raise RuntimeError(_UNGUARDED_MESSAGE) from err
+                except (pickle.PicklingError, AttributeError, TypeError) as err:
+                    raise TypeError(_unpicklable(what, err)) from err
+                processes.append(process)
+    except BaseException:
+        _end(processes)
+        raise
+    try:
+        with contextlib.ExitStack() as stack:
+            for process in processes:  # SIGTERM/SIGINT reach the replicas through here
+                stack.enter_context(interrupts.forwarding_to(process.pid))
+            exitcode = _join_all(processes)
     except BaseException:  # a second Ctrl-C: do not leave the replicas running
-        process.terminate()
-        process.join()
+        _end(processes)
         raise
     if os.path.exists(marker):
         os.remove(marker)
         raise RuntimeError(_UNGUARDED_MESSAGE)
-    return process.exitcode
+    return exitcode
+
+
+def _unpicklable(what: str, err: BaseException) -> str:
+    return (f"{what} sends the trainer, the module, the callbacks and the dataloaders to a new process by "
+            f"pickling them, and that failed: {err}. Define classes and functions at the top level of a "
+            "module (not inside a function or a notebook cell's function), and start the script's work "
+            "under `if __name__ == '__main__':`.")
+
+
+def _unpickled_main(payload: bytes) -> None:
+    """In a started process: the target and its arguments, pickled by the caller, then run."""
+    target, args = pickle.loads(payload)  # the caller's own job, handed over by multiprocessing
+    target(*args)
+
+
+def _join_all(processes: list) -> int:
+    """Wait for every process; once one fails, end the others. The first failure's exit code."""
+    if len(processes) == 1:
+        processes[0].join()
+        return processes[0].exitcode
+    failed = 0
+    running = list(processes)
+    while running:
+        for process in list(running):
+            process.join(timeout=0.05)
+            if process.exitcode is None:
+                continue
+            running.remove(process)
+            if process.exitcode != 0 and not failed:
+                failed = process.exitcode
+                _end(running, grace=5.0)  # they may wait for it in a collective: end them
+    return failed
+
+
+def _end(processes: list, grace: float = 0.0) -> None:
+    """Terminate ``processes`` (after ``grace`` seconds to end by themselves), then reap them."""
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _child_main(target: Callable[..., None], args: tuple, parent: int) -> None:

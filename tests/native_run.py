@@ -1,0 +1,151 @@
+"""A tiny fit under a native strategy: the module of tests/test_native.py, and a script for the
+runs that need their own processes (torchrun, signals)::
+
+    python native_run.py --strategy native_ddp --devices 2 --root ROOT --out OUT.pt [--ckpt last]
+        [--steps N] [--global-batch B] [--pause SECONDS] [--ready FILE]
+
+The data and the weights are small integers and dyadic fractions, computed in float64, so that
+every sum in a step is exact: a step over one global batch gives the same bits however the batch
+is split over processes and summed, which is what lets the tests compare runs of different world
+sizes bitwise. ``OUT.pt`` holds the final whole weights (written by rank 0). Exits 128 + signal
+when a signal stopped the fit. Imports nothing of torch_xla.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from xtrainer import Trainer, TrainingInterrupted, XModule
+from xtrainer.callbacks import Callback, ModelCheckpoint
+
+FEATURES = 4
+
+
+def make_data(n: int = 64, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (n, FEATURES), generator=g).double()
+    y = torch.randint(-2, 3, (n, 1), generator=g).double()
+    return TensorDataset(x, y)
+
+
+class Block(nn.Module):
+    """A layer class of its own: the unit ``auto_wrap_policy`` names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, 2).double()
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class ExactNet(XModule):
+    """A linear layer (two outputs, summed), weights set to multiples of 1/8; SGD with momentum,
+    lr 1/16. Linear in its weights, so a step adds a few bits to their fractions, no more."""
+
+    def __init__(self, lr: float = 1 / 16) -> None:
+        super().__init__()
+        self.block = Block()
+        with torch.no_grad():
+            for i, p in enumerate(self.parameters()):
+                p.copy_((torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape) % 5 - 2 + i) / 8)
+        self.lr = lr
+
+    def forward(self, x):
+        return self.block(x).sum(dim=1, keepdim=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self(x) - y) ** 2).mean()
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", ((self(x) - y) ** 2).mean(), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.5)
+
+
+class Pause(Callback):
+    """Slows every step down (so a signal arrives mid-fit) and writes ``ready`` once the first
+    steps are done (only the first time: a restarted run does not); every process writes
+    ``rank-R.step`` with its step when the fit ends."""
+
+    def __init__(self, seconds: float, ready: str | None, folder: str) -> None:
+        self.seconds, self.ready, self.folder = seconds, ready, folder
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self.seconds:
+            time.sleep(self.seconds)
+        if self.ready and trainer.global_step == 3:  # READY (rank 0) and READY-R (each rank): the pid
+            for path in ([self.ready] if trainer.is_global_zero else []) + [f"{self.ready}-{trainer.global_rank}"]:
+                if not os.path.exists(path):
+                    with open(path, "w") as f:
+                        f.write(str(os.getpid()))
+
+    def teardown(self, trainer, module, stage):
+        if stage == "fit":
+            with open(os.path.join(self.folder, f"rank-{trainer.global_rank}.step"), "w") as f:
+                f.write(str(trainer.global_step))
+
+
+def whole_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's whole weights on the host; DTensors (native_fsdp under torchrun) are gathered,
+    which every process must do."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+            for name, t in model.state_dict().items()}
+
+
+def fit(strategy, devices: int, root: str, steps: int, global_batch: int, ckpt_path=None, pause: float = 0.0,
+        ready: str | None = None, every_n_train_steps: int = 2, world_size: int | None = None, **kwargs):
+    """Returns (trainer, model). ``world_size``: the processes the batch is split over (devices,
+    or torchrun's)."""
+    world_size = world_size or devices
+    loader = DataLoader(make_data(), batch_size=global_batch // world_size)
+    model = ExactNet()
+    trainer = Trainer(strategy=strategy, devices=devices, max_steps=steps, default_root_dir=root,
+                      enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2, logger=False,
+                      num_sanity_val_steps=0,
+                      callbacks=[ModelCheckpoint(every_n_train_steps=every_n_train_steps, save_last=True),
+                                 Pause(pause, ready, root)], **kwargs)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="native_ddp")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--pause", type=float, default=0.0)
+    parser.add_argument("--ready", default=None)
+    args = parser.parse_args()
+    world_size = int(os.environ.get("WORLD_SIZE", args.devices))
+    try:
+        trainer, model = fit(args.strategy, args.devices, args.root, args.steps, args.global_batch, args.ckpt,
+                             args.pause, args.ready, world_size=world_size)
+    except TrainingInterrupted as err:
+        sys.exit(err.exit_code)
+    weights = whole_weights(model)
+    if trainer.is_global_zero:
+        torch.save({"weights": weights, "global_step": trainer.global_step, "world_size": trainer.world_size,
+                    "log_dir": trainer.log_dir}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The native strategies (``native``, ``native_ddp``, ``native_fsdp``) on real processes over
+gloo: several processes train exactly as one does on the same global batches, a SIGTERM stops
+every process at one step and the run resumes bitwise, FSDP2 checkpoints resume at another world
+size, and torchrun starts the replicas in place.
+
+The module and data are ``native_run.py``'s: small integers and dyadic weights in float64, so
+that every sum of a step is exact and runs of different world sizes can be compared bitwise (a
+wrong share of the data, a gradient summed instead of averaged, a lost micro-batch: each changes
+the bits). This file imports nothing of torch_xla: it also runs where torch_xla is not installed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import native_run
+from xtrainer import Trainer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STEPS = 4  # exact in float64 for this many steps (the tests compare world sizes bitwise)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
+    return env
+
+
+def _script(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(HERE, "native_run.py"), *args], env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), (name, (a[name] - b[name]).abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process, whole global batches: the reference."""
+    root = str(tmp_path_factory.mktemp("one"))
+    trainer, model = native_run.fit("native", 1, root, STEPS, 8)
+    assert trainer.global_step == STEPS
+    return _weights(model)
+
+
+def test_one_process_moves_the_weights(one_process):
+    start = native_run.ExactNet().state_dict()
+    assert any(not torch.equal(start[k], one_process[k]) for k in start)  # the comparisons below mean something
+
+
+def test_compile_runs_the_forward_through_torch_compile_with_the_same_result(tmp_path, one_process):
+    from xtrainer.strategies import NativeSingle
+
+    compiles = []
+
+    def backend(graph, example_inputs):  # torch.compile's backend: counts the graphs, runs them as traced
+        compiles.append(graph)
+        return graph.forward
+
+    strategy = NativeSingle(compile=True, compile_kwargs={"backend": backend})
+    trainer, model = native_run.fit(strategy, 1, str(tmp_path), STEPS, 8)
+    assert compiles  # the forward went through torch.compile
+    _assert_bitwise(_weights(model), one_process)
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("strategy", ["native_ddp", "native_fsdp"])
+def test_two_processes_end_bitwise_equal_to_one_on_the_same_global_batches(tmp_path, one_process, strategy):
+    kwargs = {"accumulate_grad_batches": 2} if strategy == "native_ddp" else {}
+    trainer, model = native_run.fit(strategy, 2, str(tmp_path), STEPS, 8 // (2 if kwargs else 1), **kwargs)
+    assert trainer.global_step == STEPS
+    _assert_bitwise(_weights(model), one_process)  # rank 0's weights came back to the caller
+    steps = sorted(open(p).read() for p in glob.glob(str(tmp_path / "rank-*.step")))
+    assert steps == [str(STEPS)] * 2  # two real processes, each at the same step
+    if strategy == "native_fsdp":  # each process wrote its own shards into one checkpoint
+        folder = os.path.realpath(str(tmp_path / "version_0" / "checkpoints" / "last.ckpt"))
+        assert sorted(os.listdir(os.path.join(folder, "state"))) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)], ids=["2-then-1", "1-then-2"])
+def test_fsdp_checkpoint_resumes_exactly_at_another_world_size(tmp_path, one_process, first, then):
+    root = str(tmp_path)
+    native_run.fit("native_fsdp", first, root, STEPS // 2, 8)  # a checkpoint of step 2 (momentum in it)
+    trainer, model = native_run.fit("native_fsdp", then, root, STEPS, 8, ckpt_path="last")
+    assert trainer.global_step == STEPS
+    assert trainer.ckpt_path.endswith("epoch=0-step=2.ckpt")
+    _assert_bitwise(_weights(model), one_process)
+
+
+@pytest.mark.multi_device
+def test_sigterm_stops_both_processes_at_one_step_and_the_run_resumes_bitwise(tmp_path):
+    steps, common = 24, ["--strategy", "native_ddp", "--devices", "2", "--steps", "24"]
+    reference = _script(*common, "--root", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    root, ready = tmp_path / "run", tmp_path / "ready"
+    process = subprocess.Popen([sys.executable, os.path.join(HERE, "native_run.py"), *common, "--root", str(root),
+                                "--out", str(tmp_path / "out.pt"), "--pause", "0.2", "--ready", str(ready)],
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ready.exists(), process.communicate()[1][-3000:]
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err[-3000:]
+    stopped = {open(p).read() for p in glob.glob(str(root / "rank-*.step"))}
+    assert len(glob.glob(str(root / "rank-*.step"))) == 2 and len(stopped) == 1, stopped  # both, at one step
+    assert 3 <= int(stopped.pop()) < steps
+    resumed = _script(*common, "--root", str(root), "--out", str(tmp_path / "out.pt"), "--ckpt", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
+    assert a["global_step"] == b["global_step"] == steps
+    _assert_bitwise(a["weights"], b["weights"])
+
+
+@pytest.mark.multi_device
+def test_torchrun_runs_each_replica_in_place(tmp_path, one_process):
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          os.path.join(HERE, "native_run.py"), "--strategy", "native_fsdp", "--devices", "1",
+                          "--steps", str(STEPS), "--root", str(tmp_path), "--out", str(tmp_path / "out.pt")],
+                         env=_env(), capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["world_size"] == 2 and out["global_step"] == STEPS
+    _assert_bitwise(out["weights"], one_process)
+    # One run folder (rank 0's, shared): the one the other process claimed was given back.
+    [folder] = glob.glob(str(tmp_path / "version_*"))
+    assert out["log_dir"] == folder and os.listdir(os.path.join(folder, "checkpoints"))
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+@pytest.mark.multi_device
+def test_two_torchrun_nodes_on_one_rendezvous_make_one_run(tmp_path, one_process):
+    """Two torchrun commands ("nodes" on localhost, one process each) meet at a c10d rendezvous:
+    one run folder, both ranks' shards in one checkpoint, the same weights as one process."""
+    from xtrainer.strategies.process import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    script = [os.path.join(HERE, "native_run.py"), "--strategy", "native_fsdp", "--steps", str(STEPS),
+              "--root", str(tmp_path), "--out", str(tmp_path / "out.pt")]
+    nodes = [subprocess.Popen(_torchrun("--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                                        f"--rdzv-endpoint={endpoint}", "--rdzv-id=native-test", *script),
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for node in nodes:
+        _, err = node.communicate(timeout=240)
+        assert node.returncode == 0, err[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["world_size"] == 2 and out["global_step"] == STEPS
+    _assert_bitwise(out["weights"], one_process)
+    [folder] = glob.glob(str(tmp_path / "version_*"))
+    state = os.path.join(os.path.realpath(os.path.join(folder, "checkpoints", "last.ckpt")), "state")
+    assert sorted(os.listdir(state)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.mark.multi_device
+def test_torchrun_restarts_after_a_killed_worker_and_resumes_bitwise(tmp_path):
+    """A worker killed (SIGKILL) mid-fit under torchrun --max-restarts: the group restarts,
+    resumes from last, and ends with the weights of an uninterrupted run."""
+    steps = "16"
+    reference = _script("--strategy", "native_ddp", "--devices", "2", "--steps", steps, "--root",
+                        str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    ready = tmp_path / "ready"
+    job = subprocess.Popen(_torchrun("--nproc_per_node=2", "--max-restarts=2", "--monitor-interval=0.2",
+                                     os.path.join(HERE, "native_run.py"), "--strategy", "native_ddp", "--steps", steps,
+                                     "--root", str(tmp_path / "run"), "--out", str(tmp_path / "out.pt"),
+                                     "--ckpt", "last", "--pause", "0.2", "--ready", str(ready)),
+                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not os.path.exists(f"{ready}-1") and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert os.path.exists(f"{ready}-1"), job.communicate()[1][-3000:]
+    time.sleep(0.5)  # a step or two later: mid-epoch, after the checkpoint of step 2
+    os.kill(int(open(f"{ready}-1").read()), signal.SIGKILL)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-3000:]
+    assert "resuming from" in out + err  # the restarted group resumed from a checkpoint
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
+    assert a["global_step"] == b["global_step"] == int(steps)
+    _assert_bitwise(a["weights"], b["weights"])
+
+
+def test_the_native_strategies_refuse_what_they_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="devices=2: strategy='native' runs on one device"):
+        Trainer(strategy="native", devices=2)
+    with pytest.raises(ValueError, match="not by a parameter count"):
+        Trainer(strategy=native_run_strategy("native_fsdp", auto_wrap_policy=100))
+    with pytest.raises(ValueError, match="the native strategies run on"):
+        Trainer(strategy="native", accelerator="xla")
+
+
+def native_run_strategy(name: str, **kwargs):
+    from xtrainer.strategies import STRATEGIES
+
+    return STRATEGIES[name](**kwargs)

@@ -1,0 +1,577 @@
+"""Strategies on standard PyTorch (``torch.distributed``): the same ``XModule`` without torch_xla.
+
+- ``NativeSingle`` (``"native"``): one device, the module as it is.
+- ``NativeDDP`` (``"native_ddp"``): ``DistributedDataParallel``, one process per device.
+- ``NativeFSDP`` (``"native_fsdp"``): FSDP2 (``torch.distributed.fsdp.fully_shard``), layers
+  wrapped by class as the XLA FSDP strategies do, optional activation checkpointing, and sharded
+  checkpoints through ``torch.distributed.checkpoint`` that resume at any world size.
+
+Each takes ``compile=True`` (the module's ``forward`` runs through ``torch.compile``). The device
+comes from the Trainer's ``accelerator`` (``strategies/torch_devices.py`` holds every device
+specific: only ``cpu`` is tested here). Processes: ``devices=N`` starts N processes on this host
+(``NativeProcesses``); under ``torchrun`` (its ``RANK``/``WORLD_SIZE``... in the environment) each
+process runs its replica in place (``TorchrunInPlace``), on any number of nodes.
+
+There is no lazy graph: a step runs eagerly. Logged values stay on the device and are read once
+per ``log_every_n_steps`` (``add_step_closure`` runs the read at that step's ``sync()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, ClassVar, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.rank_zero import rank_zero_only
+from torch import nn
+
+from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
+from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
+from xtrainer.strategies import launch, torch_devices
+from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
+from xtrainer.strategies.collectives import Collectives
+from xtrainer.strategies.process import free_port, run_in_new_processes
+
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+#: Set in the processes ``NativeProcesses`` starts (they have torch's variables too, but report
+#: to the calling process rather than running in place).
+_REPLICA_OF_CALLER = "XTRAINER_NATIVE_REPLICA"
+
+
+def in_process_group_env() -> bool:
+    """Whether this process was started as one of a group, with torch's variables."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun (or a launcher like it) started this process as one of a group."""
+    return in_process_group_env() and _REPLICA_OF_CALLER not in os.environ
+
+
+def to_host(data: Any) -> Any:
+    """Every tensor in ``data`` (nested) on the host; a host sync for device tensors (callers
+    say so). CPU tensors pass unchanged."""
+    return apply_to_collection(data, torch.Tensor, lambda t: t if t.device.type == "cpu" else t.cpu())
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives over the default process group.
+# ---------------------------------------------------------------------------------------------
+class ProcessGroup(Collectives):
+    """The replicas of a native run: one process each, agreeing over ``torch.distributed``'s
+    default process group (none with one process). Tensor collectives run when called (there is
+    no graph to record them in): the loop calls them only where it reads values anyway."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0")) if dist.is_initialized() else 0
+
+    @property
+    def node_rank(self) -> int:
+        if not dist.is_initialized():
+            return 0
+        if "GROUP_RANK" in os.environ:  # torchrun's node index
+            return int(os.environ["GROUP_RANK"])
+        return self.global_rank // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
+    def to_cpu(self, data: Any) -> Any:
+        return to_host(data)
+
+    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        reduced = tensor.clone()
+        dist.all_reduce(reduced, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
+        return reduced
+
+    def any_replica(self, flag: bool) -> torch.Tensor | bool:
+        return self.reduce(torch.tensor([1.0 if flag else 0.0], device=self.device), "max")
+
+    def all_gather_tensors(self, data: Any) -> Any:
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            if self.world_size == 1:
+                return tensor.unsqueeze(0)
+            parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            dist.all_gather(parts, tensor.contiguous())
+            return torch.stack(parts)
+
+        return apply_to_collection(data, torch.Tensor, gather)
+
+    def barrier(self, name: str = "barrier") -> None:
+        del name
+        if self.world_size > 1:
+            dist.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching.
+# ---------------------------------------------------------------------------------------------
+def _env_ranks() -> tuple[int, int, int]:
+    """(global rank, world size, local rank) of a process started with torch's variables."""
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+            int(os.environ.get("LOCAL_RANK", "0")))
+
+
+class InPlace(launch.Launcher):
+    """``fit`` runs in this process: one device, or one process of a group that torchrun (or a
+    launcher like it) started, each running its replica."""
+
+    runs_in_caller = True
+
+    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+    def planned_world_size(self) -> int | None:
+        return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+
+
+class NativeProcesses(launch._StartedReplicas):
+    """``devices=N``: N new processes on this host, one per replica, with torch's variables
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free port).
+    They end with the calling process, which forwards SIGTERM/SIGINT to each."""
+
+    ranks = staticmethod(_env_ranks)
+
+    def check(self) -> None:
+        pass
+
+    def planned_world_size(self) -> int | None:
+        return self.devices
+
+    def start(self, job: Callable[[], None]) -> int:
+        n = int(self.devices or 1)
+        port = str(free_port())
+        envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+                 "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, _REPLICA_OF_CALLER: "1"}
+                for rank in range(n)]
+        return run_in_new_processes(_process_main, (job,), envs, f"Trainer(devices={n})")
+
+
+def _process_main(job: Callable[[], None]) -> None:
+    """A replica process of ``NativeProcesses``. On failure it ends at once: its error is in the
+    job's error file, and the caller ends the other processes (which may wait in a collective)."""
+    try:
+        job()
+    except BaseException:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# The strategies.
+# ---------------------------------------------------------------------------------------------
+class NativeSingle(Strategy):
+    """One process on one device of standard PyTorch (``accelerator``: ``cpu``, ``cuda``, or a
+    native backend's ``tpu``/``neuron``, untested here). The base of the native family.
+
+    Args:
+        compile: run the module's ``forward`` through ``torch.compile``.
+        compile_kwargs: passed to ``torch.compile`` (``mode``, ``fullgraph``, ``dynamic``...).
+        timeout_seconds: how long a collective may wait for the other processes.
+    """
+
+    name = "native"
+    #: The ``devices`` this strategy accepts: only 1 for ``NativeSingle``.
+    multi_process: ClassVar[bool] = False
+
+    def __init__(self, compile: bool = False, compile_kwargs: dict[str, Any] | None = None,
+                 timeout_seconds: float = 1800.0) -> None:
+        super().__init__()
+        self.compile, self.compile_kwargs, self.timeout_seconds = compile, dict(compile_kwargs or {}), timeout_seconds
+        self.accelerator = "auto"
+        self._kind: str | None = None
+        self._closures: list[Callable[[], None]] = []
+        self._owns_process_group = False
+        self.collectives = ProcessGroup(torch.device("cpu"))
+
+    # ---- configuration --------------------------------------------------------------------
+    def check_accelerator(self, accelerator: str, num_nodes: int) -> None:
+        self.accelerator = str(accelerator).lower()
+        self._kind = torch_devices.kind_of(self.accelerator)  # refuses what this host cannot run
+        del num_nodes  # torchrun's --nnodes decides; the processes agree over the process group
+
+    def resolve_devices(self, devices: int | str) -> int | None:
+        if under_torchrun():
+            if int(os.environ["WORLD_SIZE"]) > 1 and not self.multi_process:
+                raise ValueError(f"strategy={self.name!r} runs on one device, but torchrun started "
+                                 f"{os.environ['WORLD_SIZE']} processes: use 'native_ddp' or 'native_fsdp'.")
+            return int(os.environ["WORLD_SIZE"])
+        if devices == "auto":
+            return torch_devices.local_count(self._kind or "cpu") if self.multi_process else 1
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise ValueError(f"devices={devices!r}: give a positive int or 'auto'.")
+        if devices > 1 and not self.multi_process:
+            raise ValueError(f"devices={devices}: strategy={self.name!r} "
+                             "runs on one device; use 'native_ddp' or 'native_fsdp' for several.")
+        return devices
+
+    @property
+    def launcher(self) -> launch.Launcher:
+        if _REPLICA_OF_CALLER in os.environ or (self.devices != 1 and not under_torchrun()):
+            return NativeProcesses(self.devices)  # in its replicas too: they report to the caller
+        return InPlace(self.devices)
+
+    def setup_environment(self) -> None:
+        kind = self._kind or torch_devices.kind_of(self.accelerator)
+        grouped = in_process_group_env()
+        local_rank = int(os.environ["LOCAL_RANK"]) if grouped else 0
+        self._device = torch_devices.device(kind, local_rank)
+        self.precision.device_type = kind
+        if grouped and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+            import datetime
+
+            options: dict[str, Any] = {}
+            if kind != "cpu":
+                options["device_id"] = self._device  # untested here: no accelerator
+            dist.init_process_group(torch_devices.backend(kind), timeout=datetime.timedelta(seconds=self.timeout_seconds),
+                                    **options)
+            self._owns_process_group = True
+        self.collectives = ProcessGroup(self._device)
+        _rank_zero_only_rank(self.global_rank)
+
+    # ---- the module -----------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        if self.compile:
+            module.module.compile(**self.compile_kwargs)  # the user's forward, compiled on first call
+        return self._wrap(module)
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
+
+    # ---- the step -------------------------------------------------------------------------
+    def sync(self) -> None:
+        """No lazy graph to cut: the step ran as it was called. Closures added during the step
+        (the logging step's read of its values) run here."""
+        if self._closures:
+            closures, self._closures = self._closures, []
+            for fn in closures:
+                fn()
+
+    def add_step_closure(self, fn: Callable[[], None]) -> None:
+        self._closures.append(fn)
+
+    # ---- the device -----------------------------------------------------------------------
+    def to_cpu(self, data: Any) -> Any:
+        return to_host(data)
+
+    def rng_state(self) -> Any:
+        return torch_devices.rng_state(self.device)
+
+    def set_rng_state(self, state: Any) -> None:
+        torch_devices.set_rng_state(self.device, state)
+
+    @contextlib.contextmanager
+    def rng_state_kept(self) -> Iterator[None]:
+        state = self.rng_state()
+        try:
+            yield
+        finally:
+            self.set_rng_state(state)
+
+    def derived_rng_state(self, state: Any, offset: int) -> Any:
+        """A checkpoint of another world size: a seed for replica ``offset`` derived from rank 0's
+        generator state (torch's states are not seeds that can be offset)."""
+        seed = int.from_bytes(bytes(torch.as_tensor(state, dtype=torch.uint8)[-8:].tolist()), "little") % 2**62
+        return seed + offset
+
+    def device_counters(self) -> dict[str, float]:
+        return {"compiles": 0, "compile_s": 0.0, "executions": 0, "transfers": 0}
+
+    def memory_info(self) -> dict[str, int] | None:
+        return torch_devices.memory_info(self.device)
+
+    compiles_with_xla = False
+
+    def local_device_count(self) -> int:
+        return torch.accelerator.device_count() if torch.accelerator.is_available() else 1
+
+    def batches_on_device(self, loader: Iterable, start: int = 0) -> Iterable:
+        return _OnDevice(loader, self.device, start)
+
+    def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
+        self._closures = []
+        super().teardown(wrapped, failed)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_closures"] = []
+        return state
+
+
+class _OnDevice:
+    """A host loader's batches moved to ``device`` as they are drawn (non-blocking copies; the
+    CPU's batches pass unchanged). A loader's exception is raised with a note naming the batch."""
+
+    def __init__(self, loader: Iterable, device: torch.device, start: int = 0) -> None:
+        self.loader, self.device, self.start = loader, device, start
+
+    def __iter__(self) -> Iterator[Any]:
+        index = self.start
+        iterator = iter(self.loader)
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except Exception as err:
+                dataset = getattr(self.loader, "dataset", None)
+                what = type(self.loader).__name__ + (f" over {type(dataset).__name__}" if dataset is not None else "")
+                err.add_note(f"(raised while loading batch index {index} of {what}; the batches before it were used)")
+                raise
+            if self.device.type != "cpu":
+                batch = apply_to_collection(batch, torch.Tensor, lambda t: t.to(self.device, non_blocking=True))
+            yield batch
+            index += 1
+
+
+def _rank_zero_only_rank(rank: int) -> None:
+    """Tell lightning-utilities' rank-zero helpers which rank this process is."""
+    rank_zero_only.rank = rank
+
+
+class NativeDDP(NativeSingle):
+    """``DistributedDataParallel`` over the processes: rank 0's weights are broadcast when the
+    module is wrapped, gradients are all-reduced (averaged) in backward, each process steps.
+
+    Args:
+        compile, compile_kwargs, timeout_seconds: as ``NativeSingle``.
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
+            ``gradient_as_bucket_view``, ``static_graph``...).
+    """
+
+    name = "native_ddp"
+    multi_process = True
+
+    def __init__(self, compile: bool = False, compile_kwargs: dict[str, Any] | None = None,
+                 timeout_seconds: float = 1800.0, **ddp_kwargs: Any) -> None:
+        super().__init__(compile, compile_kwargs, timeout_seconds)
+        check_wrapper_kwargs(nn.parallel.DistributedDataParallel, ddp_kwargs, NativeDDP, "DistributedDataParallel")
+        self.ddp_kwargs = ddp_kwargs
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        if self.world_size == 1:
+            return module
+        device_ids = [self.device] if self.device.type != "cpu" else None
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        return wrapped.module if isinstance(wrapped, nn.parallel.DistributedDataParallel) else wrapped
+
+    def no_backward_sync(self, wrapped: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if enabled and isinstance(wrapped, nn.parallel.DistributedDataParallel):
+            return wrapped.no_sync()
+        return contextlib.nullcontext()
+
+    def manual_backward(self, wrapped: nn.Module, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        del wrapped
+        self.backward(loss, *args, **kwargs)
+
+
+class NativeFSDP(NativeSingle):
+    """FSDP2: ``torch.distributed.fsdp.fully_shard`` on every layer the policy names, then on the
+    whole module; parameters, gradients and optimizer state are sharded over the processes.
+
+    Args:
+        auto_wrap_policy: which layers become units of their own, as for ``XlaFSDP``: layer
+            classes, their names, ``"auto"`` (a Hugging Face model's ``_no_split_modules``), or
+            None (the whole module is one unit).
+        activation_checkpointing: recompute each unit's activations in backward
+            (``torch.utils.checkpoint``, non-reentrant).
+        reshard_after_forward: FSDP2's choice (True: ZeRO-3; False: keep gathered until backward).
+        compile, compile_kwargs, timeout_seconds: as ``NativeSingle``.
+        **fsdp_kwargs: passed to ``fully_shard`` (``mp_policy``, ``offload_policy``...).
+    """
+
+    name = "native_fsdp"
+    multi_process = True
+
+    def __init__(self, auto_wrap_policy: Any = None, activation_checkpointing: bool = False,
+                 reshard_after_forward: bool = True, compile: bool = False,
+                 compile_kwargs: dict[str, Any] | None = None, timeout_seconds: float = 1800.0,
+                 **fsdp_kwargs: Any) -> None:
+        super().__init__(compile, compile_kwargs, timeout_seconds)
+        from torch.distributed.fsdp import fully_shard
+
+        from xtrainer.strategies.fsdp import policy_kind
+
+        if policy_kind(auto_wrap_policy) in ("size", "callable"):
+            raise ValueError(f"NativeFSDP(auto_wrap_policy={auto_wrap_policy!r}): FSDP2 shards the layers it is given; "
+                             "name them by class ({Block}, 'Block', or 'no_split_modules'), not by a parameter count "
+                             "or a torch_xla policy.")
+        check_wrapper_kwargs(fully_shard, fsdp_kwargs, NativeFSDP, "fully_shard")
+        self.auto_wrap_policy, self.activation_checkpointing = auto_wrap_policy, activation_checkpointing
+        self.reshard_after_forward, self.fsdp_kwargs = reshard_after_forward, fsdp_kwargs
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        from xtrainer.strategies.fsdp import policy_layer_classes
+
+        classes = tuple(policy_layer_classes(self.auto_wrap_policy, module.module))
+        units = [m for m in module.module.modules() if classes and isinstance(m, classes) and m is not module.module]
+        if self.activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+            wrapped_ids = {id(m) for m in units}
+            # Private API of torch (what its FSDP tutorials use): each unit's forward recomputed in backward.
+            apply_activation_checkpointing(module.module, check_fn=lambda m: id(m) in wrapped_ids)
+            units = [m for m in module.module.modules()
+                     if type(m).__name__ == "CheckpointWrapper" and id(getattr(m, "_checkpoint_wrapped_module", None))
+                     in wrapped_ids]
+        if self.world_size == 1:
+            return module  # nothing to shard over; checkpoints are still distributed folders
+        kwargs = {"reshard_after_forward": self.reshard_after_forward, **self.fsdp_kwargs}
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(module, **kwargs)
+        return module
+
+    def no_backward_sync(self, wrapped: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if enabled and hasattr(wrapped, "set_requires_gradient_sync"):  # sharded (more than one process)
+            return _gradient_sync_off(wrapped)
+        return contextlib.nullcontext()
+
+    def check_manual_optimization(self) -> None:
+        pass
+
+    # ---- checkpoints: sharded, through torch.distributed.checkpoint -----------------------
+    @property
+    def checkpoint_layout(self) -> Distributed:
+        """Folders through ``torch.distributed.checkpoint``: each process writes its own shards;
+        any number of processes resumes them (DCP reshards on load); a whole file loads too."""
+        return Distributed(spmd=False)
+
+    def module_state_dict(self, wrapped: nn.Module) -> dict[str, torch.Tensor]:
+        return self.unwrap(wrapped).module.state_dict()  # DTensors: each process its shards
+
+    def full_module_state_dict(self, wrapped: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole weights on every process: each shard gathered (a collective of all processes)."""
+        return {name: _full(tensor) for name, tensor in self.module_state_dict(wrapped).items()}
+
+    def load_module_state_dict(self, wrapped: nn.Module, checkpoint: dict[str, Any]) -> None:
+        module = self.unwrap(wrapped).module
+        live = module.state_dict()
+        state = checkpoint["state_dict"]
+        if isinstance(state, DistributedPart):
+            check_fits(live, {entry.where[0]: entry.shape for entry in state.entries})
+            target = {"state_dict": live}
+            load_into(target, state.path, spmd=False)  # into the live shards, in place
+            return
+        check_fits(live, shapes_of(state))
+        module.load_state_dict({name: _shard_like(live[name], value) for name, value in state.items()})
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
+        """From a distributed checkpoint each process reads its shards of the saved state (at any
+        world size); from a whole file each state tensor is sharded as its parameter is."""
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        if isinstance(state, DistributedPart):
+            state = self._read_optimizer_state(params, state)
+        else:
+            state = {**state, "state": {index: {key: _shard_like(params[int(index)], value)
+                                                if isinstance(value, torch.Tensor) else value
+                                                for key, value in values.items()}
+                                        for index, values in state.get("state", {}).items()}}
+        optimizer.load_state_dict(state)
+
+    def _read_optimizer_state(self, params: list[torch.Tensor], part: DistributedPart) -> dict[str, Any]:
+        from xtrainer.strategies.spmd import _place
+
+        target: dict[Any, Any] = {"state": {}}  # an optimizer that has not stepped saves no state
+        for entry in part.entries:
+            if entry.where[0] == "state" and len(entry.where) == 3:  # ("state", parameter index, name)
+                index = int(entry.where[1])
+                if index >= len(params):
+                    raise CheckpointError(
+                        f"{part.path!r} holds optimizer state for parameter {index}, but the optimizer has "
+                        f"{len(params)} parameters: is it a checkpoint of another model or optimizer?")
+                value = _empty_like_saved(params[index], entry) if entry.shape is not None else None
+                target["state"].setdefault(entry.where[1], {})[entry.where[2]] = value
+            else:  # param_groups, and anything else the optimizer saved (keys as the loader names them)
+                _place(target, tuple(str(key) for key in entry.where), None)
+        load_into({"optimizer_states": {part.key.split(".")[1]: target}}, part.path, spmd=False)
+        groups = target.get("param_groups", {})
+        return {**target, "state": {int(index): value for index, value in target["state"].items()},
+                "param_groups": [groups[key] for key in sorted(groups, key=int)]}
+
+    def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
+        self._closures = []
+        if failed and self.world_size > 1:
+            return
+        # The module keeps its sharded parameters (DTensors); they live on the device already.
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(wrapped: nn.Module) -> Iterator[None]:
+    """FSDP2 without reduce-scattering gradients (accumulating micro-batches)."""
+    wrapped.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        wrapped.set_requires_gradient_sync(True)
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+
+
+def _shard_like(live: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A whole ``value`` as ``live`` holds it: sharded over the same mesh if ``live`` is."""
+    if not _is_dtensor(live) or _is_dtensor(value) or value.shape != live.shape:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(device=live.device_mesh.device_type, dtype=live.dtype), live.device_mesh,
+                             live.placements)
+
+
+def _empty_like_saved(param: torch.Tensor, entry: DistributedEntry) -> torch.Tensor:
+    """A tensor for a saved optimizer value to be read into: sharded as ``param`` if it has the
+    parameter's shape, else a plain one (scalars such as Adam's ``step``)."""
+    if entry.shape == tuple(param.shape) and _is_dtensor(param):
+        return _shard_like(param, torch.zeros(entry.shape, dtype=entry.dtype))
+    return torch.zeros(entry.shape, dtype=entry.dtype)
