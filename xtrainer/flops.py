@@ -86,6 +86,9 @@ def count_training_step(module: nn.Module, batch: Any, batch_idx: int, keep: tup
             if isinstance(tensor, nn.Parameter) else meta
     twin = copy.deepcopy(module, memo)
     twin.log = twin.log_dict = lambda *args, **kwargs: None  # the real run logs; the count must not
+    for part in twin.modules():  # counted eagerly: torch.compile's wrapper belongs to the real module
+        if getattr(part, "_compiled_call_impl", None) is not None:
+            part._compiled_call_impl = None
     counter = FlopCounterMode(display=False)
     context = precision.step_context() if precision is not None else contextlib.nullcontext()
     batch = _meta_like(batch)
