@@ -377,15 +377,15 @@ def test_dev_installs_what_each_command_needs_once_per_pyproject(dev):
     (dev.venv / "bin" / "xtrainer").chmod(0o755)
     example = dev("example", "trainer.max_epochs=1")
     assert example.returncode == 0 and example.stdout == "xtrainer fit --config examples/digits.yaml trainer.max_epochs=1\n"
-    assert installed() == [".[examples]"]  # the example's needs, no test tooling
-    assert "installing xtrainer[examples] into" in example.stderr
+    assert installed() == [".[xla,examples]"]  # the example's needs, no test tooling
+    assert "installing xtrainer[xla,examples] into" in example.stderr
     again = dev("example")
     assert again.returncode == 0 and again.stderr == "" and installed() == []
     assert dev("test").returncode == 0 and installed() == [".[test,hf]"]  # what the earlier commands lacked
     assert dev("bench").returncode == 0 and dev("docs").returncode == 0 and installed() == []
     with open(dev.venv.parent / "pyproject.toml", "a") as f:
         f.write("# changed\n")
-    assert dev("example").returncode == 0 and installed() == [".[examples]"]  # once per change of pyproject.toml
+    assert dev("example").returncode == 0 and installed() == [".[xla,examples]"]  # once per change of pyproject.toml
     assert dev("test").returncode == 0 and installed() == [".[test,hf,docs]"]
     assert dev("example").returncode == 0 and installed() == []
 
@@ -400,7 +400,8 @@ def test_pyproject_extras_keep_the_example_free_of_test_tooling():
     assert not names("examples") & {"pytest", "pytest-xdist", "moto", "s3fs", "tbparse"}
     assert {"mkdocs-material", "mkdocstrings"} <= names("docs")
     dev_script = open(os.path.join(ROOT, "dev")).read()
-    assert "ensure_env examples;" in dev_script and "ensure_env examples test hf docs" in dev_script
+    assert "ensure_env xla examples;" in dev_script and "ensure_env xla examples test hf docs" in dev_script
+    assert names("xla") == {"torch", "torch_xla"} and "torch_xla" not in str(project["project"]["dependencies"])
     # the SPDX form of the license, which setuptools >= 77 reads without a deprecation warning
     assert project["project"]["license"] == "Apache-2.0"
     assert any(re.fullmatch(r"setuptools>=(\d+)", r) and int(r.split(">=")[1]) >= 77
