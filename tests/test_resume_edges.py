@@ -151,6 +151,7 @@ def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpo
     removed and put back) while it is consolidated: every answer is exactly one of the two."""
     import shutil
     import threading
+    import time
 
     from conftest import Regressor, make_loader
 
@@ -173,6 +174,7 @@ def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpo
         targets = [first, second]
         while not stop.is_set():
             for target in targets:
+                time.sleep(0.005)  # a fit re-points last.ckpt once per save, not continuously
                 storage.link_last(str(folder), target)
                 other = targets[1 - targets.index(target)]
                 shutil.rmtree(other, ignore_errors=True)  # pruned, then written again
@@ -184,7 +186,9 @@ def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpo
     worker.start()
     answers = removed = 0
     try:
-        for _ in range(40):
+        for _ in range(200):
+            if answers >= 10:
+                break
             try:
                 got = consolidate(str(folder / "last.ckpt"))
             except CheckpointError as err:
