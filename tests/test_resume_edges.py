@@ -176,9 +176,10 @@ def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpo
             for target in targets:
                 storage.link_last(str(folder), target)
                 other = targets[1 - targets.index(target)]
-                shutil.rmtree(other, ignore_errors=True)  # pruned, then written again
-                shutil.copytree(spare if other == first else second + ".keep", other) \
-                    if os.path.exists(spare if other == first else second + ".keep") else None
+                storage.remove(other)  # pruned as a fit prunes, then written again (staged and
+                staging = other + ".staging"                # renamed into place, as a save does)
+                shutil.copytree(spare if other == first else second + ".keep", staging)
+                os.rename(staging, other)
 
     shutil.copytree(second, second + ".keep")
     storage.link_last(str(folder), first)

@@ -43,6 +43,7 @@ from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointErro
 LAST = "last.ckpt"
 MANIFEST = "manifest.json"
 TEMP_PREFIX = ".tmp-"
+_DELETED = ".deleted"  # a folder being removed (renamed away first)
 _CHUNK = 8 << 20
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -437,7 +438,13 @@ def remove(path: str) -> None:
         fs.remove(path)
         return
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
+        # Renamed away first, so that a reader sees the whole folder or none of it, never a part.
+        doomed = os.path.join(os.path.dirname(os.path.abspath(path)), temp_name(os.path.basename(path) + _DELETED))
+        try:
+            os.rename(path, doomed)
+        except OSError:
+            doomed = path
+        shutil.rmtree(doomed)
     elif os.path.lexists(path):
         os.remove(path)
 
@@ -524,7 +531,8 @@ def remove_leftovers(dirpath: str) -> list[str]:
         path = os.path.join(dirpath, name)
         final = os.path.join(dirpath, _final_name(name))
         try:
-            if os.path.isfile(os.path.join(path, MANIFEST)) and not os.path.lexists(final):
+            if os.path.isfile(os.path.join(path, MANIFEST)) and not os.path.lexists(final) \
+                    and not name.endswith(_DELETED):
                 # a complete folder, caught between the two renames of publish(): put it in place
                 os.replace(path, final)
                 continue
