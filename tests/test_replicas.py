@@ -111,7 +111,8 @@ def reference(tmp_path_factory):
 
 # Every MPMD strategy (FSDP as ZeRO-3) at 2 replicas; at 4, DDP (the channel-id collectives and the thread pool at 4 are
 # the same for every strategy, which agree with each other at 2 here).
-CASES = [(s, 2) for s, cls in STRATEGIES.items() if not issubclass(cls, XlaSPMD)] + [("xla_ddp", 4)]
+# Every MPMD strategy at 2 replicas (``native`` is one device only; SPMD ones are in test_spmd.py).
+CASES = [(s, 2) for s, cls in STRATEGIES.items() if not issubclass(cls, XlaSPMD) and s != "native"] + [("xla_ddp", 4)]
 IDS = [f"{s}-{n}" for s, n in CASES]
 
 
