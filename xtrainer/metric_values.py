@@ -44,4 +44,5 @@ class MetricValues(dict):
 
     def floats(self) -> dict[str, Any]:
         """The values as Python floats (non-numbers as they are)."""
+        # CPU tensors (as_tensor stored them so): no device sync
         return {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in self.items()}

@@ -104,7 +104,7 @@ class _Alone:
 
     def to_cpu(self, data: Any) -> Any:
         """The fitted module's tensors are on the host already (the replicas' teardown moved them)."""
-        return apply_to_collection(data, torch.Tensor, lambda tensor: tensor.cpu())
+        return apply_to_collection(data, torch.Tensor, lambda tensor: tensor.cpu())  # host tensors already: no sync
 
 
 def stop_on_signal(trainer: "Trainer", signum: int) -> None:

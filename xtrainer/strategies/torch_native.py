@@ -56,7 +56,7 @@ def under_torchrun() -> bool:
 def to_host(data: Any) -> Any:
     """Every tensor in ``data`` (nested) on the host; a host sync for device tensors (callers
     say so). CPU tensors pass unchanged."""
-    return apply_to_collection(data, torch.Tensor, lambda t: t if t.device.type == "cpu" else t.cpu())
+    return apply_to_collection(data, torch.Tensor, lambda t: t if t.device.type == "cpu" else t.cpu())  # host sync
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ class NativeSingle(Strategy):
     def derived_rng_state(self, state: Any, offset: int) -> Any:
         """A checkpoint of another world size: a seed for replica ``offset`` derived from rank 0's
         generator state (torch's states are not seeds that can be offset)."""
-        seed = int.from_bytes(bytes(torch.as_tensor(state, dtype=torch.uint8)[-8:].tolist()), "little") % 2**62
+        seed = int.from_bytes(bytes(torch.as_tensor(state, dtype=torch.uint8)[-8:].tolist()), "little") % 2**62  # a CPU state, at restore: no device
         return seed + offset
 
     def device_counters(self) -> dict[str, float]:
