@@ -103,6 +103,24 @@ def graceful(announce: bool = True) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def ending_at_once() -> Iterator[None]:
+    """While a run sets up (joining its process group, nothing trained, nothing to save): SIGTERM
+    ends the process at once, as it would without xtrainer. A handler in Python runs only between
+    two Python instructions, so a process blocked in the group's rendezvous (a peer that never
+    comes) would otherwise wait out the launcher's grace period before its SIGKILL. SIGINT keeps
+    its handler (a notebook's kernel must survive an interrupt). A stop requested before stays
+    requested."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not _handle:
+        yield
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, _handle)
+
+
+@contextlib.contextmanager
 def forwarding_to(pid: int) -> Iterator[None]:
     """Forward the stop signals this process receives to the process ``pid`` (the replicas')."""
     _children.add(pid)

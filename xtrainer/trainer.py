@@ -507,7 +507,8 @@ class Trainer:
              ) -> dict[str, Any]:
         compile_cache.activate(self)  # goodput: before this process's first compilation
         ckpt_background.use(self.settings.async_checkpointing)  # goodput: background checkpoint writes
-        self.strategy.setup_environment()
+        with interrupts.ending_at_once():  # joining the process group: nothing to save yet
+            self.strategy.setup_environment()
         self._replica_ready = True
         if self.world_size > 1:
             # On several hosts (or under torchrun) each calling process claimed a folder and drew a

@@ -53,6 +53,24 @@ def under_torchrun() -> bool:
     return in_process_group_env() and _REPLICA_OF_CALLER not in os.environ
 
 
+def _store_of_this_attempt(store: dist.Store) -> dist.Store:
+    """The key-value store the process group meets in, with a prefix of its own for each of
+    torchrun's restarts where every process can agree on one.
+
+    torchrun keeps its store (and the keys in it) across ``--max-restarts``: a restarted process
+    could read the address a killed process of the previous attempt published and fail to connect
+    ("Gloo connectFullMesh failed ... Connection refused"), depending on which process writes
+    first. On one host every process has the same ``TORCHELASTIC_RESTART_COUNT``, so the restart
+    count makes a fresh prefix. Across hosts the counts can differ (an agent that restarts because
+    another host's worker failed does not count it), so there the keys stay as torch sets them;
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (c10d rendezvous) gives each attempt a new store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return dist.PrefixStore("default_pg", store)  # a store of this attempt's own (as torch names it)
+    if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        return dist.PrefixStore("default_pg", store)  # several hosts: see above
+    return dist.PrefixStore(f"default_pg/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def to_host(data: Any) -> Any:
     """Every tensor in ``data`` (nested) on the host; a host sync for device tensors (callers
     say so). CPU tensors pass unchanged."""
@@ -255,11 +273,14 @@ class NativeSingle(Strategy):
         if grouped and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
             import datetime
 
+            timeout = datetime.timedelta(seconds=self.timeout_seconds)
             options: dict[str, Any] = {}
             if kind != "cpu":
                 options["device_id"] = self._device  # untested here: no accelerator
-            dist.init_process_group(torch_devices.backend(kind), timeout=datetime.timedelta(seconds=self.timeout_seconds),
-                                    **options)
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+            store.set_timeout(timeout)
+            dist.init_process_group(torch_devices.backend(kind), store=_store_of_this_attempt(store), rank=rank,
+                                    world_size=world_size, timeout=timeout, **options)
             self._owns_process_group = True
         self.collectives = ProcessGroup(self._device)
         _rank_zero_only_rank(self.global_rank)
