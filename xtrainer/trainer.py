@@ -2,35 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import math
 import os
-import signal
-import time
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from xtrainer import arguments, compile_cache, evaluation, goodput, interrupts, loaders, metric_sync
-from xtrainer import state as run_state
+from xtrainer import arguments, compile_cache, goodput, interrupts, loaders, metric_sync
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
 from xtrainer.checkpoint import background as ckpt_background
 from xtrainer.datamodule import XDataModule
-from xtrainer.metric_values import MetricValues
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
+from xtrainer.loop import checkpoints, evaluation
+from xtrainer.loop import fit as fit_loop
+from xtrainer.loop.checkpoints import seed_everything
+from xtrainer.loop.optimization import Optimization
+from xtrainer.loop.publishing import Publisher
+from xtrainer.loop.state import LoopState
+from xtrainer.metric_values import MetricValues
 from xtrainer.module import XModule
 from xtrainer.optim import SchedulerConfig
-from xtrainer.optimization import Optimization
 from xtrainer.precision import Precision
-from xtrainer.publishing import LOSS_KEY, Publisher
 from xtrainer.redaction import redact
-from xtrainer.results import Results, batch_size
+from xtrainer.results import Results
 from xtrainer.settings import TrainerSettings
-from xtrainer.state import seed_everything
-from xtrainer.steps import StepDispatcher, check_eval_step, check_module, training_loss
+from xtrainer.steps import StepDispatcher, check_eval_step, check_module
 from xtrainer.strategies import Strategy, resolve_strategy
 from xtrainer.strategies.launch import SpmdProcess
 from xtrainer.suggest import did_you_mean
@@ -188,11 +189,9 @@ class Trainer:
         self._replica_ready = False  # this object's strategy has set up a replica's environment
         self._num_val_batches: list[float] = []
 
-        # Loop state: what a checkpoint saves and `fit` continues from.
-        self.global_step = 0
-        self.current_epoch = 0
+        #: Where the fit is: what a checkpoint saves and ``fit`` continues from (written by the loop only).
+        self.loop = LoopState()
         self.should_stop = False
-        self._seed = 0
         #: Graphs compiled while writing checkpoints, so far in this process.
         self.checkpoint_compilations = 0
         #: The checkpoint the last fit/validate/test/predict started from (None: none).
@@ -206,15 +205,6 @@ class Trainer:
         self.logged_metrics = {}
         self.state = "idle"  # "fit", "validate", "test" or "predict" while one runs
         self.num_training_batches: float = 0
-        self._batches_in_epoch = 0
-        self._skip_batches = 0
-        self._epoch_finished = True
-        # Between a batch's end (where checkpoints are saved) and the validation it triggers: a
-        # run resumed from such a checkpoint validates first, as the original run went on to do.
-        self._validation_pending = False
-        # Between an epoch's end and its schedulers' epoch step (where epoch-end checkpoints are written).
-        self._epoch_schedulers_due = False
-        self._stepped = True  # the last training batch ended with an optimizer step
         # Set inside a run (per replica).
         self._module: XModule | None = None
         self._wrapped: nn.Module | None = None
@@ -256,6 +246,15 @@ class Trainer:
             move_run_folder(self.loggers, previous, value)
 
     # ---- where we are -----------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken in this fit (and the fits it resumed)."""
+        return self.loop.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.loop.current_epoch
+
     # Inside a replica these are the replica's; in the calling process (a data module's
     # prepare_data/setup, a module's prepare_data, the caller after fit) they are what the launch
     # will have, as in Lightning: rank 0 of ``world_size`` planned replicas.
@@ -430,7 +429,7 @@ class Trainer:
         if self._resolved_ckpt is not None and self._resolved_ckpt[0] == ckpt_path:
             resolved, self._resolved_ckpt = self._resolved_ckpt[1], None
             return resolved
-        return run_state.resolve_ckpt_path(self, os.fspath(ckpt_path))
+        return checkpoints.resolve_ckpt_path(self, os.fspath(ckpt_path))
 
     def validate(self, model: XModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
                  verbose: bool = True, datamodule: XDataModule | None = None) -> list[dict[str, float]]:
@@ -487,7 +486,7 @@ class Trainer:
         self.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
         # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the
         # epoch) and each replica's XLA random generator (with its rank).
-        self._seed = torch.initial_seed() % 2**31
+        self.loop.seed = torch.initial_seed() % 2**31
         try:
             result = self.strategy.launcher.launch(self._run, stage, model, sources, resolved)
         except BaseException:
@@ -495,8 +494,8 @@ class Trainer:
             raise
         if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
             model.load_state_dict(result["state_dict"])
-            self.global_step, self.current_epoch = result["global_step"], result["current_epoch"]
-            self._epoch_finished, self.should_stop = result["epoch_finished"], result["should_stop"]
+            self.loop = result["loop"]
+            self.should_stop = result["should_stop"]
             self.callback_metrics = result["callback_metrics"]
             for cb in self.callbacks:
                 cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
@@ -514,10 +513,10 @@ class Trainer:
             # On several hosts (or under torchrun) each calling process claimed a folder and drew a
             # seed of its own; rank 0's are the run's, and a folder claimed for nothing is given back.
             own = self.log_dir
-            self.log_dir, self._seed = self.strategy.collectives.broadcast((self.log_dir, self._seed))
+            self.log_dir, self.loop.seed = self.strategy.collectives.broadcast((self.log_dir, self.loop.seed))
             if own != self.log_dir:
                 _remove_if_empty(own)
-        self.strategy.set_rng_state(self._seed + self.global_rank)
+        self.strategy.set_rng_state(self.loop.seed + self.global_rank)
         self.state, self.should_stop, self._publisher.stop_agreed = stage, False, False
         module.trainer = self
         self._module = module
@@ -545,7 +544,7 @@ class Trainer:
             # an explicit metric.compute() in a hook syncs in the graph, on every replica alike
             with metric_sync.synced_through(module, self.strategy.collectives.all_gather_tensors, self.world_size):
                 if stage == "fit":
-                    self._fit_loop(data["train"][0], data["validate"])
+                    fit_loop.run(self, data["train"][0], data["validate"])
                     outputs = None
                 else:
                     outputs = evaluation.run(self, stage, data[stage])
@@ -554,8 +553,7 @@ class Trainer:
             if not in_process:
                 result.update(
                     state_dict=self.strategy.to_cpu(self.strategy.full_module_state_dict(self._wrapped)),  # host sync
-                    global_step=self.global_step, current_epoch=self.current_epoch,
-                    epoch_finished=self._epoch_finished, should_stop=self.should_stop,
+                    loop=dataclasses.replace(self.loop), should_stop=self.should_stop,
                     callback_metrics=dict(self.callback_metrics),
                     callbacks={cb.state_key: cb.state_dict() for cb in self.callbacks})
             return result
@@ -582,101 +580,6 @@ class Trainer:
     def _device_data(self, loader: Any) -> Any:
         return self.strategy.process_dataloader(loader, distribute=self.use_distributed_sampler)
 
-    # ---- fit ---------------------------------------------------------------------------------
-    def _fit_loop(self, train: Any, val: list) -> None:
-        self.num_training_batches = self._num_batches(train, "train")
-        if self.num_training_batches == 0:
-            if len(train) == 0:
-                raise ValueError("The training dataloader is empty: it yields no batches (an empty dataset, or "
-                                 "drop_last=True with fewer samples than one batch per replica).")
-            raise ValueError("limit_train_batches leaves no training batches to run.")
-        self._publisher.start_fit(self)
-        self._started_at = time.monotonic()
-        if self.enable_model_summary and self.is_global_zero:
-            self._print_summary()
-        self._call("on_fit_start")
-        if val and self.num_sanity_val_steps and self._validation_epoch_any():
-            evaluation.sanity_check(self, val)
-        self._call("on_train_start")
-        first_epoch = self.current_epoch
-        while not self._fit_done():
-            skip, self._skip_batches = self._skip_batches, 0
-            if not skip:  # a resumed epoch keeps the values it had accumulated
-                self._results.reset_epoch()
-            train = self._train_data = loaders.reloaded(self, train, first_epoch)
-            train.set_epoch(self.current_epoch, self._seed)
-            if skip and self._restored_data_state is not None:
-                train.load_state_dict(self._restored_data_state)  # the epoch's order, as it was drawn
-            self._restored_data_state = None
-            self._call("on_train_epoch_start")
-            self._epoch_finished = False
-            finished = True
-            if self._validation_pending:  # resumed between a batch and the validation it triggered
-                evaluation.validate_during_fit(self, val)
-            # Resuming inside an epoch starts at the next unseen batch (skipped by index, not
-            # loaded). An epoch whose every batch was trained (saved on its last batch) is not
-            # iterated at all: the original run never drained its loader either, and draining
-            # torch_xla's device loader cuts the graph, which advances the XLA generator.
-            batches = train.resume_at(skip) if skip < self.num_training_batches else ()
-            for batch_idx, batch in batches:
-                if self._call("on_train_batch_start", batch, batch_idx) == -1:
-                    break  # Lightning's meaning: the rest of this epoch is skipped
-                self._validation_pending = bool(val) and self._validation_due(batch_idx)
-                self._train_batch(batch, batch_idx)
-                if self._validation_pending:
-                    evaluation.validate_during_fit(self, val)
-                self._note_stop_requests()
-                if batch_idx + 1 >= self.num_training_batches:
-                    break
-                # A stop waits for the optimizer step: between micro-batches the accumulated
-                # gradients would be lost, and the resumed run would differ.
-                if (self._stopping() and self._stepped) or (self.max_steps != -1 and self.global_step >= self.max_steps):
-                    finished = False
-                    break
-            signum = interrupts.requested()
-            if signum is not None and not finished and self._stopping() and not self._limits_reached():
-                run_state.stop_on_signal(self, signum)  # the epoch is cut short: no epoch-end hooks
-            if val and finished and math.isinf(self.num_training_batches) and self._validation_epoch():
-                evaluation.validate_during_fit(self, val)  # a loader without a length: validate when it runs out
-            self._epoch_finished = finished
-            # A checkpoint written in the epoch-end hooks precedes the epoch's scheduler step: a run
-            # resumed from it takes that step first, as this one does next.
-            self._epoch_schedulers_due = finished
-            self._end_epoch("train", "on_train_epoch_end")
-            if self.world_size > 1:
-                # A stop asked for at the epoch's end reaches every replica. The exchange may cut a
-                # graph, which advances the XLA generator: kept as it was, since a run resumed from
-                # a checkpoint written in the epoch-end hooks above does not make this exchange.
-                with self.strategy.rng_state_kept():
-                    self._publisher.publish(self, {})
-            if self._epoch_finished:
-                if self._optim.automatic:  # under manual optimization the module steps its schedulers
-                    self._optim.step_schedulers(self, "epoch")
-                self._epoch_schedulers_due = False
-                self.current_epoch += 1
-                self._batches_in_epoch = 0
-        signum = interrupts.requested()
-        if signum is not None and not self._limits_reached():
-            # Stopped by a signal at an epoch's end (on its last batch, in its validation, or where
-            # the replicas agreed): an interruption like any other, saved as the start of the next
-            # epoch with none of its batches trained, unless the fit really reached its end.
-            self._epoch_finished = False
-            run_state.stop_on_signal(self, signum)
-        self._call("on_train_end")
-        self._call("on_fit_end")
-        self._publisher.end_fit(self)
-
-    def _note_stop_requests(self) -> None:
-        """After each batch: a signal, the platform's preemption notice or ``max_time`` asks to
-        stop, as ``should_stop`` does (every replica stops at one step)."""
-        if interrupts.requested() is None and self.strategy.preempted(self.global_step):
-            interrupts.request(signal.SIGTERM)  # the preemption notice: every process stops at this step
-            self._publisher.stop_agreed = True
-        if interrupts.requested() is not None:
-            self.should_stop = True
-        elif self.max_time is not None and time.monotonic() - self._started_at >= self.max_time:
-            self.should_stop = True  # host clock, no device sync; replicas agree as for any stop
-
     def _call_on_exception(self, err: BaseException) -> None:
         """Every ``on_exception`` hook, each given its chance: one that fails does not hide ``err``."""
         if self._module is None:
@@ -698,81 +601,6 @@ class Trainer:
                     "gradient_clip_val": self.gradient_clip_val, "log_every_n_steps": self.log_every_n_steps}
         return redact({**{f"trainer/{k}": v for k, v in settings.items()}, **self.run_config, **self.module.hparams})
 
-    def _stopping(self) -> bool:
-        """Whether ``should_stop`` ends the fit. With several replicas, one replica's request is
-        shared at the next logging step or epoch end (riding on the values read there), and all
-        stop together; stopping on one alone would leave the others waiting in a collective.
-        Before ``min_epochs``/``min_steps`` only a signal stops the fit."""
-        asked = self._publisher.stop_agreed if self.world_size > 1 else self.should_stop
-        if asked and interrupts.requested() is None and not self._minimum_done():
-            return False
-        return asked
-
-    def _minimum_done(self) -> bool:
-        return ((self.min_epochs is None or self.current_epoch >= self.min_epochs)
-                and (self.min_steps is None or self.global_step >= self.min_steps))
-
-    def _limits_reached(self) -> bool:
-        """Whether the fit has run as far as ``max_steps``/``max_epochs`` let it."""
-        return ((self.max_steps != -1 and self.global_step >= self.max_steps)
-                or (self.max_epochs is not None and self.current_epoch >= self.max_epochs))
-
-    def _fit_done(self) -> bool:
-        return self._stopping() or self._limits_reached()
-
-    def _train_batch(self, batch: Any, batch_idx: int) -> None:
-        if not self._optim.automatic:
-            self._manual_train_batch(batch, batch_idx)
-            return
-        steps = ((batch_idx + 1) % self.accumulate_grad_batches == 0
-                 or batch_idx + 1 == self.num_training_batches)
-        results = self._results
-        results.batch_size, results.in_step = batch_size(batch), True
-        with self.strategy.no_backward_sync(self._wrapped, enabled=not steps):
-            outputs = self._wrapped("train", batch, batch_idx)
-            loss = training_loss(outputs)
-            self._publisher.observe_loss(loss)
-            results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
-                        reduce_fx="mean", batch_size=None)
-            if self.accumulate_grad_batches > 1:
-                loss = loss / self.accumulate_grad_batches
-            self._call("on_before_backward", loss)
-            self.strategy.backward(loss)
-            self._call("on_after_backward")
-        results.in_step = False
-        self._stepped = steps
-        if steps:
-            self._optim.step(self, batch_idx, loss)
-        if steps and self.global_step % self.log_every_n_steps == 0:
-            # Read once the step's graph is launched, as torch_xla's step closures run: the
-            # values are this step's outputs, and reading them is the interval's one host sync.
-            self.strategy.add_step_closure(self._publish_step_values)
-        self.strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
-        self._batches_in_epoch = batch_idx + 1
-        self._call("on_train_batch_end", outputs, batch, batch_idx)
-
-    def _manual_train_batch(self, batch: Any, batch_idx: int) -> None:
-        """Manual optimization: ``training_step`` runs backward and steps the optimizers itself
-        (``self.manual_backward``, ``self.optimizers()``); the graph is still cut once per call."""
-        results = self._results
-        results.batch_size, results.in_step = batch_size(batch), True
-        before = self.global_step
-        outputs = self._wrapped("train", batch, batch_idx)
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            loss = loss.detach().reshape(())
-            self._publisher.observe_loss(loss)
-            results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
-                        reduce_fx="mean", batch_size=None)
-        results.in_step = False
-        self._stepped = True  # the module stepped (or not) itself: any batch is a boundary
-        self._optim.forget_pending_clips()
-        if self.global_step // self.log_every_n_steps > before // self.log_every_n_steps:
-            self.strategy.add_step_closure(self._publish_step_values)  # a logging step was crossed: as in _train_batch
-        self.strategy.sync()  # the graph cut: one execution per training_step call
-        self._batches_in_epoch = batch_idx + 1
-        self._call("on_train_batch_end", outputs, batch, batch_idx)
-
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``XModule.manual_backward``."""
         self._optim.manual_backward(self, loss, *args, **kwargs)
@@ -780,14 +608,6 @@ class Trainer:
     def clip_gradients_of(self, optimizer: Any, value: float | None, algorithm: str | None) -> None:
         """``XModule.clip_gradients``."""
         self._optim.clip_gradients_of(self, optimizer, value, algorithm)
-
-    def _publish_step_values(self) -> None:
-        self._publisher.publish(self, self._results.step_tensors(self.strategy.collectives.reduce, self.world_size),
-                                check_loss=True)
-
-    def _validation_epoch_any(self) -> bool:
-        """Whether validation runs in any epoch of this fit (not when limit_val_batches is 0)."""
-        return self.limits["validate"] != 0
 
     def _print_summary(self) -> None:
         from xtrainer.callbacks import ModelSummary
@@ -801,39 +621,6 @@ class Trainer:
 
         print(summarize(self.module, world_size=self.world_size,
                         sharded=self.strategy.name in ("xla_fsdp", "xla_fsdpv2")), flush=True)
-
-    def _validation_epoch(self) -> bool:
-        every = self.check_val_every_n_epoch
-        return every is None or (self.current_epoch + 1) % every == 0
-
-    def _validation_due(self, batch_idx: int) -> bool:
-        if not self._validation_epoch():
-            return False
-        n = self.num_training_batches
-        interval = self.val_check_interval
-        if isinstance(interval, float):
-            if math.isinf(n):
-                if interval != 1.0:
-                    raise ValueError("val_check_interval as a fraction needs a training loader with a length; "
-                                     "give an int (a number of batches) instead.")
-                return False  # validated when the epoch ends
-            every = max(1, int(n * interval))
-        else:
-            every = interval
-        return (batch_idx + 1) % every == 0
-
-    def _end_epoch(self, stage: str, hook: str) -> dict[str, float]:
-        """The module's epoch-end hook (it may still log), then read every epoch value to the host
-        (one host sync), then the callbacks' hook, which sees the new ``callback_metrics``."""
-        getattr(self.module, hook)()
-        tensors = self._results.epoch_tensors(self.strategy.collectives.reduce, self.world_size,
-                                              self.strategy.collectives.all_gather_tensors)
-        if stage == "train":  # the latest per-step values ride along in the same transfer
-            tensors.update(self._results.step_tensors(self.strategy.collectives.reduce, self.world_size))
-        metrics = self._publisher.publish(self, tensors, check_loss=stage == "train")
-        for cb in self.callbacks:
-            getattr(cb, hook)(self, self.module)
-        return metrics
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False,
@@ -854,9 +641,9 @@ class Trainer:
             raise ValueError("save_checkpoint(storage_options=...) is not supported: give a local path.")
         if self._wrapped is not None:
             with goodput.timing(self, "checkpointing"):  # goodput: time spent saving
-                run_state.save(self, os.fspath(path), weights_only)
+                checkpoints.save(self, os.fspath(path), weights_only)
         elif self._fitted_model is not None:
-            run_state.save_fitted(self, self._fitted_model, os.fspath(path))
+            checkpoints.save_fitted(self, self._fitted_model, os.fspath(path))
         else:
             raise RuntimeError("save_checkpoint() needs a running fit (call it from a callback or hook) or a finished "
                                "one (after trainer.fit); this Trainer has neither.")
@@ -872,7 +659,7 @@ class Trainer:
         checkpoint = self.strategy.checkpoint_layout.load(self.strategy.collectives, path)
         if stage == "fit" and not checkpoint.get("weights_only"):
             self._optim.prepare_resume(self, checkpoint)  # parameter groups added during the saved fit
-        run_state.restore(self, checkpoint, path, stage)
+        checkpoints.restore(self, checkpoint, path, stage)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> Any:

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from xtrainer.callbacks.base import Callback
-from xtrainer.publishing import LOSS_KEY
+from xtrainer.loop.publishing import LOSS_KEY
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule

@@ -47,10 +47,7 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
         "state_dict": strategy.module_state_dict(trainer.model),
         "optimizer_states": [strategy.optimizer_state_dict(opt) for opt in trainer.optimizers],
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-        "loops": {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
-                  "batches_in_epoch": trainer._batches_in_epoch, "epoch_finished": trainer._epoch_finished,
-                  "seed": trainer._seed, "validation_pending": trainer._validation_pending,
-                  "epoch_schedulers_due": trainer._epoch_schedulers_due,
+        "loops": {**trainer.loop.state_dict(),
                   "callback_metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}},
         "rng_states": rng_states(strategy),
         "epoch_results": per_replica(strategy, trainer._train_results.state_dict(strategy.to_cpu)),
@@ -177,7 +174,7 @@ def fitted_checkpoint(trainer: "Trainer", model: Any) -> dict[str, Any]:
         "xtrainer_version": __version__, "strategy": trainer.strategy.name, "world_size": 1,
         "state_dict": model.state_dict(),
         "loops": {"global_step": trainer.global_step, "epoch": max(0, trainer.current_epoch - 1),
-                  "batches_in_epoch": 0, "epoch_finished": True, "seed": trainer._seed},
+                  "batches_in_epoch": 0, "epoch_finished": True, "seed": trainer.loop.seed},
         "hyper_parameters": ckpt_format.plain_hparams(model.hparams),
         "hparams_name": model._hparams_name,
     }
@@ -213,14 +210,8 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
                 f"Resuming inside an epoch with {trainer.world_size} replicas from a checkpoint of "
                 f"{checkpoint['world_size']}: the data is sharded differently, so the rest of this epoch "
                 "is not exactly the batches the original run would have seen.")
-        trainer.global_step = loops["global_step"]
-        trainer._seed = loops.get("seed", trainer._seed)
+        trainer.loop.load_state_dict(loops)
         set_rng_states(checkpoint.get("rng_states"), trainer.strategy)
-        trainer._epoch_finished = loops["epoch_finished"]
-        trainer.current_epoch = loops["epoch"] + (1 if loops["epoch_finished"] else 0)
-        trainer._skip_batches = 0 if loops["epoch_finished"] else loops["batches_in_epoch"]
-        trainer._batches_in_epoch = trainer._skip_batches
-        trainer._validation_pending = bool(loops.get("validation_pending")) and not loops["epoch_finished"]
         metrics = loops.get("callback_metrics") or {}
         trainer.callback_metrics.update(metrics)
         if loops.get("epoch_schedulers_due") and loops["epoch_finished"] and trainer._optim.automatic:

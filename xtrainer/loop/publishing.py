@@ -174,3 +174,18 @@ class Publisher:
 def _on_device(value: Any) -> bool:
     """Whether ``value`` is a tensor on a device (reading it would sync the host)."""
     return isinstance(value, torch.Tensor) and value.device.type != "cpu"
+
+
+def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
+    """An epoch's end: the module's hook (it may still log), then every epoch value read to the
+    host (one host sync), then the callbacks' hook, which sees the new ``callback_metrics``."""
+    getattr(trainer.module, hook)()
+    collectives = trainer.strategy.collectives
+    results = trainer._results
+    tensors = results.epoch_tensors(collectives.reduce, trainer.world_size, collectives.all_gather_tensors)
+    if stage == "train":  # the latest per-step values ride along in the same transfer
+        tensors.update(results.step_tensors(collectives.reduce, trainer.world_size))
+    metrics = trainer._publisher.publish(trainer, tensors, check_loss=stage == "train")
+    for cb in trainer.callbacks:
+        getattr(cb, hook)(trainer, trainer.module)
+    return metrics

@@ -1,5 +1,5 @@
 """A fit's optimizers and schedulers, and how they step: what ``configure_optimizers`` returned
-(parsed by ``optim.py``), the optimizer step of automatic optimization with its hooks and
+(parsed by ``xtrainer/optim.py``), the optimizer step of automatic optimization with its hooks and
 gradient clipping, the learning-rate schedulers, and manual optimization's ``manual_backward``,
 ``clip_gradients`` and step counting. One per replica's run, owned by the Trainer."""
 
@@ -91,7 +91,7 @@ class Optimization:
             trainer.strategy.optimizer_step(optimizer, before_step)
             trainer._call("on_before_zero_grad", optimizer)
             optimizer.zero_grad(set_to_none=True)
-        trainer.global_step += 1
+        trainer.loop.global_step += 1
         trainer._publisher.stepped()
         self.step_schedulers(trainer, "step")
 
@@ -108,7 +108,7 @@ class Optimization:
     # ---- manual optimization -----------------------------------------------------------------
     def _manual_stepped(self, trainer: "Trainer") -> None:
         """A manual ``opt.step()``: Lightning counts every optimizer step in ``global_step``."""
-        trainer.global_step += 1
+        trainer.loop.global_step += 1
         trainer._publisher.stepped()
 
     def forget_pending_clips(self) -> None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from xtrainer.loop.publishing import end_epoch
 from xtrainer.results import Results, batch_size
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
     trainer._call(f"on_{hook}_epoch_start")
     with torch.no_grad():
         for dl_idx, data in enumerate(datas):
-            data.set_epoch(trainer.current_epoch, trainer._seed)
+            data.set_epoch(trainer.loop.current_epoch, trainer.loop.seed)
             extra = (dl_idx,) if len(datas) > 1 else ()
             results.suffix = f"/dataloader_idx_{dl_idx}" if len(datas) > 1 else ""
             limit = trainer._num_batches(data, stage)
@@ -51,8 +52,8 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
             predictions.append(outputs_of_loader)
     results.suffix = ""
     if in_fit:
-        trainer._validation_pending = False
-    metrics = trainer._end_epoch(stage, f"on_{hook}_epoch_end")
+        trainer.loop.validation_pending = False
+    metrics = end_epoch(trainer, stage, f"on_{hook}_epoch_end")
     trainer._call(f"on_{hook}_end")
     if was_training:
         wrapped.train()

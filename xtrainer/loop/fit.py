@@ -1,0 +1,239 @@
+"""The fit loop and the training step, in the order they run.
+
+``run`` is the epoch loop: epochs, the batches of each, validation where it is due, stops (a
+signal, ``should_stop``, ``max_time``, the platform's preemption notice) and the epoch ends.
+``training_step`` is one batch: forward, backward, the optimizer step with clipping, the periodic
+read of logged values and the graph cut. Everything device or distribution specific is the
+strategy's (``trainer.strategy``); the position of the fit is ``trainer.loop``
+(``xtrainer/loop/state.py``). The loop reads logged values to the host once per
+``log_every_n_steps`` and at each epoch's end (``publishing.py``); no other host sync.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from xtrainer import interrupts, loaders
+from xtrainer.loop import checkpoints, evaluation
+from xtrainer.loop.publishing import LOSS_KEY, end_epoch
+from xtrainer.results import batch_size
+from xtrainer.steps import training_loss
+
+if TYPE_CHECKING:
+    from xtrainer.trainer import Trainer
+
+
+def run(trainer: "Trainer", train: Any, val: list) -> None:
+    """Fit: the epochs from where ``trainer.loop`` stands to ``max_epochs``/``max_steps`` or a stop."""
+    loop = trainer.loop
+    trainer.num_training_batches = trainer._num_batches(train, "train")
+    if trainer.num_training_batches == 0:
+        if len(train) == 0:
+            raise ValueError("The training dataloader is empty: it yields no batches (an empty dataset, or "
+                             "drop_last=True with fewer samples than one batch per replica).")
+        raise ValueError("limit_train_batches leaves no training batches to run.")
+    trainer._publisher.start_fit(trainer)
+    trainer._started_at = time.monotonic()
+    if trainer.enable_model_summary and trainer.is_global_zero:
+        trainer._print_summary()
+    trainer._call("on_fit_start")
+    if val and trainer.num_sanity_val_steps and trainer.limits["validate"] != 0:
+        evaluation.sanity_check(trainer, val)
+    trainer._call("on_train_start")
+    first_epoch = loop.current_epoch
+    while not (stopping(trainer) or limits_reached(trainer)):
+        skip, loop.skip_batches = loop.skip_batches, 0
+        if not skip:  # a resumed epoch keeps the values it had accumulated
+            trainer._results.reset_epoch()
+        train = trainer._train_data = loaders.reloaded(trainer, train, first_epoch)
+        train.set_epoch(loop.current_epoch, loop.seed)
+        if skip and trainer._restored_data_state is not None:
+            train.load_state_dict(trainer._restored_data_state)  # the epoch's order, as it was drawn
+        trainer._restored_data_state = None
+        trainer._call("on_train_epoch_start")
+        loop.epoch_finished = False
+        finished = True
+        if loop.validation_pending:  # resumed between a batch and the validation it triggered
+            evaluation.validate_during_fit(trainer, val)
+        # Resuming inside an epoch starts at the next unseen batch (skipped by index, not loaded).
+        # An epoch whose every batch was trained (saved on its last batch) is not iterated at all:
+        # the original run never drained its loader either, and draining torch_xla's device loader
+        # cuts the graph, which advances the XLA generator.
+        batches = train.resume_at(skip) if skip < trainer.num_training_batches else ()
+        for batch_idx, batch in batches:
+            if trainer._call("on_train_batch_start", batch, batch_idx) == -1:
+                break  # Lightning's meaning: the rest of this epoch is skipped
+            loop.validation_pending = bool(val) and validation_due(trainer, batch_idx)
+            training_step(trainer, batch, batch_idx)
+            if loop.validation_pending:
+                evaluation.validate_during_fit(trainer, val)
+            note_stop_requests(trainer)
+            if batch_idx + 1 >= trainer.num_training_batches:
+                break
+            # A stop waits for the optimizer step: between micro-batches the accumulated gradients
+            # would be lost, and the resumed run would differ.
+            if (stopping(trainer) and loop.stepped) or (trainer.max_steps != -1
+                                                        and loop.global_step >= trainer.max_steps):
+                finished = False
+                break
+        signum = interrupts.requested()
+        if signum is not None and not finished and stopping(trainer) and not limits_reached(trainer):
+            checkpoints.stop_on_signal(trainer, signum)  # the epoch is cut short: no epoch-end hooks
+        if val and finished and math.isinf(trainer.num_training_batches) and validation_epoch(trainer):
+            evaluation.validate_during_fit(trainer, val)  # a loader without a length: validate when it runs out
+        loop.epoch_finished = finished
+        # A checkpoint written in the epoch-end hooks precedes the epoch's scheduler step: a run
+        # resumed from it takes that step first, as this one does next.
+        loop.epoch_schedulers_due = finished
+        end_epoch(trainer, "train", "on_train_epoch_end")
+        if trainer.world_size > 1:
+            # A stop asked for at the epoch's end reaches every replica. The exchange may cut a
+            # graph, which advances the XLA generator: kept as it was, since a run resumed from a
+            # checkpoint written in the epoch-end hooks above does not make this exchange.
+            with trainer.strategy.rng_state_kept():
+                trainer._publisher.publish(trainer, {})
+        if loop.epoch_finished:
+            if trainer._optim.automatic:  # under manual optimization the module steps its schedulers
+                trainer._optim.step_schedulers(trainer, "epoch")
+            loop.next_epoch()
+    signum = interrupts.requested()
+    if signum is not None and not limits_reached(trainer):
+        # Stopped by a signal at an epoch's end (on its last batch, in its validation, or where the
+        # replicas agreed): an interruption like any other, saved as the start of the next epoch
+        # with none of its batches trained, unless the fit really reached its end.
+        loop.epoch_finished = False
+        checkpoints.stop_on_signal(trainer, signum)
+    trainer._call("on_train_end")
+    trainer._call("on_fit_end")
+    trainer._publisher.end_fit(trainer)
+
+
+def training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
+    """One training batch under automatic optimization: forward, backward, every
+    ``accumulate_grad_batches``-th batch the optimizer step (the strategy reduces and clips the
+    gradients), the periodic read of logged values, and the graph cut."""
+    if not trainer._optim.automatic:
+        manual_training_step(trainer, batch, batch_idx)
+        return
+    loop, strategy = trainer.loop, trainer.strategy
+    steps = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or batch_idx + 1 == trainer.num_training_batches
+    results = trainer._results
+    results.batch_size, results.in_step = batch_size(batch), True
+    with strategy.no_backward_sync(trainer.model, enabled=not steps):
+        outputs = trainer.model("train", batch, batch_idx)  # forward: the module's training_step
+        loss = training_loss(outputs)
+        trainer._publisher.observe_loss(loss)  # the non-finite check, on the device
+        results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
+                    reduce_fx="mean", batch_size=None)
+        if trainer.accumulate_grad_batches > 1:
+            loss = loss / trainer.accumulate_grad_batches
+        trainer._call("on_before_backward", loss)
+        strategy.backward(loss)
+        trainer._call("on_after_backward")
+    results.in_step = False
+    loop.stepped = steps
+    if steps:
+        trainer._optim.step(trainer, batch_idx, loss)  # clip, step, zero_grad, global_step, schedulers
+    if steps and loop.global_step % trainer.log_every_n_steps == 0:
+        # Read once the step's graph is launched, as torch_xla's step closures run: the values are
+        # this step's outputs, and reading them is the interval's one host sync.
+        strategy.add_step_closure(lambda: publish_step_values(trainer))
+    strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
+    loop.batches_in_epoch = batch_idx + 1
+    trainer._call("on_train_batch_end", outputs, batch, batch_idx)
+
+
+def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
+    """Manual optimization: ``training_step`` runs backward and steps the optimizers itself
+    (``self.manual_backward``, ``self.optimizers()``); the graph is still cut once per call."""
+    loop = trainer.loop
+    results = trainer._results
+    results.batch_size, results.in_step = batch_size(batch), True
+    before = loop.global_step
+    outputs = trainer.model("train", batch, batch_idx)
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        loss = loss.detach().reshape(())
+        trainer._publisher.observe_loss(loss)
+        results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
+                    reduce_fx="mean", batch_size=None)
+    results.in_step = False
+    loop.stepped = True  # the module stepped (or not) itself: any batch is a boundary
+    trainer._optim.forget_pending_clips()
+    if loop.global_step // trainer.log_every_n_steps > before // trainer.log_every_n_steps:
+        # a logging step was crossed: read as in training_step
+        trainer.strategy.add_step_closure(lambda: publish_step_values(trainer))
+    trainer.strategy.sync()  # the graph cut: one execution per training_step call
+    loop.batches_in_epoch = batch_idx + 1
+    trainer._call("on_train_batch_end", outputs, batch, batch_idx)
+
+
+def publish_step_values(trainer: "Trainer") -> None:
+    """The logging step's read of the per-step values (a host sync, once per interval)."""
+    strategy = trainer.strategy
+    trainer._publisher.publish(trainer, trainer._results.step_tensors(strategy.collectives.reduce, trainer.world_size),
+                               check_loss=True)
+
+
+# ---- when to stop, when to validate ----------------------------------------------------------
+def note_stop_requests(trainer: "Trainer") -> None:
+    """After each batch: a signal, the platform's preemption notice or ``max_time`` asks to stop,
+    as ``should_stop`` does (every replica stops at one step)."""
+    if interrupts.requested() is None and trainer.strategy.preempted(trainer.loop.global_step):
+        interrupts.request(signal.SIGTERM)  # the preemption notice: every process stops at this step
+        trainer._publisher.stop_agreed = True
+    if interrupts.requested() is not None:
+        trainer.should_stop = True
+    elif trainer.max_time is not None and time.monotonic() - trainer._started_at >= trainer.max_time:
+        trainer.should_stop = True  # host clock, no device sync; replicas agree as for any stop
+
+
+def stopping(trainer: "Trainer") -> bool:
+    """Whether ``should_stop`` ends the fit. With several replicas, one replica's request is shared
+    at the next logging step or epoch end (riding on the values read there), and all stop
+    together; stopping on one alone would leave the others waiting in a collective. Before
+    ``min_epochs``/``min_steps`` only a signal stops the fit."""
+    asked = trainer._publisher.stop_agreed if trainer.world_size > 1 else trainer.should_stop
+    if asked and interrupts.requested() is None and not minimum_done(trainer):
+        return False
+    return asked
+
+
+def minimum_done(trainer: "Trainer") -> bool:
+    loop = trainer.loop
+    return ((trainer.min_epochs is None or loop.current_epoch >= trainer.min_epochs)
+            and (trainer.min_steps is None or loop.global_step >= trainer.min_steps))
+
+
+def limits_reached(trainer: "Trainer") -> bool:
+    """Whether the fit has run as far as ``max_steps``/``max_epochs`` let it."""
+    loop = trainer.loop
+    return ((trainer.max_steps != -1 and loop.global_step >= trainer.max_steps)
+            or (trainer.max_epochs is not None and loop.current_epoch >= trainer.max_epochs))
+
+
+def validation_epoch(trainer: "Trainer") -> bool:
+    every = trainer.check_val_every_n_epoch
+    return every is None or (trainer.loop.current_epoch + 1) % every == 0
+
+
+def validation_due(trainer: "Trainer", batch_idx: int) -> bool:
+    if not validation_epoch(trainer):
+        return False
+    n = trainer.num_training_batches
+    interval = trainer.val_check_interval
+    if isinstance(interval, float):
+        if math.isinf(n):
+            if interval != 1.0:
+                raise ValueError("val_check_interval as a fraction needs a training loader with a length; "
+                                 "give an int (a number of batches) instead.")
+            return False  # validated when the epoch ends
+        every = max(1, int(n * interval))
+    else:
+        every = interval
+    return (batch_idx + 1) % every == 0
