@@ -38,7 +38,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import run  # noqa: E402  (benchmarks/run.py: the workloads, the probe, the hand loop)
-import torch  # noqa: E402
 
 from xtrainer import Trainer, _xla  # noqa: E402
 

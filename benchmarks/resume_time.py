@@ -73,7 +73,7 @@ def main() -> None:
             start = time.perf_counter()
             trainer.fit(Regressor(), loader, ckpt_path=ckpt)
             rows.append((steps, first.at - start))
-        print(f"| resumed at batch | time to the first trained batch |\n| ---: | ---: |")
+        print("| resumed at batch | time to the first trained batch |\n| ---: | ---: |")
         for steps, seconds in rows:
             print(f"| {steps} of {args.batches} | {seconds:.2f} s |")
 

@@ -151,7 +151,6 @@ def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpo
     removed and put back) while it is consolidated: every answer is exactly one of the two."""
     import shutil
     import threading
-    import time
 
     from conftest import Regressor, make_loader
 

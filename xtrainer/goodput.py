@@ -32,8 +32,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Iterator
 
-from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks.base import Callback
+from xtrainer.checkpoint.storage import replace_text
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -179,12 +179,8 @@ class Goodput(Callback):
             open_phase = time.time() - self._since
             key = "startup" if self._phase == "startup" else self._phase
             record["seconds"][key] += open_phase
-        path = os.path.join(self._folder, FILE)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, path)  # atomic: a reader sees the old account or the new one
+        try:  # whole or not at all: a reader sees the old account or the new one
+            replace_text(os.path.join(self._folder, FILE), json.dumps(record))
         except OSError:
             pass  # accounting must never stop training
 

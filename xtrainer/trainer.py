@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
+import functools
 import inspect
 import math
 import os
@@ -12,14 +12,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import arguments, compile_cache, goodput, interrupts, loaders, metric_sync
+from xtrainer import arguments, goodput, interrupts, loaders
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
-from xtrainer.checkpoint import background as ckpt_background
 from xtrainer.datamodule import XDataModule
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
-from xtrainer.loop import checkpoints, evaluation
-from xtrainer.loop import fit as fit_loop
+from xtrainer.loop import checkpoints, evaluation, replica
+from xtrainer.loop.replica import remove_if_empty
 from xtrainer.loop.checkpoints import seed_everything
 from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.publishing import Publisher
@@ -31,7 +30,7 @@ from xtrainer.precision import Precision
 from xtrainer.redaction import redact
 from xtrainer.results import Results
 from xtrainer.settings import TrainerSettings
-from xtrainer.steps import StepDispatcher, check_eval_step, check_module
+from xtrainer.steps import check_eval_step, check_module
 from xtrainer.strategies import Strategy, resolve_strategy
 from xtrainer.strategies.launch import SpmdProcess
 from xtrainer.suggest import did_you_mean
@@ -488,9 +487,9 @@ class Trainer:
         # epoch) and each replica's XLA random generator (with its rank).
         self.loop.seed = torch.initial_seed() % 2**31
         try:
-            result = self.strategy.launcher.launch(self._run, stage, model, sources, resolved)
+            result = self.strategy.launcher.launch(functools.partial(replica.run, self), stage, model, sources, resolved)
         except BaseException:
-            _remove_if_empty(self.log_dir)  # a run that failed before writing anything leaves no folder
+            remove_if_empty(self.log_dir)  # a run that failed before writing anything leaves no folder
             raise
         if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
             model.load_state_dict(result["state_dict"])
@@ -500,78 +499,6 @@ class Trainer:
             for cb in self.callbacks:
                 cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
         return result["outputs"]
-
-    # ---- one replica -------------------------------------------------------------------------
-    def _run(self, stage: str, module: XModule, sources: dict[str, list | None], ckpt_path: str | None
-             ) -> dict[str, Any]:
-        compile_cache.activate(self)  # goodput: before this process's first compilation
-        ckpt_background.use(self.settings.async_checkpointing)  # goodput: background checkpoint writes
-        with interrupts.ending_at_once():  # joining the process group: nothing to save yet
-            self.strategy.setup_environment()
-        self._replica_ready = True
-        if self.world_size > 1:
-            # On several hosts (or under torchrun) each calling process claimed a folder and drew a
-            # seed of its own; rank 0's are the run's, and a folder claimed for nothing is given back.
-            own = self.log_dir
-            self.log_dir, self.loop.seed = self.strategy.collectives.broadcast((self.log_dir, self.loop.seed))
-            if own != self.log_dir:
-                _remove_if_empty(own)
-        self.strategy.set_rng_state(self.loop.seed + self.global_rank)
-        self.state, self.should_stop, self._publisher.stop_agreed = stage, False, False
-        module.trainer = self
-        self._module = module
-        in_process, failed = self.strategy.launcher.runs_in_caller, False
-        try:
-            for cb in self.callbacks:
-                cb.setup(self, module, stage)
-            if self.datamodule is not None:
-                self.datamodule.trainer = self  # a replica's copy of the data module
-            module.setup(stage)
-            # Lightning's order: setup(stage), then the loader hooks (the module may build its
-            # datasets in setup), in every replica.
-            sources = loaders.in_replica(self, module, sources)
-            self._wrapped = self.strategy.setup_module(StepDispatcher(module, self.precision))
-            data = {name: [self._device_data(dl) for dl in dls] for name, dls in sources.items()}
-            if stage == "fit":
-                self._train_results = self._results = Results("train", default_on_step=True)
-                self._train_data, self._restored_data_state = data["train"][0], None
-                self.num_training_batches = self._num_batches(data["train"][0], "train")
-                self._num_val_batches = [self._num_batches(d, "validate") for d in data["validate"]]
-                self._optim = Optimization()
-                self._optim.setup(self)
-            if ckpt_path is not None:
-                self._restore(ckpt_path, stage)
-            # an explicit metric.compute() in a hook syncs in the graph, on every replica alike
-            with metric_sync.synced_through(module, self.strategy.collectives.all_gather_tensors, self.world_size):
-                if stage == "fit":
-                    fit_loop.run(self, data["train"][0], data["validate"])
-                    outputs = None
-                else:
-                    outputs = evaluation.run(self, stage, data[stage])
-            ckpt_background.drain()  # goodput: every background write done (a failed one raises here)
-            result: dict[str, Any] = {"outputs": outputs}
-            if not in_process:
-                result.update(
-                    state_dict=self.strategy.to_cpu(self.strategy.full_module_state_dict(self._wrapped)),  # host sync
-                    loop=dataclasses.replace(self.loop), should_stop=self.should_stop,
-                    callback_metrics=dict(self.callback_metrics),
-                    callbacks={cb.state_key: cb.state_dict() for cb in self.callbacks})
-            return result
-        except BaseException as err:
-            failed = True
-            if not isinstance(err, interrupts.TrainingInterrupted):  # that one called the hook already
-                self._call_on_exception(err)
-            raise
-        finally:
-            ckpt_background.drain(raise_errors=False)  # goodput: a stop waits for the checkpoint's write
-            self._publisher.close(self, failed)  # flush what was logged, also when training failed
-            if self._wrapped is not None:
-                self.strategy.teardown(self._wrapped, failed)
-            for cb in self.callbacks:
-                cb.teardown(self, module, stage)
-            module.teardown(stage)
-            self.state = "idle"
-            self._wrapped = self._module = None
 
     def _train_data_state(self) -> Any:
         """What a checkpoint keeps of the training data's order in this epoch (None: nothing)."""
@@ -609,19 +536,6 @@ class Trainer:
         """``XModule.clip_gradients``."""
         self._optim.clip_gradients_of(self, optimizer, value, algorithm)
 
-    def _print_summary(self) -> None:
-        from xtrainer.callbacks import ModelSummary
-
-        if any(isinstance(cb, ModelSummary) for cb in self.callbacks):
-            return  # that callback prints it, to its own depth
-        try:
-            from xtrainer.summary import summarize
-        except ImportError:
-            return
-
-        print(summarize(self.module, world_size=self.world_size,
-                        sharded=self.strategy.name in ("xla_fsdp", "xla_fsdpv2")), flush=True)
-
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False,
                         storage_options: Any = None) -> None:
@@ -654,13 +568,6 @@ class Trainer:
         deciding whether a checkpoint may be written, which syncs anyway."""
         return self._publisher.nonfinite_step(self)
 
-    def _restore(self, path: str, stage: str) -> None:
-        """Load the checkpoint at ``path`` (checked in the calling process) into this replica."""
-        checkpoint = self.strategy.checkpoint_layout.load(self.strategy.collectives, path)
-        if stage == "fit" and not checkpoint.get("weights_only"):
-            self._optim.prepare_resume(self, checkpoint)  # parameter groups added during the saved fit
-        checkpoints.restore(self, checkpoint, path, stage)
-
     # ---- helpers -------------------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> Any:
         """Call ``hook`` on the module, then on every callback, in order; the module's answer."""
@@ -678,9 +585,3 @@ class Trainer:
         state.update(_module=None, _wrapped=None, _optim=Optimization())
         return state
 
-
-def _remove_if_empty(path: str) -> None:
-    try:
-        os.rmdir(path)  # only an empty folder: anything written stays
-    except OSError:
-        pass

@@ -40,7 +40,7 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
     trainer._publisher.start_fit(trainer)
     trainer._started_at = time.monotonic()
     if trainer.enable_model_summary and trainer.is_global_zero:
-        trainer._print_summary()
+        print_summary(trainer)
     trainer._call("on_fit_start")
     if val and trainer.num_sanity_val_steps and trainer.limits["validate"] != 0:
         evaluation.sanity_check(trainer, val)
@@ -237,3 +237,18 @@ def validation_due(trainer: "Trainer", batch_idx: int) -> bool:
     else:
         every = interval
     return (batch_idx + 1) % every == 0
+
+
+def print_summary(trainer: "Trainer") -> None:
+    """The model summary at a fit's start (rank 0), unless a ``ModelSummary`` callback prints its own."""
+    from xtrainer.callbacks import ModelSummary
+
+    if any(isinstance(cb, ModelSummary) for cb in trainer.callbacks):
+        return  # that callback prints it, to its own depth
+    try:
+        from xtrainer.summary import summarize
+    except ImportError:
+        return
+
+    print(summarize(trainer.module, world_size=trainer.world_size,
+                    sharded=trainer.strategy.name in ("xla_fsdp", "xla_fsdpv2")), flush=True)

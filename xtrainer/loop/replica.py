@@ -1,0 +1,111 @@
+"""One replica's run: what happens between a launcher starting a replica and handing its result
+back (the environment, setup, the stage, teardown), and the checkpoint it continues from."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+from xtrainer import compile_cache, interrupts, loaders, metric_sync
+from xtrainer.checkpoint import background as ckpt_background
+from xtrainer.loop import checkpoints, evaluation
+from xtrainer.loop import fit as fit_loop
+from xtrainer.loop.optimization import Optimization
+from xtrainer.results import Results
+from xtrainer.steps import StepDispatcher
+
+if TYPE_CHECKING:
+    from xtrainer.module import XModule
+    from xtrainer.trainer import Trainer
+
+
+def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, list | None], ckpt_path: str | None
+        ) -> dict[str, Any]:
+    """One replica's run of ``stage``: its environment, the module's setup, its data on the device,
+    the optimizers, a checkpoint to continue from, then the fit loop or an evaluation, and the
+    teardown, also when it fails. What it returns travels to the calling process."""
+    compile_cache.activate(trainer)  # goodput: before this process's first compilation
+    ckpt_background.use(trainer.settings.async_checkpointing)  # goodput: background checkpoint writes
+    with interrupts.ending_at_once():  # joining the process group: nothing to save yet
+        trainer.strategy.setup_environment()
+    trainer._replica_ready = True
+    if trainer.world_size > 1:
+        # On several hosts (or under torchrun) each calling process claimed a folder and drew a
+        # seed of its own; rank 0's are the run's, and a folder claimed for nothing is given back.
+        own = trainer.log_dir
+        trainer.log_dir, trainer.loop.seed = trainer.strategy.collectives.broadcast((trainer.log_dir, trainer.loop.seed))
+        if own != trainer.log_dir:
+            remove_if_empty(own)
+    trainer.strategy.set_rng_state(trainer.loop.seed + trainer.global_rank)
+    trainer.state, trainer.should_stop, trainer._publisher.stop_agreed = stage, False, False
+    module.trainer = trainer
+    trainer._module = module
+    in_process, failed = trainer.strategy.launcher.runs_in_caller, False
+    try:
+        for cb in trainer.callbacks:
+            cb.setup(trainer, module, stage)
+        if trainer.datamodule is not None:
+            trainer.datamodule.trainer = trainer  # a replica's copy of the data module
+        module.setup(stage)
+        # Lightning's order: setup(stage), then the loader hooks (the module may build its
+        # datasets in setup), in every replica.
+        sources = loaders.in_replica(trainer, module, sources)
+        trainer._wrapped = trainer.strategy.setup_module(StepDispatcher(module, trainer.precision))
+        data = {name: [trainer._device_data(dl) for dl in dls] for name, dls in sources.items()}
+        if stage == "fit":
+            trainer._train_results = trainer._results = Results("train", default_on_step=True)
+            trainer._train_data, trainer._restored_data_state = data["train"][0], None
+            trainer.num_training_batches = trainer._num_batches(data["train"][0], "train")
+            trainer._num_val_batches = [trainer._num_batches(d, "validate") for d in data["validate"]]
+            trainer._optim = Optimization()
+            trainer._optim.setup(trainer)
+        if ckpt_path is not None:
+            restore(trainer, ckpt_path, stage)
+        # an explicit metric.compute() in a hook syncs in the graph, on every replica alike
+        with metric_sync.synced_through(module, trainer.strategy.collectives.all_gather_tensors, trainer.world_size):
+            if stage == "fit":
+                fit_loop.run(trainer, data["train"][0], data["validate"])
+                outputs = None
+            else:
+                outputs = evaluation.run(trainer, stage, data[stage])
+        ckpt_background.drain()  # goodput: every background write done (a failed one raises here)
+        result: dict[str, Any] = {"outputs": outputs}
+        if not in_process:
+            result.update(
+                state_dict=trainer.strategy.to_cpu(trainer.strategy.full_module_state_dict(trainer._wrapped)),  # host sync
+                loop=dataclasses.replace(trainer.loop), should_stop=trainer.should_stop,
+                callback_metrics=dict(trainer.callback_metrics),
+                callbacks={cb.state_key: cb.state_dict() for cb in trainer.callbacks})
+        return result
+    except BaseException as err:
+        failed = True
+        if not isinstance(err, interrupts.TrainingInterrupted):  # that one called the hook already
+            trainer._call_on_exception(err)
+        raise
+    finally:
+        ckpt_background.drain(raise_errors=False)  # goodput: a stop waits for the checkpoint's write
+        trainer._publisher.close(trainer, failed)  # flush what was logged, also when training failed
+        if trainer._wrapped is not None:
+            trainer.strategy.teardown(trainer._wrapped, failed)
+        for cb in trainer.callbacks:
+            cb.teardown(trainer, module, stage)
+        module.teardown(stage)
+        trainer.state = "idle"
+        trainer._wrapped = trainer._module = None
+
+
+def restore(trainer: "Trainer", path: str, stage: str) -> None:
+    """Load the checkpoint at ``path`` (checked in the calling process) into this replica."""
+    checkpoint = trainer.strategy.checkpoint_layout.load(trainer.strategy.collectives, path)
+    if stage == "fit" and not checkpoint.get("weights_only"):
+        trainer._optim.prepare_resume(trainer, checkpoint)  # parameter groups added during the saved fit
+    checkpoints.restore(trainer, checkpoint, path, stage)
+
+
+def remove_if_empty(path: str) -> None:
+    """Remove the run folder ``path`` if nothing was written in it (a claimed folder not used)."""
+    try:
+        os.rmdir(path)  # only an empty folder: anything written stays
+    except OSError:
+        pass
