@@ -27,8 +27,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
     teardown, also when it fails. What it returns travels to the calling process."""
     compile_cache.activate(trainer)  # goodput: before this process's first compilation
     ckpt_background.use(trainer.settings.async_checkpointing)  # goodput: background checkpoint writes
-    with interrupts.ending_at_once():  # joining the process group: nothing to save yet
-        trainer.strategy.setup_environment()
+    trainer.strategy.setup_environment()
     trainer._replica_ready = True
     if trainer.world_size > 1:
         # On several hosts (or under torchrun) each calling process claimed a folder and drew a

@@ -28,6 +28,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import nn
 
+from xtrainer import interrupts
 from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
 from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
 from xtrainer.strategies import launch, torch_devices
@@ -277,10 +278,11 @@ class NativeSingle(Strategy):
             options: dict[str, Any] = {}
             if kind != "cpu":
                 options["device_id"] = self._device  # untested here: no accelerator
-            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-            store.set_timeout(timeout)
-            dist.init_process_group(torch_devices.backend(kind), store=_store_of_this_attempt(store), rank=rank,
-                                    world_size=world_size, timeout=timeout, **options)
+            with interrupts.ending_at_once():  # joining the process group: nothing to save yet
+                store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+                store.set_timeout(timeout)
+                dist.init_process_group(torch_devices.backend(kind), store=_store_of_this_attempt(store), rank=rank,
+                                        world_size=world_size, timeout=timeout, **options)
             self._owns_process_group = True
         self.collectives = ProcessGroup(self._device)
         _rank_zero_only_rank(self.global_rank)
