@@ -1,7 +1,7 @@
 """Contracts that tie the parts together: the Trainer's settings and the config schema agree,
 hook names come from the base classes, every registered strategy fits, saves, and validates
 from its own checkpoint (a new strategy is covered by registering it), and no module imports
-another that imports it back."""
+another that imports it back (at the top or inside a function)."""
 
 import ast
 import dataclasses
@@ -60,25 +60,35 @@ def test_every_registered_strategy_fits_saves_and_validates_from_its_checkpoint(
     assert metrics["val_loss"] == pytest.approx(float(trainer.callback_metrics["val_loss"]), rel=1e-5)
 
 
-def _module_level_imports(path: str, name: str) -> set[str]:
-    """The xtrainer modules ``path`` imports when it is imported: module level, not under
-    ``if TYPE_CHECKING:``, not inside functions or classes."""
+def _imports(path: str, name: str) -> set[str]:
+    """The xtrainer modules ``path`` imports, when it is imported or when one of its functions
+    runs: module level and inside functions and classes alike (a function's ``from xtrainer...
+    import`` closes a cycle as surely as one at the top, only later), and
+    ``importlib.import_module("xtrainer...")`` with a literal name; not under ``if TYPE_CHECKING:``
+    (type checkers only). ``from xtrainer import Trainer`` imports the module the package's lazy
+    names (``xtrainer._LAZY``) point to."""
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    tree = ast.parse(open(path).read())
+    typing_only = {id(sub) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for stmt in node.body for sub in ast.walk(stmt)}
     found = set()
-    for node in ast.parse(open(path).read()).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or (
-                isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)):
+    for sub in ast.walk(tree):
+        if id(sub) in typing_only:
             continue
-        for sub in ast.walk(node):
-            if isinstance(sub, ast.Import):
-                found |= {alias.name for alias in sub.names if alias.name.startswith("xtrainer")}
-            elif isinstance(sub, ast.ImportFrom):
-                base = sub.module or ""
-                if sub.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - sub.level + 1] + ([base] if base else []))
-                if base.startswith("xtrainer"):  # `from xtrainer import x` imports the module x if there is one
-                    found |= {f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base for a in sub.names}
+        if isinstance(sub, ast.Import):
+            found |= {alias.name for alias in sub.names if alias.name.startswith("xtrainer")}
+        elif isinstance(sub, ast.ImportFrom):
+            base = sub.module or ""
+            if sub.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - sub.level + 1] + ([base] if base else []))
+            if base.startswith("xtrainer"):  # `from xtrainer import x` imports the module x if there is one
+                found |= {f"{base}.{a.name}" if _is_module(f"{base}.{a.name}")
+                          else xtrainer._LAZY.get(a.name, base) if base == "xtrainer" else base for a in sub.names}
+        elif (isinstance(sub, ast.Call) and ast.unparse(sub.func).endswith("import_module") and sub.args
+              and isinstance(sub.args[0], ast.Constant) and str(sub.args[0].value).startswith("xtrainer")):
+            found.add(sub.args[0].value)
     return found - {name}
 
 
@@ -97,8 +107,11 @@ def test_no_import_cycles_beyond_type_checking_imports():
             if file.endswith(".py"):
                 path = os.path.join(folder, file)
                 name = os.path.relpath(path, os.path.dirname(root))[:-3].replace(os.sep, ".").removesuffix(".__init__")
-                graph[name] = _module_level_imports(path, name)
+                graph[name] = _imports(path, name)
     assert {"xtrainer.trainer", "xtrainer.module", "xtrainer.callbacks.base"} <= set(graph)
+    # imports inside functions are edges too: the CLI builds the doctor's command lazily, and
+    # _lazy_xla imports _xla by name at its first use
+    assert "xtrainer.doctor" in graph["xtrainer.cli"] and "xtrainer._xla" in graph["xtrainer._lazy_xla"]
     done, cycles = set(), []
 
     def visit(name, path):

@@ -5,7 +5,6 @@ by ``TrainerSettings.check`` (``settings.py``)."""
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
-from xtrainer.settings import TrainerSettings
+from xtrainer.settings import TrainerSettings, seconds  # noqa: F401  (the Trainer reads arguments.seconds)
 from xtrainer.goodput import Goodput
 from xtrainer.watchdog import HangWatchdog
 
@@ -132,27 +131,6 @@ def check_accelerator(accelerator: str, num_nodes: int) -> None:
         rank_zero_warn(f"accelerator={accelerator!r}, but PJRT_DEVICE is CPU: running on the XLA CPU runtime.")
     if num_nodes > 1 and requested == "CPU":
         raise ValueError(f"num_nodes={num_nodes}: the XLA CPU runtime runs on one host; use devices=N for N replicas.")
-
-
-def seconds(max_time: Any) -> float | None:
-    """``max_time`` as seconds: ``"DD:HH:MM:SS"``, a ``timedelta``, or a dict of its fields."""
-    if max_time is None:
-        return None
-    if isinstance(max_time, datetime.timedelta):
-        return max_time.total_seconds()
-    if isinstance(max_time, dict):
-        try:
-            return datetime.timedelta(**max_time).total_seconds()
-        except TypeError:
-            raise ValueError(f"max_time={max_time!r}: a dict takes timedelta's fields (days, hours, minutes, "
-                             "seconds).") from None
-    if isinstance(max_time, str):
-        parts = max_time.split(":")
-        if len(parts) == 4 and all(p.strip().isdigit() for p in parts):
-            days, hours, minutes, secs = (int(p) for p in parts)
-            return datetime.timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
-    raise ValueError(f"max_time={max_time!r}: give 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a timedelta or a dict "
-                     "such as {'hours': 12}.")
 
 
 def note_lightning_only(settings: TrainerSettings) -> None:

@@ -208,28 +208,13 @@ def _consolidate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def version() -> str:
-    """``xtrainer 0.1.0 (torch 2.9.0, torch_xla 2.9.0, Python 3.11.9)``: read from the installed
-    packages' metadata, without importing torch."""
-    from importlib import metadata
-
-    from xtrainer import __version__
-
-    def installed(name: str) -> str:
-        try:
-            return f"{name} {metadata.version(name)}"
-        except metadata.PackageNotFoundError:
-            return f"{name} not installed"
-
-    python = ".".join(str(n) for n in sys.version_info[:3])
-    return f"xtrainer {__version__} ({installed('torch')}, {installed('torch_xla')}, Python {python})"
-
-
 class _VersionAction(argparse.Action):
     def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
+        from xtrainer.doctor import version  # light: reads package metadata only
+
         print(version())
         parser.exit()
 

@@ -86,10 +86,26 @@ def plan(strategies: str, devices: int | None) -> list[tuple[str, int]]:
     return sorted(dict.fromkeys(pairs), key=lambda p: p[1] == 1)  # stable: one-device checks last
 
 
+def version() -> str:
+    """``xtrainer 0.1.0 (torch 2.9.0, torch_xla 2.9.0, Python 3.11.9)``: read from the installed
+    packages' metadata, without importing torch."""
+    from importlib import metadata
+
+    from xtrainer import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            return f"{name} not installed"
+
+    python = ".".join(str(n) for n in sys.version_info[:3])
+    return f"xtrainer {__version__} ({installed('torch')}, {installed('torch_xla')}, Python {python})"
+
+
 def diagnose(strategies: str = "", devices: int | None = None) -> tuple[str, bool]:
     """The report and whether every check passed."""
     from xtrainer import _xla
-    from xtrainer.cli import version
 
     lines = ["## xtrainer doctor", "",
              f"- {version()}",

@@ -6,6 +6,7 @@ it and says what to give instead."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -141,3 +142,25 @@ def _check_limit(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value} must not be negative.")
     if name == "val_check_interval" and value == 0:
         raise ValueError("val_check_interval must be positive.")
+
+
+def seconds(max_time: Any) -> float | None:
+    """``max_time`` (or ``Timer``'s ``duration``) as seconds: ``"DD:HH:MM:SS"``, a ``timedelta``, or a
+    dict of its fields."""
+    if max_time is None:
+        return None
+    if isinstance(max_time, datetime.timedelta):
+        return max_time.total_seconds()
+    if isinstance(max_time, dict):
+        try:
+            return datetime.timedelta(**max_time).total_seconds()
+        except TypeError:
+            raise ValueError(f"max_time={max_time!r}: a dict takes timedelta's fields (days, hours, minutes, "
+                             "seconds).") from None
+    if isinstance(max_time, str):
+        parts = max_time.split(":")
+        if len(parts) == 4 and all(p.strip().isdigit() for p in parts):
+            days, hours, minutes, secs = (int(p) for p in parts)
+            return datetime.timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
+    raise ValueError(f"max_time={max_time!r}: give 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a timedelta or a dict "
+                     "such as {'hours': 12}.")

@@ -13,6 +13,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback
 from xtrainer.callbacks.health import XlaHealth
 from xtrainer.callbacks.progress import ProgressBar
+from xtrainer.settings import seconds
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -82,9 +83,7 @@ class Timer(Callback):
                  verbose: bool = True) -> None:
         if interval not in ("step", "epoch"):
             raise ValueError(f"Timer(interval={interval!r}): use 'step' or 'epoch'.")
-        from xtrainer import arguments  # here: arguments imports the callbacks
-
-        self._duration = arguments.seconds(duration)
+        self._duration = seconds(duration)
         self._interval, self._verbose = interval, verbose
         self._start: dict[str, float | None] = {}
         self._end: dict[str, float | None] = {}

@@ -5,8 +5,11 @@
 - ``fs``: paths that are local or fsspec URLs (``s3://``, ``gs://``, ``memory://``), and what an
   object store guarantees;
 - ``storage``: atomic writes, manifests and checksums, disk errors, leftovers of crashed saves;
-- ``layout``, ``whole``, ``fsdp``, ``distributed``: the three layouts on disk;
-- ``resume``: which checkpoint ``ckpt_path`` (``"last"``) means for a run.
+- ``layout``: what every layout shares (the contract, the header, one-file reads, sharded folders);
+- ``whole``, ``fsdp``, ``distributed``: the three layouts on disk;
+- ``resume``: which checkpoint ``ckpt_path`` (``"last"``) means for a run;
+- this package: what reads a checkpoint of any layout (``verify``, ``load_checkpoint``,
+  ``consolidate``, ``read_module``), above the layouts, which never import each other back.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from xtrainer.checkpoint import distributed, fs, fsdp, layout, storage, whole
-from xtrainer.checkpoint.format import CheckpointError, CheckpointNotFoundError, UnreadableCheckpointError
+from xtrainer.checkpoint import distributed, fs, fsdp, layout, safe, storage, whole
+from xtrainer.checkpoint.format import (STATE_DICT, CheckpointError, CheckpointNotFoundError,
+                                        UnreadableCheckpointError, check_header)
 from xtrainer.checkpoint.layout import TRAINER_FILE
 from xtrainer.checkpoint.safe import UnsafeCheckpointError
 from xtrainer.checkpoint.storage import LAST
@@ -31,8 +35,25 @@ def default_dirpath(log_dir: str) -> str:
 
 
 def verify(path: str | os.PathLike) -> layout.Header:
-    """Check a checkpoint completely against its checksums and return its header."""
-    return layout.verify(os.fspath(path))
+    """Check the checkpoint at ``path`` completely (every byte against its checksum, the header)
+    and return its header. Raises ``UnreadableCheckpointError`` for damage, ``CheckpointError`` for
+    a file that is not an xtrainer checkpoint (``safe.UnsafeCheckpointError`` for one that asks
+    to run code)."""
+    path = os.fspath(path)
+    kind = layout.layout_of(path)
+    if kind == layout.FILE:
+        storage.verify_zip(path)
+        checkpoint = safe.load(path, "checkpoint", mmap=not fs.is_url(path))
+        check_header(checkpoint, path)
+        if not isinstance(checkpoint.get(STATE_DICT), dict):
+            raise UnreadableCheckpointError(f"{path!r} has no state_dict (a dict of tensors).")
+        return layout.header(path, layout.FILE, checkpoint, checkpoint)
+    manifest = storage.verify_folder(path)
+    check_header(manifest, path)
+    state = layout.trainer_state(path)
+    if kind == layout.DISTRIBUTED:
+        distributed.entries(path)  # its metadata reads, and is metadata
+    return layout.header(path, kind, manifest, state)
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -21,7 +21,8 @@ import torch
 
 from xtrainer.checkpoint import fs, safe, storage
 from xtrainer.checkpoint.format import OPTIMIZER_STATES, STATE_DICT, UnreadableCheckpointError, check_savable
-from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, Layout, Replicas, entry, save_folder, trainer_state
+from xtrainer.checkpoint.layout import (DISTRIBUTED, FILE, Layout, Replicas, entry, read_file, save_folder,
+                                       trainer_state)
 
 #: The ``torch.distributed.checkpoint`` folder inside an SPMD checkpoint folder.
 STATE_DIR = "state"
@@ -92,9 +93,7 @@ class Distributed(Layout):
     def load(self, replicas: Replicas, path: str) -> dict[str, Any]:
         if fs.isdir(path):
             return read_lazily(path)
-        from xtrainer.checkpoint import whole
-
-        return whole.read(path, verify=False)
+        return read_file(path, verify=False)
 
 
 def _save_state(state: dict[str, Any], folder: str, rank: int, spmd: bool = True) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from xtrainer.checkpoint import fs, safe, storage
-from xtrainer.checkpoint.format import (FORMAT, FORMAT_VERSION, LOOPS, STATE_DICT, STRATEGY, WORLD_SIZE,
+from xtrainer.checkpoint.format import (FORMAT, FORMAT_VERSION, LOOPS, STRATEGY, WORLD_SIZE,
                                         CheckpointError, UnreadableCheckpointError, check_header)
 
 TRAINER_FILE = "trainer.pt"
@@ -102,28 +102,16 @@ def layout_of(path: str) -> str:
     return layout
 
 
-def verify(path: str) -> Header:
-    """Check the checkpoint at ``path`` completely (every byte against its checksum, the header)
-    and return its header. Raises ``UnreadableCheckpointError`` for damage, ``CheckpointError`` for
-    a file that is not an xtrainer checkpoint (``safe.UnsafeCheckpointError`` for one that asks
-    to run code)."""
-    path = os.fspath(path)
-    layout = layout_of(path)
-    if layout == FILE:
+def read_file(path: str, verify: bool = True) -> dict[str, Any]:
+    """A checkpoint written as one file (``FILE``), checked against its checksum first (unless the
+    caller just did) and checked to be xtrainer's; read weights-only."""
+    if not fs.exists(path):
+        raise CheckpointError(f"The checkpoint {path!r} does not exist.")
+    if verify:
         storage.verify_zip(path)
-        checkpoint = safe.load(path, "checkpoint", mmap=not fs.is_url(path))
-        check_header(checkpoint, path)
-        if not isinstance(checkpoint.get(STATE_DICT), dict):
-            raise UnreadableCheckpointError(f"{path!r} has no state_dict (a dict of tensors).")
-        return _header(path, FILE, checkpoint, checkpoint)
-    manifest = storage.verify_folder(path)
-    check_header(manifest, path)
-    state = trainer_state(path)
-    if layout == DISTRIBUTED:
-        from xtrainer.checkpoint import distributed
-
-        distributed.entries(path)  # its metadata reads, and is metadata
-    return _header(path, layout, manifest, state)
+    checkpoint = safe.load(path, "checkpoint")
+    check_header(checkpoint, path)
+    return checkpoint
 
 
 def trainer_state(path: str) -> dict[str, Any]:
@@ -134,7 +122,7 @@ def trainer_state(path: str) -> dict[str, Any]:
     return state
 
 
-def _header(path: str, layout: str, who: dict[str, Any], state: dict[str, Any]) -> Header:
+def header(path: str, layout: str, who: dict[str, Any], state: dict[str, Any]) -> Header:
     """The header of a checkpoint whose writer is described by ``who`` and whose loop state is in
     ``state``; a malformed one is refused as unreadable."""
     loops = state.get(LOOPS)

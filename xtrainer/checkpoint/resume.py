@@ -17,8 +17,7 @@ import re
 import warnings
 from typing import Iterable
 
-from xtrainer.checkpoint import layout as layouts
-from xtrainer.checkpoint import fs, storage
+from xtrainer.checkpoint import fs, storage, verify
 from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointError
 from xtrainer.checkpoint.layout import Header, Layout
 
@@ -71,7 +70,7 @@ def resolve(ckpt_path: str, search: list[str], layout: Layout, strategy: str,
     or for ``"last"`` the newest in ``search`` that passes (None, with a warning, when there is
     none at all). Raises ``CheckpointError`` saying what is wrong with each one refused."""
     if ckpt_path != "last":
-        header = layouts.verify(ckpt_path)
+        header = verify(ckpt_path)
         reason = layout.refuses(header, world_size, strategy)
         if reason:
             raise CheckpointError(f"Cannot resume from {ckpt_path!r}: {reason}.")
@@ -87,7 +86,7 @@ def resolve(ckpt_path: str, search: list[str], layout: Layout, strategy: str,
     skipped = []
     for path in found:
         try:
-            header = layouts.verify(path)
+            header = verify(path)
         except CheckpointError as err:
             skipped.append(f"{path}: {err}")
             continue

@@ -6,9 +6,9 @@ import copy
 import os
 from typing import Any
 
-from xtrainer.checkpoint import background, distributed, fs, safe, storage
-from xtrainer.checkpoint.format import CheckpointError, check_header, check_savable
-from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, Layout, Replicas
+from xtrainer.checkpoint import background, distributed, fs, storage
+from xtrainer.checkpoint.format import check_savable
+from xtrainer.checkpoint.layout import DISTRIBUTED, FILE, Layout, Replicas, read_file
 
 
 class WholeFile(Layout):
@@ -41,10 +41,4 @@ def read(path: str, verify: bool = True) -> dict[str, Any]:
     path = os.fspath(path)
     if fs.isdir(path):
         return distributed.read_whole(path, verify=verify)
-    if not fs.exists(path):
-        raise CheckpointError(f"The checkpoint {path!r} does not exist.")
-    if verify:
-        storage.verify_zip(path)
-    checkpoint = safe.load(path, "checkpoint")
-    check_header(checkpoint, path)
-    return checkpoint
+    return read_file(path, verify=verify)

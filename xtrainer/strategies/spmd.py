@@ -37,6 +37,7 @@ from xtrainer.strategies.base import Strategy
 from xtrainer.strategies.collectives import SpmdHosts
 from xtrainer.strategies.launch import SpmdProcess
 from xtrainer.strategies.process import free_port
+from xtrainer.strategies.wrap_policies import check_wrap_policy, wrap_policy
 
 
 class XlaSPMD(Strategy):
@@ -234,8 +235,6 @@ class XlaFSDPv2(XlaSPMD):
     def __init__(self, auto_wrap_policy: Any = None, activation_checkpointing: bool = False,
                  mesh_shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] | None = None,
                  shardings: dict[str, tuple] | None = None) -> None:
-        from xtrainer.strategies.fsdp import check_wrap_policy
-
         super().__init__(mesh_shape, axis_names, "fsdp", shardings)
         check_wrap_policy(auto_wrap_policy)
         if activation_checkpointing and auto_wrap_policy is None:
@@ -244,8 +243,6 @@ class XlaFSDPv2(XlaSPMD):
         self.auto_wrap_policy, self.activation_checkpointing = auto_wrap_policy, activation_checkpointing
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        from xtrainer.strategies.fsdp import wrap_policy
-
         module = super().setup_module(module)  # configure_model(), to the device, user shardings
         fsdpv2 = _xla.fsdpv2_class()
         kwargs: dict[str, Any] = {"mesh": self.mesh, "shard_output": _leave_output}

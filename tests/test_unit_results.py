@@ -1,0 +1,193 @@
+"""``Results`` on its own (no Trainer, no training): what ``self.log`` keeps per step and per
+epoch, the reductions, ``sync_dist`` across replicas (two stores, reduced as a collective would
+reduce them), and a store saved and restored inside an epoch. Host tensors: the arithmetic is the
+same on the device, where the story tests run it."""
+
+import math
+
+import pytest
+import torch
+
+from xtrainer.results import REDUCE_FXS, Results, batch_size, to_floats
+
+
+def no_reduce(tensor, op):
+    raise AssertionError("a single replica reduces nothing")
+
+
+def train_store() -> Results:
+    results = Results("train", default_on_step=True)
+    results.in_step = True
+    return results
+
+
+def floats(tensors):
+    return to_floats(tensors, lambda t: t)
+
+
+def test_train_defaults_are_per_step_and_on_epoch_adds_the_epoch_value():
+    results = train_store()
+    for value in (1.0, 3.0):
+        results.log("loss", torch.tensor(value), None, None, False, False, "mean", None)
+        results.log("acc", torch.tensor(value), True, True, False, False, "mean", None)
+    assert floats(results.step_tensors(no_reduce, 1)) == {"loss": 3.0, "acc_step": 3.0}
+    assert floats(results.epoch_tensors(no_reduce, 1)) == {"acc_epoch": 2.0}
+
+
+def test_evaluation_values_are_per_epoch_whatever_on_step_says():
+    results = Results("validate", default_on_step=False)
+    results.in_step = True
+    results.log("val_loss", torch.tensor(2.0), True, False, False, False, "mean", None)
+    results.log("val_loss", torch.tensor(4.0), True, False, False, False, "mean", None)
+    assert results.step_tensors(no_reduce, 1) == {}
+    assert floats(results.epoch_tensors(no_reduce, 1)) == {"val_loss": 3.0}
+
+
+@pytest.mark.parametrize("reduce_fx, expected", [("mean", (1 * 2 + 4 * 6) / 8), ("sum", 5.0), ("max", 4.0),
+                                                  ("min", 1.0), (torch.max, 4.0), (sum, 5.0)])
+def test_epoch_reductions_and_the_mean_weighted_by_batch_size(reduce_fx, expected):
+    results = train_store()
+    results.log("x", torch.tensor(1.0), False, True, False, False, reduce_fx, 2)
+    results.batch_size = 6  # inferred from the batch when batch_size is not given
+    results.log("x", 4, False, True, False, False, reduce_fx, None)
+    assert floats(results.epoch_tensors(no_reduce, 1)) == {"x": pytest.approx(expected)}
+
+
+def test_max_and_min_start_from_their_identity_not_from_zero():
+    results = train_store()
+    results.log("hi", torch.tensor(-5.0), False, True, False, False, "max", None)
+    results.log("lo", torch.tensor(7.0), False, True, False, False, "min", None)
+    assert floats(results.epoch_tensors(no_reduce, 1)) == {"hi": -5.0, "lo": 7.0}
+
+
+def test_a_value_logged_outside_a_step_is_the_epoch_value_as_given():
+    results = train_store()
+    results.in_step = False  # an epoch hook
+    results.log("lr", 0.5, True, False, False, False, "mean", None)
+    results.log("lr", 0.25, True, False, False, False, "mean", None)  # replaces, is not averaged in
+    assert results.step_tensors(no_reduce, 1) == {}
+    assert floats(results.epoch_tensors(no_reduce, 1)) == {"lr": 0.25}
+
+
+def test_reset_epoch_forgets_the_epoch_but_keeps_the_names():
+    results = train_store()
+    results.log("x", torch.tensor(3.0), True, True, True, False, "sum", None)
+    results.reset_epoch()
+    assert results.epoch_tensors(no_reduce, 1) == {}
+    results.log("x", torch.tensor(1.0), True, True, True, False, "sum", None)
+    assert floats(results.epoch_tensors(no_reduce, 1)) == {"x_epoch": 1.0}
+    assert results.prog_bar_names() == {"x", "x_step", "x_epoch"}
+
+
+def test_logger_false_hides_every_variant_of_the_name():
+    results = train_store()
+    results.log("secret", torch.tensor(1.0), True, True, False, False, "mean", None, logger=False)
+    results.log("shown", torch.tensor(1.0), True, False, False, False, "mean", None)
+    assert results.hidden_from_loggers() == {"secret", "secret_step", "secret_epoch"}
+
+
+def test_a_second_dataloader_suffixes_the_name_unless_asked_not_to():
+    results = Results("validate", default_on_step=False)
+    results.in_step, results.suffix = True, "/dataloader_idx_1"
+    results.log("a", torch.tensor(1.0), None, None, False, False, "mean", None)
+    results.log("b", torch.tensor(1.0), None, None, False, False, "mean", None, add_dataloader_idx=False)
+    assert set(results.epoch_tensors(no_reduce, 1)) == {"a/dataloader_idx_1", "b"}
+
+
+def test_sync_dist_reduces_across_replicas_and_without_it_each_keeps_its_own():
+    """Two replicas' stores; ``reduce`` does what the collective does: combines the same entry
+    of every replica (both call it in the same order, as replicas run the same program)."""
+    stores = [train_store(), train_store()]
+    for rank, store in enumerate(stores):
+        for step in range(2):
+            value = torch.tensor(float(10 * rank + step))  # rank 0: 0, 1; rank 1: 10, 11
+            store.log("synced_mean", value, True, True, False, True, "mean", 4)
+            store.log("synced_max", value, False, True, False, True, "max", None)
+            store.log("synced_sum", value, False, True, False, True, "sum", None)
+            store.log("local", value, False, True, False, False, "mean", 4)
+
+    def inputs(store):
+        """What ``store`` hands the collective, in order (each ``reduce`` returns its input here)."""
+        given = []
+        store.epoch_tensors(lambda tensor, op: given.append((tensor, op)) or tensor, 2)
+        return given
+
+    calls0, calls1 = inputs(stores[0]), inputs(stores[1])
+    assert [op for _, op in calls0] == [op for _, op in calls1] == ["sum", "max", "sum"]
+    # what the all-reduce gives every replica back: the reduction over both replicas' inputs
+    combine = {"sum": lambda a, b: a + b, "max": torch.maximum}
+    reduced = [combine[op](a, b) for (a, op), (b, _) in zip(calls0, calls1)]
+
+    def epoch(store, reduced_values):
+        it = iter(reduced_values)
+        return floats(store.epoch_tensors(lambda tensor, op: next(it), 2))
+
+    for store in stores:
+        got = epoch(store, reduced)
+        assert got["synced_mean_epoch"] == pytest.approx((0 + 1 + 10 + 11) / 4)  # weight counts both replicas
+        assert got["synced_max"] == 11.0 and got["synced_sum"] == 22.0
+    assert epoch(stores[0], reduced)["local"] == 0.5 and epoch(stores[1], reduced)["local"] == 10.5
+    # per step: the mean over replicas of each one's latest value
+    latest = stores[0].entries["synced_mean"].last + stores[1].entries["synced_mean"].last
+    step = floats(stores[0].step_tensors(lambda tensor, op: latest, 2))
+    assert step == {"synced_mean_step": (1 + 11) / 2}
+
+
+def test_one_replica_never_reduces_even_with_sync_dist():
+    results = train_store()
+    results.log("x", torch.tensor(2.0), True, True, False, True, "mean", None)
+    assert floats(results.step_tensors(no_reduce, 1)) == {"x_step": 2.0}
+    assert floats(results.epoch_tensors(no_reduce, 1)) == {"x_epoch": 2.0}
+
+
+def test_state_dict_round_trip_continues_the_epoch():
+    results = train_store()
+    results.log("loss", torch.tensor(1.0), True, True, True, True, "mean", 2)
+    results.log("worst", torch.tensor(5.0), False, True, False, False, "max", None, logger=False)
+    results.log("only_step", torch.tensor(9.0), True, False, False, False, "mean", None)
+    moved = []
+    state = results.state_dict(lambda tensors: moved.append(sorted(tensors)) or tensors)
+    assert moved == [["loss", "worst"]]  # one transfer, epoch accumulators only
+    assert set(state) == {"loss", "worst"} and state["loss"]["weight"] == 2.0
+
+    resumed = train_store()
+    resumed.load_state_dict(state, torch.device("cpu"))
+    resumed.log("loss", torch.tensor(4.0), True, True, True, True, "mean", 2)
+    resumed.log("worst", torch.tensor(3.0), False, True, False, False, "max", None, logger=False)
+    got = floats(resumed.epoch_tensors(no_reduce, 1))
+    assert got == {"loss_epoch": 2.5, "worst": 5.0}  # over the whole epoch, before and after the resume
+    assert resumed.prog_bar_names() == {"loss", "loss_step", "loss_epoch"}
+    assert "worst" in resumed.hidden_from_loggers() and resumed.entries["loss"].sync_dist
+
+
+def test_load_state_dict_skips_what_is_not_of_this_format():
+    results = train_store()
+    results.load_state_dict({"old": {"reduce_fx": "median", "total": torch.tensor([1.0])},
+                             "broken": {"reduce_fx": "mean", "total": 1.0}}, torch.device("cpu"))
+    results.load_state_dict(None, torch.device("cpu"))
+    assert results.entries == {}
+
+
+@pytest.mark.parametrize("value, kwargs, error, message", [
+    (torch.tensor(1.0), {"reduce_fx": "median"}, ValueError, r"reduce_fx='median'\): use one of"),
+    (torch.tensor([1.0, 2.0]), {}, ValueError, r"takes a scalar, got a tensor of shape \(2,\)"),
+    ("1.0", {}, TypeError, "takes a scalar tensor or a number, not str"),
+    (True, {}, TypeError, "not bool"),
+    (torch.tensor(1.0), {"on_step": False, "on_epoch": False}, ValueError, "logs nothing"),
+])
+def test_malformed_logs_are_refused_with_one_line(value, kwargs, error, message):
+    args = {"on_step": None, "on_epoch": None, "prog_bar": False, "sync_dist": False, "reduce_fx": "mean",
+            "batch_size": None, **kwargs}
+    with pytest.raises(error, match=message) as info:
+        train_store().log("x", value, **args)
+    assert "\n" not in str(info.value)
+    assert set(REDUCE_FXS) == {"mean", "sum", "max", "min"}
+
+
+def test_batch_size_is_dim_0_of_the_first_tensor_found():
+    assert batch_size(torch.zeros(5, 3)) == 5
+    assert batch_size(torch.tensor(2.0)) == 1
+    assert batch_size({"ids": torch.zeros(7, 2), "mask": torch.zeros(3)}) == 7
+    assert batch_size(([torch.zeros(4)], torch.zeros(9))) == 4
+    assert batch_size(["no tensors"]) == 1
+    assert math.isinf(float(Results("train", True)._constant(-math.inf, torch.device("cpu"))))
