@@ -1,0 +1,122 @@
+"""The native strategies with the rest of the Trainer: gradient clipping over FSDP2's sharded
+gradients, manual optimization, checkpoints that move between the native strategies, and the
+examples from the command line under ``native_ddp``, on real processes over gloo.
+
+As in ``test_native.py``, the module and data are ``native_run.py``'s (float64, dyadic: every sum
+of a step is exact), so that runs of different world sizes compare bitwise. This file imports
+nothing of torch_xla: it also runs where torch_xla is not installed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import native_run
+from test_native import _assert_bitwise, _env, _weights
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process, whole global batches, no clipping: the reference."""
+    _, model = native_run.fit("native", 1, str(tmp_path_factory.mktemp("one")), STEPS, 8)
+    return _weights(model)
+
+
+def _differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(a[name], b[name]) for name in a)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient clipping.
+# ---------------------------------------------------------------------------------------------
+def test_the_native_norm_clip_is_torch_clip_grad_norm():
+    """One process: the native strategies' clip (the norm summed once over every element) gives
+    what ``torch.nn.utils.clip_grad_norm_`` gives, up to rounding, and clips by value as it does."""
+    from xtrainer.strategies import NativeSingle
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(3, 5), (7,), (2, 2, 2)]]
+    for algorithm, value in [("norm", 0.7), ("norm", 100.0), ("value", 0.3)]:
+        grads = [torch.randn_like(p) * 2 for p in params]
+        theirs = [g.clone() for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g
+        NativeSingle().clip_gradients(None, torch.optim.SGD(params, lr=0.1), value, algorithm)
+        if algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_(theirs, value)
+        else:
+            torch.nn.utils.clip_grad_value_(theirs, value)
+        for p, expected in zip(params, theirs):
+            torch.testing.assert_close(p.grad, expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("algorithm, value, steps", [("norm", 0.5, 1), ("value", 1 / 8, STEPS)])
+def test_fsdp_clips_by_the_whole_gradient_as_one_process_does(tmp_path, one_process, algorithm, value, steps):
+    """Two processes, each holding half of every gradient (DTensors): the clip is by the norm of
+    the whole gradient (all shards), so the step equals one process's clipped step bitwise. By
+    norm, one step: the clipped weights are no longer dyadic, and later steps' sums round
+    differently when the batch is split. By value, the weights stay exact for every step."""
+    clip = {"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}
+    _, single = native_run.fit("native", 1, str(tmp_path / "one"), steps, 8, **clip)
+    _, sharded = native_run.fit("native_fsdp", 2, str(tmp_path / "two"), steps, 8, **clip)
+    _assert_bitwise(_weights(sharded), _weights(single))
+    if steps == STEPS:
+        assert _differs(_weights(single), one_process)  # the clip clipped
+    else:
+        _, unclipped = native_run.fit("native", 1, str(tmp_path / "plain"), steps, 8)
+        assert _differs(_weights(single), _weights(unclipped))
+
+
+# ---------------------------------------------------------------------------------------------
+# Manual optimization.
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def manual_one_process(tmp_path_factory):
+    trainer, model = native_run.fit("native", 1, str(tmp_path_factory.mktemp("manual")), 2 * STEPS, 8,
+                                    model=native_run.ManualNet())
+    assert trainer.global_step == 2 * STEPS  # every opt.step() counts
+    return _weights(model)
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("strategy", ["native_ddp", "native_fsdp"])
+def test_manual_optimization_on_two_processes_equals_one(tmp_path, manual_one_process, one_process, strategy):
+    """Two optimizers, two backward passes per batch, a clip: as one process on the same batches."""
+    assert _differs(manual_one_process, one_process)
+    trainer, model = native_run.fit(strategy, 2, str(tmp_path), 2 * STEPS, 8, model=native_run.ManualNet())
+    assert trainer.global_step == 2 * STEPS
+    _assert_bitwise(_weights(model), manual_one_process)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints from one native strategy resumed by another.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.multi_device
+@pytest.mark.parametrize("first, then", [(("native_ddp", 2), ("native_fsdp", 2)), (("native", 1), ("native_fsdp", 2)),
+                                         (("native_fsdp", 2), ("native", 1)), (("native_fsdp", 2), ("native_ddp", 2))],
+                         ids=["ddp2-to-fsdp2", "native-to-fsdp2", "fsdp2-to-native", "fsdp2-to-ddp2"])
+def test_a_checkpoint_resumes_under_another_native_strategy(tmp_path, one_process, first, then):
+    """A whole file (native, native_ddp) resumed sharded by native_fsdp, and native_fsdp's sharded
+    folder resumed whole: the run goes on exactly as one that never changed strategy (momentum
+    included), on the same global batches."""
+    root = str(tmp_path)
+    native_run.fit(first[0], first[1], root, STEPS // 2, 8)
+    written = os.path.realpath(os.path.join(root, "version_0", "checkpoints", "last.ckpt"))
+    assert os.path.isdir(written) == (first[0] == "native_fsdp")
+    trainer, model = native_run.fit(then[0], then[1], root, STEPS, 8, ckpt_path="last")
+    assert trainer.global_step == STEPS
+    assert os.path.realpath(trainer.ckpt_path) == written
+    _assert_bitwise(_weights(model), one_process)
