@@ -49,17 +49,21 @@ def test_the_native_norm_clip_is_torch_clip_grad_norm():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(3, 5), (7,), (2, 2, 2)]]
     for algorithm, value in [("norm", 0.7), ("norm", 100.0), ("value", 0.3)]:
-        grads = [torch.randn_like(p) * 2 for p in params]
-        theirs = [g.clone() for g in grads]
-        for p, g in zip(params, grads):
-            p.grad = g
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        original = []
+        for p, q in zip(params, theirs):
+            p.grad = torch.randn_like(p) * 2
+            q.grad = p.grad.clone()
+            original.append(p.grad.clone())
         NativeSingle().clip_gradients(None, torch.optim.SGD(params, lr=0.1), value, algorithm)
         if algorithm == "norm":
             torch.nn.utils.clip_grad_norm_(theirs, value)
         else:
             torch.nn.utils.clip_grad_value_(theirs, value)
-        for p, expected in zip(params, theirs):
-            torch.testing.assert_close(p.grad, expected, rtol=1e-6, atol=0)
+        for p, q in zip(params, theirs):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+        clipped = any(not torch.equal(p.grad, g) for p, g in zip(params, original))
+        assert clipped == (value != 100.0)  # a norm under the limit is left alone
 
 
 @pytest.mark.multi_device
