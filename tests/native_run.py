@@ -2,7 +2,7 @@
 runs that need their own processes (torchrun, signals)::
 
     python native_run.py --strategy native_ddp --devices 2 --root ROOT --out OUT.pt [--ckpt last]
-        [--steps N] [--global-batch B] [--pause SECONDS] [--ready FILE]
+        [--steps N] [--global-batch B] [--pause SECONDS] [--ready FILE] [--clip V [--clip-algorithm value]]
 
 The data and the weights are small integers and dyadic fractions, computed in float64, so that
 every sum in a step is exact: a step over one global batch gives the same bits however the batch
@@ -165,11 +165,14 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--pause", type=float, default=0.0)
     parser.add_argument("--ready", default=None)
+    parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
+    parser.add_argument("--clip-algorithm", default="norm")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", args.devices))
+    clip = {"gradient_clip_val": args.clip, "gradient_clip_algorithm": args.clip_algorithm} if args.clip else {}
     try:
         trainer, model = fit(args.strategy, args.devices, args.root, args.steps, args.global_batch, args.ckpt,
-                             args.pause, args.ready, world_size=world_size)
+                             args.pause, args.ready, world_size=world_size, **clip)
     except TrainingInterrupted as err:
         sys.exit(err.exit_code)
     weights = whole_weights(model)

@@ -146,3 +146,45 @@ def test_the_examples_run_under_native_ddp_on_two_processes_from_the_cli(tmp_pat
     assert run.returncode == 0, run.stderr[-3000:]
     header = verify(os.path.join(tmp_path, "version_0", "checkpoints", "last.ckpt"))
     assert (header.strategy, header.world_size, header.global_step) == ("native_ddp", 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attacks.
+# ---------------------------------------------------------------------------------------------
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(HERE, "native_run.py"), *args], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.multi_device
+def test_sigterm_mid_fit_under_fsdp_with_clipping_then_resume_is_bitwise(tmp_path):
+    """native_fsdp on two processes, clipping by norm (a collective in every step): a SIGTERM
+    mid-epoch stops both processes at one step with a checkpoint; the resumed run ends with the
+    weights of an uninterrupted one, bitwise."""
+    steps = 16
+    common = ["--strategy", "native_fsdp", "--devices", "2", "--steps", str(steps), "--clip", "0.5"]
+    reference = _script(*common, "--root", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    root, ready = tmp_path / "run", tmp_path / "ready"
+    process = subprocess.Popen([sys.executable, os.path.join(HERE, "native_run.py"), *common, "--root", str(root),
+                                "--out", str(tmp_path / "out.pt"), "--pause", "0.3", "--ready", str(ready)],
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), process.communicate()[1][-3000:]
+    time.sleep(0.4)  # a step later: not on a checkpoint's step
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err[-3000:]
+    stopped = {open(p).read() for p in glob.glob(str(root / "rank-*.step"))}
+    assert len(glob.glob(str(root / "rank-*.step"))) == 2 and len(stopped) == 1, stopped  # both, at one step
+    stopped_at = int(stopped.pop())
+    assert 3 <= stopped_at < steps and stopped_at % 8, stopped_at  # mid-epoch (8 steps an epoch)
+    assert not (tmp_path / "out.pt").exists()
+    resumed = _script(*common, "--root", str(root), "--out", str(tmp_path / "out.pt"), "--ckpt", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"step={stopped_at}" in resumed.stdout + resumed.stderr  # resumed from the stop's checkpoint
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
+    assert a["global_step"] == b["global_step"] == steps
+    _assert_bitwise(a["weights"], b["weights"])
