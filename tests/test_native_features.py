@@ -34,6 +34,12 @@ def one_process(tmp_path_factory):
     return _weights(model)
 
 
+def _fsdp_units(**kwargs):
+    from xtrainer.strategies import NativeFSDP
+
+    return NativeFSDP(auto_wrap_policy={native_run.Block}, **kwargs)
+
+
 def _differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return any(not torch.equal(a[name], b[name]) for name in a)
 
@@ -67,15 +73,18 @@ def test_the_native_norm_clip_is_torch_clip_grad_norm():
 
 
 @pytest.mark.multi_device
-@pytest.mark.parametrize("algorithm, value, steps", [("norm", 0.5, 1), ("value", 1 / 8, STEPS)])
-def test_fsdp_clips_by_the_whole_gradient_as_one_process_does(tmp_path, one_process, algorithm, value, steps):
+@pytest.mark.parametrize("algorithm, value, steps, units", [("norm", 0.5, 1, False), ("value", 1 / 8, STEPS, False),
+                                                            ("norm", 0.5, 1, True)],
+                         ids=["norm", "value", "norm-units"])
+def test_fsdp_clips_by_the_whole_gradient_as_one_process_does(tmp_path, one_process, algorithm, value, steps, units):
     """Two processes, each holding half of every gradient (DTensors): the clip is by the norm of
     the whole gradient (all shards), so the step equals one process's clipped step bitwise. By
     norm, one step: the clipped weights are no longer dyadic, and later steps' sums round
     differently when the batch is split. By value, the weights stay exact for every step."""
     clip = {"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}
     _, single = native_run.fit("native", 1, str(tmp_path / "one"), steps, 8, **clip)
-    _, sharded = native_run.fit("native_fsdp", 2, str(tmp_path / "two"), steps, 8, **clip)
+    strategy = _fsdp_units() if units else "native_fsdp"  # a unit of its own, or the root's parameters
+    _, sharded = native_run.fit(strategy, 2, str(tmp_path / "two"), steps, 8, **clip)
     _assert_bitwise(_weights(sharded), _weights(single))
     if steps == STEPS:
         assert _differs(_weights(single), one_process)  # the clip clipped
@@ -96,10 +105,13 @@ def manual_one_process(tmp_path_factory):
 
 
 @pytest.mark.multi_device
-@pytest.mark.parametrize("strategy", ["native_ddp", "native_fsdp"])
+@pytest.mark.parametrize("strategy", ["native_ddp", "native_fsdp", "units", "units+checkpointing"])
 def test_manual_optimization_on_two_processes_equals_one(tmp_path, manual_one_process, one_process, strategy):
-    """Two optimizers, two backward passes per batch, a clip: as one process on the same batches."""
+    """Two optimizers, two backward passes per batch, a clip: as one process on the same batches.
+    FSDP2 with the root's parameters only, and with a unit of its own (activations recomputed)."""
     assert _differs(manual_one_process, one_process)
+    if strategy.startswith("units"):
+        strategy = _fsdp_units(activation_checkpointing=strategy.endswith("checkpointing"))
     trainer, model = native_run.fit(strategy, 2, str(tmp_path), 2 * STEPS, 8, model=native_run.ManualNet())
     assert trainer.global_step == 2 * STEPS
     _assert_bitwise(_weights(model), manual_one_process)
