@@ -105,6 +105,14 @@ class ManualNet(ExactNet):
                 torch.optim.SGD([self.block.linear.bias], lr=self.lr)]
 
 
+class AdamNet(ExactNet):
+    """``ExactNet`` with Adam: optimizer state with a scalar per parameter (``step``) beside the
+    tensors shaped like it. Not exact after its first step (square roots)."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
 class Pause(Callback):
     """Slows every step down (so a signal arrives mid-fit) and writes ``ready`` once the first
     steps are done (only the first time: a restarted run does not); every process writes

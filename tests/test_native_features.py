@@ -200,3 +200,19 @@ def test_sigterm_mid_fit_under_fsdp_with_clipping_then_resume_is_bitwise(tmp_pat
     a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
     assert a["global_step"] == b["global_step"] == steps
     _assert_bitwise(a["weights"], b["weights"])
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("first, then", [(("native_fsdp", 2), ("native", 1)), (("native_ddp", 2), ("native_fsdp", 2))],
+                         ids=["fsdp2-to-native", "ddp2-to-fsdp2"])
+def test_adam_state_moves_between_native_strategies(tmp_path, first, then):
+    """Adam's state (a scalar step count beside the sharded moments) survives the move both ways:
+    the resumed run follows an uninterrupted one (to rounding: Adam's square roots make the
+    weights inexact, and the batch is summed in other orders)."""
+    _, reference = native_run.fit("native", 1, str(tmp_path / "ref"), STEPS, 8, model=native_run.AdamNet())
+    root = str(tmp_path / "run")
+    native_run.fit(first[0], first[1], root, STEPS // 2, 8, model=native_run.AdamNet())
+    trainer, model = native_run.fit(then[0], then[1], root, STEPS, 8, ckpt_path="last", model=native_run.AdamNet())
+    assert trainer.global_step == STEPS and trainer.ckpt_path.endswith("step=2.ckpt")
+    for name, value in _weights(reference).items():
+        torch.testing.assert_close(_weights(model)[name], value, rtol=1e-12, atol=0)
