@@ -216,3 +216,15 @@ def test_adam_state_moves_between_native_strategies(tmp_path, first, then):
     assert trainer.global_step == STEPS and trainer.ckpt_path.endswith("step=2.ckpt")
     for name, value in _weights(reference).items():
         torch.testing.assert_close(_weights(model)[name], value, rtol=1e-12, atol=0)
+
+
+@pytest.mark.multi_device
+def test_manual_optimization_under_fsdp_resumes_exactly(tmp_path, manual_one_process):
+    """The checkpoint of a manual fit under native_fsdp (written while the root's parameters are
+    gathered after the step) resumes on two processes and ends as one process does."""
+    root = str(tmp_path)
+    native_run.fit("native_fsdp", 2, root, STEPS, 8, model=native_run.ManualNet(), every_n_train_steps=4)
+    trainer, model = native_run.fit("native_fsdp", 2, root, 2 * STEPS, 8, ckpt_path="last",
+                                    model=native_run.ManualNet())
+    assert trainer.ckpt_path.endswith("step=4.ckpt") and trainer.global_step == 2 * STEPS
+    _assert_bitwise(_weights(model), manual_one_process)
