@@ -12,6 +12,10 @@ specific: only ``cpu`` is tested here). Processes: ``devices=N`` starts N proces
 (``NativeProcesses``); under ``torchrun`` (its ``RANK``/``WORLD_SIZE``... in the environment) each
 process runs its replica in place (``TorchrunInPlace``), on any number of nodes.
 
+Gradient clipping by norm is by the norm of the whole gradient in all three (``native_fsdp``'s
+shards summed with one all-reduce); manual optimization arms DDP's reducer, or FSDP2's gradient
+reduce-scatter, for each backward pass of a ``training_step``.
+
 There is no lazy graph: a step runs eagerly. Logged values stay on the device and are read once
 per ``log_every_n_steps`` (``add_step_closure`` runs the read at that step's ``sync()``).
 """
@@ -533,7 +537,11 @@ class NativeFSDP(NativeSingle):
         if state is None or not torch.is_grad_enabled():  # one process: nothing is sharded
             self.backward(loss, *args, **kwargs)
             return
-        state._register_pre_backward_hook(loss)  # private API of torch's FSDP2 (see above)
+        register = getattr(state, "_register_pre_backward_hook", None)  # private API of torch's FSDP2 (see above)
+        if register is None:
+            raise RuntimeError(f"Manual optimization under native_fsdp needs FSDP2's pre-backward hook, which torch "
+                               f"{torch.__version__} does not have: use automatic optimization, or native_ddp.")
+        loss = register(loss)
         self.backward(loss, *args, **kwargs)
         wrapped.unshard()  # an all-gather of the root's parameters, on the device
 
@@ -608,7 +616,7 @@ class NativeFSDP(NativeSingle):
                 "param_groups": [groups[key] for key in sorted(groups, key=int)]}
 
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
-        self._closures, self._root = [], None
+        self._closures, self._root, self._manual = [], None, False
         if failed and self.world_size > 1:
             return
         # The module keeps its sharded parameters (DTensors); they live on the device already.
