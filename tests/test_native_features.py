@@ -73,6 +73,16 @@ def test_the_native_norm_clip_is_torch_clip_grad_norm():
 
 
 @pytest.mark.multi_device
+def test_fsdp_accumulating_micro_batches_clips_the_sum(tmp_path):
+    """Two micro-batches per step under native_fsdp (gradient sync off for the first), clipped by
+    value: as one process on the whole global batch."""
+    clip = {"gradient_clip_val": 1 / 8, "gradient_clip_algorithm": "value"}
+    _, single = native_run.fit("native", 1, str(tmp_path / "one"), STEPS, 8, **clip)
+    _, sharded = native_run.fit("native_fsdp", 2, str(tmp_path / "two"), STEPS, 4, accumulate_grad_batches=2, **clip)
+    _assert_bitwise(_weights(sharded), _weights(single))
+
+
+@pytest.mark.multi_device
 @pytest.mark.parametrize("algorithm, value, steps, units", [("norm", 0.5, 1, False), ("value", 1 / 8, STEPS, False),
                                                             ("norm", 0.5, 1, True)],
                          ids=["norm", "value", "norm-units"])
