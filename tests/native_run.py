@@ -2,7 +2,7 @@
 runs that need their own processes (torchrun, signals)::
 
     python native_run.py --strategy native_ddp --devices 2 --root ROOT --out OUT.pt [--ckpt last]
-        [--steps N] [--global-batch B] [--pause SECONDS] [--ready FILE]
+        [--steps N] [--global-batch B] [--pause SECONDS] [--ready FILE] [--clip V [--clip-algorithm value]]
 
 The data and the weights are small integers and dyadic fractions, computed in float64, so that
 every sum in a step is exact: a step over one global batch gives the same bits however the batch
@@ -75,6 +75,44 @@ class ExactNet(XModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.5)
 
 
+class ManualNet(ExactNet):
+    """``ExactNet`` under manual optimization: two optimizers (the weight, with momentum; the
+    bias), two forward and backward passes per batch, the weight's gradient clipped by value
+    (a multiple of 1/8: every sum stays exact). The bias steps on the sum of both passes'
+    gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_weight, opt_bias = self.optimizers()
+        loss = ((self(x) - y) ** 2).mean()
+        self.manual_backward(loss)
+        self.clip_gradients(opt_weight, gradient_clip_val=1 / 8, gradient_clip_algorithm="value")
+        opt_weight.step()
+        opt_weight.zero_grad()
+        again = ((self(x) - y) ** 2).mean()  # with the stepped weight; the bias's gradient adds up
+        self.manual_backward(again)
+        opt_bias.step()
+        opt_bias.zero_grad()
+        opt_weight.zero_grad()
+        self.log("train_loss", again, sync_dist=True)
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD([self.block.linear.weight], lr=self.lr, momentum=0.5),
+                torch.optim.SGD([self.block.linear.bias], lr=self.lr)]
+
+
+class AdamNet(ExactNet):
+    """``ExactNet`` with Adam: optimizer state with a scalar per parameter (``step``) beside the
+    tensors shaped like it. Not exact after its first step (square roots)."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
 class Pause(Callback):
     """Slows every step down (so a signal arrives mid-fit) and writes ``ready`` once the first
     steps are done (only the first time: a restarted run does not); every process writes
@@ -108,12 +146,13 @@ def whole_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fit(strategy, devices: int, root: str, steps: int, global_batch: int, ckpt_path=None, pause: float = 0.0,
-        ready: str | None = None, every_n_train_steps: int = 2, world_size: int | None = None, **kwargs):
+        ready: str | None = None, every_n_train_steps: int = 2, world_size: int | None = None,
+        model: XModule | None = None, **kwargs):
     """Returns (trainer, model). ``world_size``: the processes the batch is split over (devices,
-    or torchrun's)."""
+    or torchrun's); ``model``: an ``ExactNet`` unless given."""
     world_size = world_size or devices
     loader = DataLoader(make_data(), batch_size=global_batch // world_size)
-    model = ExactNet()
+    model = model if model is not None else ExactNet()
     trainer = Trainer(strategy=strategy, devices=devices, max_steps=steps, default_root_dir=root,
                       enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2, logger=False,
                       num_sanity_val_steps=0,
@@ -134,11 +173,14 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--pause", type=float, default=0.0)
     parser.add_argument("--ready", default=None)
+    parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
+    parser.add_argument("--clip-algorithm", default="norm")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", args.devices))
+    clip = {"gradient_clip_val": args.clip, "gradient_clip_algorithm": args.clip_algorithm} if args.clip else {}
     try:
         trainer, model = fit(args.strategy, args.devices, args.root, args.steps, args.global_batch, args.ckpt,
-                             args.pause, args.ready, world_size=world_size)
+                             args.pause, args.ready, world_size=world_size, **clip)
     except TrainingInterrupted as err:
         sys.exit(err.exit_code)
     weights = whole_weights(model)

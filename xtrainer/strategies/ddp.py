@@ -78,15 +78,8 @@ class XlaDDP(Strategy):
 
     def manual_backward(self, wrapped: nn.Module, loss: Any, *args: Any, **kwargs: Any) -> None:
         """DDP's reducer is armed once per forward; manual optimization may run several backward
-        passes per ``training_step`` (a GAN's generator and discriminator), so it is re-armed
-        before each. Parameters a backward does not reach (the other optimizer's, toggled off)
-        need ``XlaDDP(find_unused_parameters=True)``, as with DDP anywhere."""
-        if isinstance(wrapped, DistributedDataParallel) and torch.is_grad_enabled() \
-                and wrapped.require_backward_grad_sync:
-            wrapped.require_forward_param_sync = True
-            outputs = [loss] if wrapped.find_unused_parameters and not wrapped.static_graph else []
-            wrapped.reducer._rebuild_buckets()  # private torch API, as DDP's own forward calls it
-            wrapped.reducer.prepare_for_backward(outputs)
+        passes per ``training_step``: ``arm_reducer`` before each."""
+        arm_reducer(wrapped, loss)
         super().manual_backward(wrapped, loss, *args, **kwargs)
 
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
@@ -103,6 +96,21 @@ class XlaDDP(Strategy):
                 self.collectives.barrier("xtrainer_ddp_teardown")
             dist.destroy_process_group()
             self._owns_process_group = False
+
+
+def arm_reducer(wrapped: nn.Module, loss: Any) -> None:
+    """Arm ``DistributedDataParallel``'s reducer for a backward pass of ``loss``, as its forward
+    does. Manual optimization may run several backward passes per ``training_step`` (a GAN's
+    generator and discriminator), one forward of the wrapper: each after the first would leave
+    the reducer unprepared (gradients not averaged, and the next forward fails). Parameters a
+    backward does not reach (the other optimizer's, toggled off) need
+    ``find_unused_parameters=True``, as with DDP anywhere."""
+    if isinstance(wrapped, DistributedDataParallel) and torch.is_grad_enabled() \
+            and wrapped.require_backward_grad_sync:
+        wrapped.require_forward_param_sync = True
+        outputs = [loss] if wrapped.find_unused_parameters and not wrapped.static_graph else []
+        wrapped.reducer._rebuild_buckets()  # private torch API, as DDP's own forward calls it
+        wrapped.reducer.prepare_for_backward(outputs)
 
 
 @contextlib.contextmanager

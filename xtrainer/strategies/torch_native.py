@@ -12,6 +12,10 @@ specific: only ``cpu`` is tested here). Processes: ``devices=N`` starts N proces
 (``NativeProcesses``); under ``torchrun`` (its ``RANK``/``WORLD_SIZE``... in the environment) each
 process runs its replica in place (``TorchrunInPlace``), on any number of nodes.
 
+Gradient clipping by norm is by the norm of the whole gradient in all three (``native_fsdp``'s
+shards summed with one all-reduce); manual optimization arms DDP's reducer, or FSDP2's gradient
+reduce-scatter, for each backward pass of a ``training_step``.
+
 There is no lazy graph: a step runs eagerly. Logged values stay on the device and are read once
 per ``log_every_n_steps`` (``add_step_closure`` runs the read at that step's ``sync()``).
 """
@@ -300,6 +304,28 @@ class NativeSingle(Strategy):
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         loss.backward(*args, **kwargs)
 
+    def clip_gradients(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, value: float,
+                       algorithm: str) -> None:
+        """Clip the reduced gradients of ``optimizer``: by the norm of the whole gradient, or each
+        element to ``[-value, value]``. Gradients that FSDP2 shards (DTensors) are clipped by the
+        norm of all their shards together, as one process clips the whole gradient; the norm is
+        computed once, the square root of the sum of every element's square, the same way
+        whatever the world size. Everything stays on the device (no host sync); sharded gradients
+        cost one all-reduce of one number."""
+        del wrapped
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return
+        shards = [_local(grad) for grad in grads]
+        if algorithm == "value":
+            for shard in shards:
+                shard.clamp_(-value, value)
+            return
+        norm = _gradient_norm(grads, shards)
+        coefficient = torch.clamp(value / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for shard in shards:
+            shard.mul_(coefficient.to(shard.dtype))
+
     # ---- the step -------------------------------------------------------------------------
     def sync(self) -> None:
         """No lazy graph to cut: the step ran as it was called. Closures added during the step
@@ -425,7 +451,11 @@ class NativeDDP(NativeSingle):
         return contextlib.nullcontext()
 
     def manual_backward(self, wrapped: nn.Module, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        del wrapped
+        """Each backward pass of manual optimization arms DDP's reducer (``ddp.arm_reducer``):
+        a ``training_step`` may run several."""
+        from xtrainer.strategies.ddp import arm_reducer
+
+        arm_reducer(wrapped, loss)
         self.backward(loss, *args, **kwargs)
 
 
@@ -463,6 +493,8 @@ class NativeFSDP(NativeSingle):
         check_wrapper_kwargs(fully_shard, fsdp_kwargs, NativeFSDP, "fully_shard")
         self.auto_wrap_policy, self.activation_checkpointing = auto_wrap_policy, activation_checkpointing
         self.reshard_after_forward, self.fsdp_kwargs = reshard_after_forward, fsdp_kwargs
+        self._manual = False
+        self._root: nn.Module | None = None  # the module fully_shard made the root (several processes)
 
     def _wrap(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -486,6 +518,7 @@ class NativeFSDP(NativeSingle):
         for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
+        self._root = module
         return module
 
     def no_backward_sync(self, wrapped: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -494,7 +527,36 @@ class NativeFSDP(NativeSingle):
         return contextlib.nullcontext()
 
     def check_manual_optimization(self) -> None:
-        pass
+        self._manual = True
+
+    def manual_backward(self, wrapped: nn.Module, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """A backward pass of manual optimization. ``training_step`` runs inside the forward of the
+        sharded root (the dispatcher), so FSDP2 never sees this backward on its own: the loss gets
+        the root's pre-backward hook (what FSDP2's post-forward gives a forward's outputs), which
+        reduce-scatters every gradient into its shard at the end of the backward and reshards the
+        root's parameters; they are gathered again for the rest of ``training_step``."""
+        state = _fsdp_state(wrapped)
+        if state is None or not torch.is_grad_enabled():  # one process: nothing is sharded
+            self.backward(loss, *args, **kwargs)
+            return
+        register = getattr(state, "_register_pre_backward_hook", None)  # private API of torch's FSDP2 (see above)
+        if register is None:
+            raise RuntimeError(f"Manual optimization under native_fsdp needs FSDP2's pre-backward hook, which torch "
+                               f"{torch.__version__} does not have: use automatic optimization, or native_ddp.")
+        loss = register(loss)
+        self.backward(loss, *args, **kwargs)
+        wrapped.unshard()  # an all-gather of the root's parameters, on the device
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer,
+                       before_step: Callable[[], None] | None = None) -> None:
+        """Under manual optimization the step runs inside ``training_step``: the root's
+        parameters, gathered before it, are gathered again so the rest of the step sees the
+        stepped weights (units gather their own in their forward)."""
+        super().optimizer_step(optimizer, before_step)
+        root = self._root
+        if self._manual and root is not None and _fsdp_state(root) is not None:
+            root.reshard()
+            root.unshard()  # an all-gather on the device, no host sync
 
     # ---- checkpoints: sharded, through torch.distributed.checkpoint -----------------------
     @property
@@ -556,7 +618,7 @@ class NativeFSDP(NativeSingle):
                 "param_groups": [groups[key] for key in sorted(groups, key=int)]}
 
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
-        self._closures = []
+        self._closures, self._root, self._manual = [], None, False
         if failed and self.world_size > 1:
             return
         # The module keeps its sharded parameters (DTensors); they live on the device already.
@@ -576,6 +638,49 @@ def _is_dtensor(tensor: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def _fsdp_state(module: nn.Module) -> Any:
+    """FSDP2's state of ``module`` if ``fully_shard`` sharded it, else None."""
+    get = getattr(module, "_get_fsdp_state", None)  # FSDPModule's (torch's FSDP2)
+    return get() if callable(get) else None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this process holds (a DTensor's local shard; else itself)."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _squares(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor``'s squared elements, in at least float32."""
+    flat = tensor.reshape(-1).to(torch.promote_types(tensor.dtype, torch.float32))
+    return torch.dot(flat, flat)
+
+
+def _gradient_norm(grads: list[torch.Tensor], shards: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the whole gradient, on the device: ``grads`` as the parameters hold them,
+    ``shards`` their local parts. A sharded gradient's squares are summed over its shards (one
+    all-reduce for all of them); a replicated one's (a whole tensor, or a DTensor with a
+    ``Replicate`` placement) count once."""
+    sharded, whole, group = [], [], None
+    for grad, shard in zip(grads, shards):
+        if not _is_dtensor(grad):
+            whole.append(_squares(grad))
+        elif grad.device_mesh.ndim == 1 and grad.placements[0].is_shard():  # fully_shard's
+            sharded.append(_squares(shard))
+            group = grad.device_mesh.get_group()
+        else:  # not fully_shard's over one mesh dimension: gathered whole (every process calls this)
+            whole.append(_squares(grad.full_tensor()))
+    dtype = torch.promote_types(torch.float32, shards[0].dtype)
+    for part in sharded + whole:
+        dtype = torch.promote_types(dtype, part.dtype)
+    total = torch.zeros((), dtype=dtype, device=shards[0].device)
+    if sharded:
+        total = torch.stack([part.to(dtype) for part in sharded]).sum()
+        dist.all_reduce(total, group=group)  # a collective on the device, no host sync
+    if whole:
+        total = total + torch.stack([part.to(dtype) for part in whole]).sum()
+    return total.sqrt()
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

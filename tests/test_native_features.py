@@ -1,0 +1,240 @@
+"""The native strategies with the rest of the Trainer: gradient clipping over FSDP2's sharded
+gradients, manual optimization, checkpoints that move between the native strategies, and the
+examples from the command line under ``native_ddp``, on real processes over gloo.
+
+As in ``test_native.py``, the module and data are ``native_run.py``'s (float64, dyadic: every sum
+of a step is exact), so that runs of different world sizes compare bitwise. This file imports
+nothing of torch_xla: it also runs where torch_xla is not installed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import native_run
+from test_native import _assert_bitwise, _env, _weights
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process, whole global batches, no clipping: the reference."""
+    _, model = native_run.fit("native", 1, str(tmp_path_factory.mktemp("one")), STEPS, 8)
+    return _weights(model)
+
+
+def _fsdp_units(**kwargs):
+    from xtrainer.strategies import NativeFSDP
+
+    return NativeFSDP(auto_wrap_policy={native_run.Block}, **kwargs)
+
+
+def _differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(a[name], b[name]) for name in a)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient clipping.
+# ---------------------------------------------------------------------------------------------
+def test_the_native_norm_clip_is_torch_clip_grad_norm():
+    """One process: the native strategies' clip (the norm summed once over every element) gives
+    what ``torch.nn.utils.clip_grad_norm_`` gives, up to rounding, and clips by value as it does."""
+    from xtrainer.strategies import NativeSingle
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(3, 5), (7,), (2, 2, 2)]]
+    for algorithm, value in [("norm", 0.7), ("norm", 100.0), ("value", 0.3)]:
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        original = []
+        for p, q in zip(params, theirs):
+            p.grad = torch.randn_like(p) * 2
+            q.grad = p.grad.clone()
+            original.append(p.grad.clone())
+        NativeSingle().clip_gradients(None, torch.optim.SGD(params, lr=0.1), value, algorithm)
+        if algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_(theirs, value)
+        else:
+            torch.nn.utils.clip_grad_value_(theirs, value)
+        for p, q in zip(params, theirs):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+        clipped = any(not torch.equal(p.grad, g) for p, g in zip(params, original))
+        assert clipped == (value != 100.0)  # a norm under the limit is left alone
+
+
+@pytest.mark.multi_device
+def test_fsdp_accumulating_micro_batches_clips_the_sum(tmp_path):
+    """Two micro-batches per step under native_fsdp (gradient sync off for the first), clipped by
+    value: as one process on the whole global batch."""
+    clip = {"gradient_clip_val": 1 / 8, "gradient_clip_algorithm": "value"}
+    _, single = native_run.fit("native", 1, str(tmp_path / "one"), STEPS, 8, **clip)
+    _, sharded = native_run.fit("native_fsdp", 2, str(tmp_path / "two"), STEPS, 4, accumulate_grad_batches=2, **clip)
+    _assert_bitwise(_weights(sharded), _weights(single))
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("algorithm, value, steps, units", [("norm", 0.5, 1, False), ("value", 1 / 8, STEPS, False),
+                                                            ("norm", 0.5, 1, True)],
+                         ids=["norm", "value", "norm-units"])
+def test_fsdp_clips_by_the_whole_gradient_as_one_process_does(tmp_path, one_process, algorithm, value, steps, units):
+    """Two processes, each holding half of every gradient (DTensors): the clip is by the norm of
+    the whole gradient (all shards), so the step equals one process's clipped step bitwise. By
+    norm, one step: the clipped weights are no longer dyadic, and later steps' sums round
+    differently when the batch is split. By value, the weights stay exact for every step."""
+    clip = {"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}
+    _, single = native_run.fit("native", 1, str(tmp_path / "one"), steps, 8, **clip)
+    strategy = _fsdp_units() if units else "native_fsdp"  # a unit of its own, or the root's parameters
+    _, sharded = native_run.fit(strategy, 2, str(tmp_path / "two"), steps, 8, **clip)
+    _assert_bitwise(_weights(sharded), _weights(single))
+    if steps == STEPS:
+        assert _differs(_weights(single), one_process)  # the clip clipped
+    else:
+        _, unclipped = native_run.fit("native", 1, str(tmp_path / "plain"), steps, 8)
+        assert _differs(_weights(single), _weights(unclipped))
+
+
+# ---------------------------------------------------------------------------------------------
+# Manual optimization.
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def manual_one_process(tmp_path_factory):
+    trainer, model = native_run.fit("native", 1, str(tmp_path_factory.mktemp("manual")), 2 * STEPS, 8,
+                                    model=native_run.ManualNet())
+    assert trainer.global_step == 2 * STEPS  # every opt.step() counts
+    return _weights(model)
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("strategy", ["native_ddp", "native_fsdp", "units", "units+checkpointing"])
+def test_manual_optimization_on_two_processes_equals_one(tmp_path, manual_one_process, one_process, strategy):
+    """Two optimizers, two backward passes per batch, a clip: as one process on the same batches.
+    FSDP2 with the root's parameters only, and with a unit of its own (activations recomputed)."""
+    assert _differs(manual_one_process, one_process)
+    if strategy.startswith("units"):
+        strategy = _fsdp_units(activation_checkpointing=strategy.endswith("checkpointing"))
+    trainer, model = native_run.fit(strategy, 2, str(tmp_path), 2 * STEPS, 8, model=native_run.ManualNet())
+    assert trainer.global_step == 2 * STEPS
+    _assert_bitwise(_weights(model), manual_one_process)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints from one native strategy resumed by another.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.multi_device
+@pytest.mark.parametrize("first, then", [(("native_ddp", 2), ("native_fsdp", 2)), (("native", 1), ("native_fsdp", 2)),
+                                         (("native_fsdp", 2), ("native", 1)), (("native_fsdp", 2), ("native_ddp", 2))],
+                         ids=["ddp2-to-fsdp2", "native-to-fsdp2", "fsdp2-to-native", "fsdp2-to-ddp2"])
+def test_a_checkpoint_resumes_under_another_native_strategy(tmp_path, one_process, first, then):
+    """A whole file (native, native_ddp) resumed sharded by native_fsdp, and native_fsdp's sharded
+    folder resumed whole: the run goes on exactly as one that never changed strategy (momentum
+    included), on the same global batches."""
+    root = str(tmp_path)
+    native_run.fit(first[0], first[1], root, STEPS // 2, 8)
+    written = os.path.realpath(os.path.join(root, "version_0", "checkpoints", "last.ckpt"))
+    assert os.path.isdir(written) == (first[0] == "native_fsdp")
+    trainer, model = native_run.fit(then[0], then[1], root, STEPS, 8, ckpt_path="last")
+    assert trainer.global_step == STEPS
+    assert os.path.realpath(trainer.ckpt_path) == written
+    _assert_bitwise(_weights(model), one_process)
+
+
+# ---------------------------------------------------------------------------------------------
+# The examples from the command line.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.multi_device
+@pytest.mark.parametrize("example, needs", [("digits", "sklearn"), ("tiny_llama", "transformers")])
+def test_the_examples_run_under_native_ddp_on_two_processes_from_the_cli(tmp_path, example, needs):
+    """``xtrainer fit --config examples/NAME.yaml trainer.strategy=native_ddp trainer.devices=2``
+    with a few steps: exit 0, a checkpoint written by two processes of native_ddp."""
+    pytest.importorskip(needs)
+    from xtrainer.checkpoint.layout import verify
+
+    exe = os.path.join(os.path.dirname(sys.executable), "xtrainer")
+    run = subprocess.run([exe, "fit", "--config", f"examples/{example}.yaml", "trainer.strategy=native_ddp",
+                          "trainer.devices=2", "trainer.max_steps=2", "trainer.limit_val_batches=1",
+                          f"trainer.default_root_dir={tmp_path}"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    header = verify(os.path.join(tmp_path, "version_0", "checkpoints", "last.ckpt"))
+    assert (header.strategy, header.world_size, header.global_step) == ("native_ddp", 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attacks.
+# ---------------------------------------------------------------------------------------------
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(HERE, "native_run.py"), *args], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.multi_device
+def test_sigterm_mid_fit_under_fsdp_with_clipping_then_resume_is_bitwise(tmp_path):
+    """native_fsdp on two processes, clipping by norm (a collective in every step): a SIGTERM
+    mid-epoch stops both processes at one step with a checkpoint; the resumed run ends with the
+    weights of an uninterrupted one, bitwise."""
+    steps = 16
+    common = ["--strategy", "native_fsdp", "--devices", "2", "--steps", str(steps), "--clip", "0.5"]
+    reference = _script(*common, "--root", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    root, ready = tmp_path / "run", tmp_path / "ready"
+    process = subprocess.Popen([sys.executable, os.path.join(HERE, "native_run.py"), *common, "--root", str(root),
+                                "--out", str(tmp_path / "out.pt"), "--pause", "0.3", "--ready", str(ready)],
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), process.communicate()[1][-3000:]
+    time.sleep(0.4)  # a step later: not on a checkpoint's step
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err[-3000:]
+    stopped = {open(p).read() for p in glob.glob(str(root / "rank-*.step"))}
+    assert len(glob.glob(str(root / "rank-*.step"))) == 2 and len(stopped) == 1, stopped  # both, at one step
+    stopped_at = int(stopped.pop())
+    assert 3 <= stopped_at < steps and stopped_at % 8, stopped_at  # mid-epoch (8 steps an epoch)
+    assert not (tmp_path / "out.pt").exists()
+    resumed = _script(*common, "--root", str(root), "--out", str(tmp_path / "out.pt"), "--ckpt", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"step={stopped_at}" in resumed.stdout + resumed.stderr  # resumed from the stop's checkpoint
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
+    assert a["global_step"] == b["global_step"] == steps
+    _assert_bitwise(a["weights"], b["weights"])
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("first, then", [(("native_fsdp", 2), ("native", 1)), (("native_ddp", 2), ("native_fsdp", 2))],
+                         ids=["fsdp2-to-native", "ddp2-to-fsdp2"])
+def test_adam_state_moves_between_native_strategies(tmp_path, first, then):
+    """Adam's state (a scalar step count beside the sharded moments) survives the move both ways:
+    the resumed run follows an uninterrupted one (to rounding: Adam's square roots make the
+    weights inexact, and the batch is summed in other orders)."""
+    _, reference = native_run.fit("native", 1, str(tmp_path / "ref"), STEPS, 8, model=native_run.AdamNet())
+    root = str(tmp_path / "run")
+    native_run.fit(first[0], first[1], root, STEPS // 2, 8, model=native_run.AdamNet())
+    trainer, model = native_run.fit(then[0], then[1], root, STEPS, 8, ckpt_path="last", model=native_run.AdamNet())
+    assert trainer.global_step == STEPS and trainer.ckpt_path.endswith("step=2.ckpt")
+    for name, value in _weights(reference).items():
+        torch.testing.assert_close(_weights(model)[name], value, rtol=1e-12, atol=0)
+
+
+@pytest.mark.multi_device
+def test_manual_optimization_under_fsdp_resumes_exactly(tmp_path, manual_one_process):
+    """The checkpoint of a manual fit under native_fsdp (written while the root's parameters are
+    gathered after the step) resumes on two processes and ends as one process does."""
+    root = str(tmp_path)
+    native_run.fit("native_fsdp", 2, root, STEPS, 8, model=native_run.ManualNet(), every_n_train_steps=4)
+    trainer, model = native_run.fit("native_fsdp", 2, root, 2 * STEPS, 8, ckpt_path="last",
+                                    model=native_run.ManualNet())
+    assert trainer.ckpt_path.endswith("step=4.ckpt") and trainer.global_step == 2 * STEPS
+    _assert_bitwise(_weights(model), manual_one_process)
