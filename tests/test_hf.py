@@ -17,7 +17,7 @@ from xtrainer.callbacks import Callback
 from xtrainer.config import ConfigError, build, load
 from xtrainer.optim import prefer_foreach
 from xtrainer.strategies import XlaFSDP, XlaFSDPv2
-from xtrainer.strategies.fsdp import layer_classes, no_split_classes, wrap_policy
+from xtrainer.strategies.wrap_policies import layer_classes, no_split_classes, wrap_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "tiny_llama.yaml")

@@ -14,10 +14,6 @@ from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.fsdp import FsdpShards, consolidate_state_dicts
 from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
 from xtrainer.strategies.wrap_policies import check_wrap_policy, wrap_policy
-# Still importable from here for code written before wrap_policies.py existed (torch_native.py asks
-# for policy_kind and policy_layer_classes, tests/test_hf.py for the class lookups).
-from xtrainer.strategies.wrap_policies import (layer_classes, no_split_classes, policy_kind,  # noqa: F401
-                                               policy_layer_classes)
 
 #: Instance attributes FSDP and activation checkpointing patch onto the user's modules.
 _PATCHED_ATTRIBUTES = frozenset({"forward", "_xla_checkpointed_forward_original",

@@ -484,7 +484,7 @@ class NativeFSDP(NativeSingle):
         super().__init__(compile, compile_kwargs, timeout_seconds)
         from torch.distributed.fsdp import fully_shard
 
-        from xtrainer.strategies.fsdp import policy_kind
+        from xtrainer.strategies.wrap_policies import policy_kind
 
         if policy_kind(auto_wrap_policy) in ("size", "callable"):
             raise ValueError(f"NativeFSDP(auto_wrap_policy={auto_wrap_policy!r}): FSDP2 shards the layers it is given; "
@@ -499,7 +499,7 @@ class NativeFSDP(NativeSingle):
     def _wrap(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
-        from xtrainer.strategies.fsdp import policy_layer_classes
+        from xtrainer.strategies.wrap_policies import policy_layer_classes
 
         classes = tuple(policy_layer_classes(self.auto_wrap_policy, module.module))
         units = [m for m in module.module.modules() if classes and isinstance(m, classes) and m is not module.module]
