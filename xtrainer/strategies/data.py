@@ -152,21 +152,28 @@ def _mix(seed: int, epoch: int) -> int:
 
 
 class _Primed:
-    """An iterable dataset's loader whose epoch is started here, in the calling thread, under
+    """An iterable dataset's loader whose epoch is started in the thread that trains, under
     torch's global generator seeded for the epoch (and given back unchanged): whatever the dataset
     draws when its iterator starts is the same on every run of the epoch, resumed ones included.
-    The first ``skip`` batches are read and dropped."""
+    The first ``skip`` batches are read and dropped.
+
+    The whole epoch is read in that thread (``read_in_calling_thread``: the device loader reads
+    it between training steps, after their graph cut, not in a background thread), because such
+    a generator may run the model on the device (a reinforcement-learning module playing its
+    environment): there its graphs never mix with a step's, and compile once
+    (``_xla.DataOnDevice``)."""
+
+    read_in_calling_thread = True
 
     def __init__(self, loader: DataLoader, skip: int, seed: int) -> None:
-        self.loader = loader
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            batches = iter(loader)
-            started = list(itertools.islice(batches, skip + 1))
-        self._batches = itertools.chain(started[skip:], batches)
+        self.loader, self.skip, self.seed = loader, skip, seed
 
     def __iter__(self) -> Iterator[Any]:
-        return self._batches
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            batches = iter(self.loader)
+            started = list(itertools.islice(batches, self.skip + 1))
+        return itertools.chain(started[self.skip:], batches)
 
 
 class _SkipBatches:
