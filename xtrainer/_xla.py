@@ -311,12 +311,12 @@ _HOST_READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float_
                          "__complex__", "__array__", "__repr__", "__format__", "equal", "allclose"})
 
 _loading_lock = threading.Lock()
-_loading = {"compiles": 0, "compile_s": 0.0, "touched": False}
+_loading = {"compiles": 0, "compile_s": 0.0, "reads": 0}
 
 
 def data_loading_counters() -> dict[str, float]:
     """Graphs compiled in this process while a loader's dataset ran ops on the XLA device
-    (``compiles``, ``compile_s``), and whether any did (``touched``). Host counters."""
+    (``compiles``, ``compile_s``), and how many loader reads did (``reads``). Host counters."""
     with _loading_lock:
         return dict(_loading)
 
@@ -376,7 +376,7 @@ class DataOnDevice(TorchFunctionMode):
             with _loading_lock:
                 _loading["compiles"] += compiles
                 _loading["compile_s"] += seconds
-                _loading["touched"] = True
+                _loading["reads"] += 1
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
