@@ -172,3 +172,30 @@ def test_a_dataset_playing_its_policy_draws_the_same_experience_on_every_run(tmp
     _, second, _ = fit(tmp_path / "b", epochs=2)
     for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+class Failing(IterableDataset):
+    """A stream that runs ops on the device, then fails at its fourth item."""
+
+    def __iter__(self):
+        for i in range(8):
+            if i == 3:
+                raise ValueError("the environment crashed")
+            yield torch.ones(SIZE, device=_xla.device()).sum().cpu().reshape(1) * i
+
+
+def test_an_error_in_a_dataset_read_between_steps_names_the_batch(tmp_path):
+    class Module(PolicyGradient):
+        def training_step(self, batch, batch_idx):
+            return self.critic(batch.new_ones(1, SIZE)).sum() * batch.sum()
+
+        def train_dataloader(self):
+            return DataLoader(Failing(), batch_size=1)
+
+    trainer = Trainer(strategy="xla_native", max_epochs=1, default_root_dir=str(tmp_path), logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match="the environment crashed") as raised:
+        trainer.fit(Module())
+    assert "(raised while loading batch index 3 of DataLoader over Failing; the batches before it were used)" in \
+        raised.value.__notes__
+    assert trainer.global_step == 3

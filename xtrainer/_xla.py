@@ -242,6 +242,8 @@ class _HostBatches:
 
 
 def _describe_loader(loader: Iterable) -> str:
+    while not hasattr(loader, "dataset") and hasattr(loader, "loader"):  # xtrainer's wrappers (a resumed epoch's)
+        loader = loader.loader
     dataset = getattr(loader, "dataset", None)
     name = type(loader).__name__
     return f"{name} over {type(dataset).__name__}" if dataset is not None else name
@@ -299,8 +301,10 @@ class DeviceBatches:
 
 
 def send_to_device(batch: Any, dev: torch.device, input_sharding: Any = None) -> Any:
-    """``batch`` with its CPU tensors sent to ``dev`` (its XLA tensors as they are); no host sync."""
-    return xm.send_cpu_data_to_device(batch, dev, input_sharding)
+    """``batch`` with its CPU tensors sent to ``dev`` (its XLA tensors as they are); no host sync.
+    Sent as ``ParallelLoader`` sends it: inside a list (which torch_xla's transform returns as a
+    list, whatever the batch is: a lone tensor would come back as a list)."""
+    return xm.send_cpu_data_to_device([batch], dev, input_sharding)[0]
 
 
 # --------------------------------------------------------------------------------------------
