@@ -66,6 +66,7 @@ class XlaHealth(Callback):
         self._warm = self._warming_last_step = False
         self._first_epoch_shapes: set[tuple] = set()
         self._cache_counts: dict[str, int] = {}
+        self._data_compiles_seen, self._data_warned = 0, False
 
     def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         # From the replica's start: restoring a checkpoint compiles too (cache lookups included).
