@@ -18,6 +18,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -29,6 +30,7 @@ import torch_xla.runtime as xr
 from lightning_utilities.core.imports import RequirementCache
 from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 TORCH_XLA_VERSION = torch_xla.__version__
 #: The release every private API used below was checked against.
@@ -210,20 +212,26 @@ class _HostBatches:
     it in the consuming thread once the batches before it have been used. Host-side only.
     """
 
-    def __init__(self, loader: Iterable) -> None:
-        self.loader, self.count, self.error = loader, 0, None
+    def __init__(self, loader: Iterable, watch: bool = False) -> None:
+        self.loader, self.count, self.error, self.watch = loader, 0, None, watch
         self._iterator: Iterator[Any] = iter(())
 
     def __iter__(self) -> _HostBatches:
         try:
-            self._iterator = iter(self.loader)
+            with self._watched():
+                self._iterator = iter(self.loader)
         except Exception as err:  # noqa: BLE001 - raised again in the consuming thread
             self.error = err
         return self
 
+    def _watched(self) -> contextlib.AbstractContextManager:
+        """Count the graphs a dataset compiles in this (background) thread, without cutting."""
+        return DataOnDevice(cut=False) if self.watch else contextlib.nullcontext()
+
     def __next__(self) -> Any:
         try:
-            batch = next(self._iterator)
+            with self._watched():
+                batch = next(self._iterator)
         except StopIteration:
             raise
         except Exception as err:  # noqa: BLE001 - raised again in the consuming thread
@@ -234,6 +242,8 @@ class _HostBatches:
 
 
 def _describe_loader(loader: Iterable) -> str:
+    while not hasattr(loader, "dataset") and hasattr(loader, "loader"):  # xtrainer's wrappers (a resumed epoch's)
+        loader = loader.loader
     dataset = getattr(loader, "dataset", None)
     name = type(loader).__name__
     return f"{name} over {type(dataset).__name__}" if dataset is not None else name
@@ -253,7 +263,10 @@ class DeviceBatches:
         self.loader, self.device, self.input_sharding, self.start = loader, dev, input_sharding, start
 
     def __iter__(self) -> Iterator[Any]:
-        host = _HostBatches(self.loader)
+        if getattr(self.loader, "read_in_calling_thread", False):
+            yield from self._in_calling_thread()
+            return
+        host = _HostBatches(self.loader, watch=True)
         parallel = _parallel_loader.ParallelLoader(host, [self.device], batches_per_execution=sys.maxsize,
                                                    input_sharding=self.input_sharding)
         try:
@@ -265,6 +278,121 @@ class DeviceBatches:
             where = f"batch index {self.start + host.count} of {_describe_loader(self.loader)}"
             error.add_note(f"(raised while loading {where}; the batches before it were used)")
             raise error
+
+    def _in_calling_thread(self) -> Iterator[Any]:
+        """The loader read here, between training steps (after their graph cut), under
+        ``DataOnDevice``: for a loader whose dataset runs the model on the device (an RL
+        generator), so that its graphs never mix with a step's and are compiled once."""
+        iterator, count = None, 0
+        while True:
+            try:
+                with DataOnDevice():
+                    if iterator is None:
+                        iterator = iter(self.loader)
+                    batch = next(iterator)
+            except StopIteration:
+                return
+            except Exception as err:
+                where = f"batch index {self.start + count} of {_describe_loader(self.loader)}"
+                err.add_note(f"(raised while loading {where}; the batches before it were used)")
+                raise
+            count += 1
+            yield send_to_device(batch, self.device, self.input_sharding)
+
+
+def send_to_device(batch: Any, dev: torch.device, input_sharding: Any = None) -> Any:
+    """``batch`` with its CPU tensors sent to ``dev`` (its XLA tensors as they are); no host sync.
+    Sent as ``ParallelLoader`` sends it: inside a list (which torch_xla's transform returns as a
+    list, whatever the batch is: a lone tensor would come back as a list)."""
+    return xm.send_cpu_data_to_device([batch], dev, input_sharding)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# A dataset that runs ops on the device (an RL generator calling its policy): its graphs.
+# --------------------------------------------------------------------------------------------
+#: Reads of a tensor's value by the host (each runs the graph that produces the tensor).
+_HOST_READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__",
+                         "__complex__", "__array__", "__repr__", "__format__", "equal", "allclose"})
+
+_loading_lock = threading.Lock()
+_loading = {"compiles": 0, "compile_s": 0.0, "reads": 0}
+
+
+def data_loading_counters() -> dict[str, float]:
+    """Graphs compiled in this process while a loader's dataset ran ops on the XLA device
+    (``compiles``, ``compile_s``), and how many loader reads did (``reads``). Host counters."""
+    with _loading_lock:
+        return dict(_loading)
+
+
+def _holds_xla(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return data.device.type == "xla"
+    if isinstance(data, torch.device):
+        return data.type == "xla"
+    if isinstance(data, (list, tuple)):
+        return any(_holds_xla(v) for v in data)
+    if isinstance(data, dict):
+        return any(_holds_xla(v) for v in data.values())
+    return False
+
+
+def _to_host(args: tuple, kwargs: dict) -> bool:
+    """``tensor.to("cpu")`` and its spellings: a read of the value by the host."""
+    for value in (*args[1:], *kwargs.values()):
+        if isinstance(value, str) and value.startswith("cpu"):
+            return True
+        if isinstance(value, torch.device) and value.type == "cpu":
+            return True
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            return True
+    return False
+
+
+class DataOnDevice(TorchFunctionMode):
+    """While a loader's dataset is read in this thread: every read of an XLA tensor's value by the
+    host (``.item()``, ``.cpu()``, ``bool()``...) is preceded by a graph cut (``sync``), and the
+    graphs compiled while the dataset used the device are counted (``data_loading_counters``).
+
+    Why: a read runs the pending graph that produces the tensor, without a cut. Between two cuts,
+    every random op (a policy's ``Categorical.sample()``) chains the device's random seed one step
+    further, and ops the dataset left unread pile up; so without a cut each read's graph differs
+    from the last one, and XLA compiles anew at nearly every environment step. Cut before each
+    read, the dataset's graph is the same at every step (compiled once), and the read itself
+    only transfers. Read only between training steps, after their cut: a cut inside a step
+    would split its graph.
+
+    ``cut=False`` only watches (a loader read in a background thread, where a cut would split the
+    training step being traced in the main thread)."""
+
+    def __init__(self, cut: bool = True) -> None:
+        super().__init__()
+        self.cut, self.touched = cut, False
+
+    def __enter__(self) -> "DataOnDevice":
+        self._compiles, self._compile_s = compile_count(), compile_seconds()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self.touched:
+            compiles, seconds = compile_count() - self._compiles, compile_seconds() - self._compile_s
+            with _loading_lock:
+                _loading["compiles"] += compiles
+                _loading["compile_s"] += seconds
+                _loading["reads"] += 1
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.cut:
+            name = getattr(func, "__name__", "")
+            if (name in _HOST_READS or (name == "to" and _to_host(args, kwargs))) and _holds_xla(args):
+                self.touched = True
+                torch_xla.sync()  # the graph cut before the read; the read itself syncs the host (the dataset's own)
+        result = func(*args, **kwargs)
+        if not self.touched and (_holds_xla(result) or _holds_xla(args) or _holds_xla(kwargs)):
+            self.touched = True
+        return result
 
 
 # --------------------------------------------------------------------------------------------

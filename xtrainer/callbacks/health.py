@@ -66,6 +66,7 @@ class XlaHealth(Callback):
         self._warm = self._warming_last_step = False
         self._first_epoch_shapes: set[tuple] = set()
         self._cache_counts: dict[str, int] = {}
+        self._data_compiles_seen, self._data_warned = 0, False
 
     def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         # From the replica's start: restoring a checkpoint compiles too (cache lookups included).
@@ -79,10 +80,19 @@ class XlaHealth(Callback):
         self._samples = self._interval_samples = 0
         self._work = _Work(trainer)
         self._replicas = replicas_in_process(trainer)
-        self._compiles_seen = self._fit["compiles"] - trainer.checkpoint_compilations
+        self._compiles_seen = self._fit["compiles"] - trainer.checkpoint_compilations - self._fit["data_compiles"]
+        self._data_compiles_seen = self._fit["data_compiles"]
+        self._data_warned = False
 
     def _mark(self, trainer: "Trainer") -> dict[str, float]:
-        return {"time": time.perf_counter(), "step": trainer.global_step, **trainer.strategy.device_counters()}
+        return {"time": time.perf_counter(), "step": trainer.global_step, **trainer.strategy.device_counters(),
+                **_data_counters(trainer)}
+
+    def _step_compiles(self, trainer: "Trainer") -> tuple[int, int]:
+        """Graphs compiled by the steps (a checkpoint's and the data loading's left out), and by
+        the data loading, in this process so far."""
+        data = _data_counters(trainer)["data_compiles"]
+        return trainer.strategy.device_counters()["compiles"] - trainer.checkpoint_compilations - data, data
 
     # ---- every batch: recompilations (host counters only) ------------------------------------
     def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
@@ -96,7 +106,7 @@ class XlaHealth(Callback):
         shapes = _shapes(batch)
         if self._warming_last_step:  # the first step after the first epoch (and its validation)
             self._warming_last_step, self._warm = False, True
-            self._compiles_seen = trainer.strategy.device_counters()["compiles"] - trainer.checkpoint_compilations
+            self._compiles_seen, self._data_compiles_seen = self._step_compiles(trainer)
         if not self._warm:
             self._first_epoch_shapes.add(shapes)
         self._check(trainer, f"training batch {batch_idx}", shapes)
@@ -112,9 +122,31 @@ class XlaHealth(Callback):
         self._check(trainer, "the end of the epoch", None)
         if not self._warm:
             self._warming_last_step = True
+            self._warn_data_loading(trainer)
+
+    def _warn_data_loading(self, trainer: "Trainer") -> None:
+        """Once, after the first epoch (or at the end of a shorter fit): graphs compiled while the training data was loaded (a
+        dataset that runs ops on the device, such as an RL generator calling its policy)."""
+        now = _data_counters(trainer)
+        graphs = (now["data_compiles"] - self._fit["data_compiles"]) / self._replicas
+        if self._data_warned or now["data_reads"] == self._fit["data_reads"] or self.on_recompile == "ignore":
+            return
+        self._data_warned = True
+        seconds = (now["data_compile_s"] - self._fit["data_compile_s"]) / self._replicas
+        rank_zero_warn(
+            f"The training data ran ops on the XLA device while it was loaded (a dataset calling the model, such "
+            f"as an RL generator playing its policy): {_count(graphs)} graph(s) compiled there in the first epoch "
+            f"({seconds:.1f} s), counted in xla/compilations and xla/data_loading_compilations. Each device call "
+            "with a host read (.item(), .cpu()) runs a graph of its own: batch the policy's calls, or keep the "
+            "environment's policy on the CPU (see 'A dataset that runs the model' in docs/troubleshooting.md).")
 
     def _check(self, trainer: "Trainer", where: str, shapes: tuple | None) -> None:
-        count = trainer.strategy.device_counters()["compiles"] - trainer.checkpoint_compilations
+        count, data = self._step_compiles(trainer)
+        new_data, self._data_compiles_seen = data - self._data_compiles_seen, data
+        if self._warm and new_data > 0:
+            self._report(trainer, f"{where}, while loading data", new_data,
+                         "the dataset ran ops on the device while it was loaded, and one of its graphs differed from "
+                         "those of the first epoch (a shape, a Python number, or a host read at a new place)")
         if not self._warm or count == self._compiles_seen:
             self._compiles_seen = count
             return
@@ -125,6 +157,9 @@ class XlaHealth(Callback):
         else:
             why = ("the inputs' shapes are as in the first epoch, so something inside the step changed (a Python "
                    "number that varies between steps, a branch taken for the first time, a .item() in the step)")
+        self._report(trainer, where, new, why)
+
+    def _report(self, trainer: "Trainer", where: str, new: int, why: str) -> None:
         record = {"step": trainer.global_step, "epoch": trainer.current_epoch, "where": where, "graphs": new,
                   "reason": why}
         self.recompilations.append(record)
@@ -154,6 +189,7 @@ class XlaHealth(Callback):
         per_replica = self._replicas
         figures = {
             "xla/compilations": (now["compiles"] - before["compiles"]) / per_replica,
+            "xla/data_loading_compilations": (now["data_compiles"] - before["data_compiles"]) / per_replica,
             "xla/compile_seconds": (now["compile_s"] - before["compile_s"]) / per_replica,
             "xla/executions": (now["executions"] - before["executions"]) / per_replica,
             "xla/transfers_to_host": (now["transfers"] - before["transfers"]) / per_replica,
@@ -169,6 +205,8 @@ class XlaHealth(Callback):
         return {k: float(v) for k, v in figures.items()}
 
     def on_fit_end(self, trainer: "Trainer", module: "XModule") -> None:
+        if not self._warm:  # a fit shorter than an epoch
+            self._warn_data_loading(trainer)
         end, start = self._mark(trainer), self._fit
         steps = end["step"] - start["step"]
         seconds = max(end["time"] - start["time"], 1e-9)
@@ -179,6 +217,8 @@ class XlaHealth(Callback):
                        "samples_per_second": self._samples / seconds, "replicas_in_process": replicas,
                        "compilations": (end["compiles"] - start["compiles"]) / replicas,
                        "compile_seconds": (end["compile_s"] - start["compile_s"]) / replicas,
+                       "data_loading_compilations": (end["data_compiles"] - start["data_compiles"]) / replicas,
+                       "data_loading_compile_seconds": (end["data_compile_s"] - start["data_compile_s"]) / replicas,
                        "recompilations": sum(r["graphs"] for r in self.recompilations),
                        "transfers_per_step": (end["transfers"] - start["transfers"]) / max(steps, 1) / replicas}
         self.totals.update(self._work.figures(seconds, interval=False))
@@ -195,6 +235,16 @@ class XlaHealth(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.recompilations = list(state_dict.get("recompilations", []))
+
+
+def _data_counters(trainer: "Trainer") -> dict[str, float]:
+    """Graphs compiled while a dataset ran ops on the XLA device during loading (host counters;
+    zeros for a strategy that does not compile with XLA)."""
+    if not trainer.strategy.compiles_with_xla:
+        return {"data_compiles": 0, "data_compile_s": 0.0, "data_reads": 0}
+    counters = _xla.data_loading_counters()
+    return {"data_compiles": counters["compiles"], "data_compile_s": counters["compile_s"],
+            "data_reads": counters["reads"]}
 
 
 def _cache_counts(trainer: "Trainer") -> dict[str, int]:
@@ -303,6 +353,9 @@ def summary_line(totals: dict[str, Any]) -> str:
     head = (f"fit: {totals['steps']} steps in {totals['seconds']:.1f} s ({totals['steps_per_second']:.1f} steps/s, "
             f"{totals['samples_per_second']:.0f} samples/s); ")
     compilations = f"{_count(totals['compilations'])} compilations ({totals['compile_seconds']:.1f} s)"
+    if totals.get("data_loading_compilations"):
+        compilations += (f" of which {_count(totals['data_loading_compilations'])} while loading data "
+                         f"({totals['data_loading_compile_seconds']:.1f} s)")
     transfers = f"{totals['transfers_per_step']:.2f} device-to-host transfers per step"
     if replicas == 1:
         return head + f"{compilations}, {totals['recompilations']} after the first epoch; {transfers}"

@@ -152,21 +152,28 @@ def _mix(seed: int, epoch: int) -> int:
 
 
 class _Primed:
-    """An iterable dataset's loader whose epoch is started here, in the calling thread, under
+    """An iterable dataset's loader whose epoch is started in the thread that trains, under
     torch's global generator seeded for the epoch (and given back unchanged): whatever the dataset
     draws when its iterator starts is the same on every run of the epoch, resumed ones included.
-    The first ``skip`` batches are read and dropped."""
+    The first ``skip`` batches are read and dropped.
+
+    The whole epoch is read in that thread (``read_in_calling_thread``: the device loader reads
+    it between training steps, after their graph cut, not in a background thread), because such
+    a generator may run the model on the device (a reinforcement-learning module playing its
+    environment): there its graphs never mix with a step's, and compile once
+    (``_xla.DataOnDevice``)."""
+
+    read_in_calling_thread = True
 
     def __init__(self, loader: DataLoader, skip: int, seed: int) -> None:
-        self.loader = loader
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            batches = iter(loader)
-            started = list(itertools.islice(batches, skip + 1))
-        self._batches = itertools.chain(started[skip:], batches)
+        self.loader, self.skip, self.seed = loader, skip, seed
 
     def __iter__(self) -> Iterator[Any]:
-        return self._batches
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            batches = iter(self.loader)
+            started = list(itertools.islice(batches, self.skip + 1))
+        return itertools.chain(started[self.skip:], batches)
 
 
 class _SkipBatches:
@@ -224,9 +231,18 @@ def distribute_dataloader(loader: DataLoader, num_replicas: int, rank: int) -> D
 
     The new sampler keeps the loader's shuffle setting and is re-seeded each epoch by the
     Trainer (``set_epoch``). Its padding makes every replica see the same number of batches,
-    so no replica waits at a collective for another that ran out of data.
+    so no replica waits at a collective for another that ran out of data. A loader over an
+    ``IterableDataset`` is returned as it is: each replica reads the whole stream (Lightning's way).
     """
     if isinstance(loader.sampler, DistributedSampler):
+        return loader
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        # As Lightning does: no sampler can split a stream, so every replica reads the dataset
+        # as it is (an RL module plays an environment of its own on each replica).
+        rank_zero_warn(f"An IterableDataset ({type(loader.dataset).__name__}) is read whole by each of the "
+                       f"{num_replicas} replicas: split it by trainer.global_rank inside the dataset unless every "
+                       "replica should read a stream of its own, and give every replica as many batches (a "
+                       "replica that runs out first leaves the others waiting at a collective).")
         return loader
     if (type(loader) is not DataLoader or type(loader.batch_sampler) is not BatchSampler
             or type(loader.sampler) not in (SequentialSampler, RandomSampler)):
@@ -235,9 +251,6 @@ def distribute_dataloader(loader: DataLoader, num_replicas: int, rank: int) -> D
             f"{num_replicas} replicas automatically. Give it a torch.utils.data.DistributedSampler "
             f"with num_replicas={num_replicas} and rank=trainer.global_rank yourself."
         )
-    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
-        raise TypeError("An IterableDataset cannot be sharded by a sampler: split it by "
-                        "trainer.global_rank inside the dataset instead.")
     shuffle = isinstance(loader.sampler, RandomSampler)
     return _with_sampler(loader, DistributedSampler(loader.dataset, num_replicas=num_replicas, rank=rank,
                                                     shuffle=shuffle))
