@@ -324,9 +324,9 @@ def hand_loop(workload: str, loader: DataLoader, warmup: int, every: int, starte
     group, the model in ``DistributedDataParallel``, as PyTorch's DDP tutorial writes it)."""
     device = _xla.device() if xla else torch.device("cpu")
     net = make_net(workload).to(device)
-    if compile:
-        net.compile()
-    if ddp:
+    if compile:  # torch.compile(net): net.compile() leaves an nn.Sequential eager (torch 2.9 skips its frame)
+        net = torch.compile(net)
+    if ddp:  # around the compiled module, as NativeDDP(compile=True) wraps it
         net = nn.parallel.DistributedDataParallel(net)
     opt = make_optimizer(net.parameters(), foreach)
     marks = Marks(warmup, every, started, xla)
