@@ -5,6 +5,7 @@ Accelerate, per strategy and workload.
     python benchmarks/run.py --quick               # fewer steps and repeats, to try it out
     python benchmarks/run.py --workloads lm --contenders xla_native xla_ddp --no-scaling
     python benchmarks/run.py --workloads hf_llama --contenders xla_native hf_trainer accelerate --no-scaling
+    python benchmarks/run.py --native              # the native strategies against hand-written eager loops
 
 Workloads: ``mlp`` (the digits-sized MLP: framework overhead shows), ``lm`` (a 4-layer decoder
 transformer, width 256, sequence 128, on synthetic tokens: compute dominates) and ``hf_llama``
@@ -22,6 +23,14 @@ user left it unset; ``xla_native_per_tensor`` opts out with AdamW(foreach=False)
 Face Trainer (``optim="adamw_torch"``) on its torch_xla path, plain (``hf_trainer``), with
 XLA FSDP (``hf_trainer_fsdp``) and with SPMD FSDPv2 (``hf_trainer_fsdpv2``). Then a scaling run of
 the Trainer's strategies at 1, 2 and 4 replicas (SPMD: devices) on the CPU runtime.
+
+Native contenders (``--native`` runs only these, on ``mlp``): the Trainer with the native
+strategies of standard PyTorch on the CPU, ``native`` (one process) and ``native_ddp`` (2 processes
+over gloo), each also with ``compile=True`` (``..._compile``), against hand-written eager loops:
+``eager`` (the loop above) and ``eager_ddp`` (the loop of PyTorch's DDP tutorial:
+``torch.multiprocessing.spawn``, a gloo process group, ``DistributedDataParallel``, a
+``DistributedSampler``; 2 processes), each also with the model's forward through ``torch.compile``.
+Each process keeps a batch of 64; the figure is rank 0's CPU time per step.
 
 Every measurement is a process of its own (``--one``), run interleaved with the others and
 repeated, so that noise shows. Inside it, the steady-state rate and the CPU time per step are
@@ -60,6 +69,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONTENDERS = ["hand", "hand_foreach", "eager", "xla_native", "xla_native_per_tensor", "xla_ddp", "xla_fsdp",
               "xla_fsdp_zero2", "xla_spmd", "xla_fsdpv2", "accelerate", "hf_trainer", "hf_trainer_fsdp",
               "hf_trainer_fsdpv2"]
+#: The native strategies and the hand-written eager loops they are held to (``native_table``).
+NATIVE = ["eager", "native", "eager_compile", "native_compile", "eager_ddp", "native_ddp", "eager_ddp_compile",
+          "native_ddp_compile"]
+CONTENDERS += [c for c in NATIVE if c not in CONTENDERS]
 SPMD = ("xla_spmd", "xla_fsdpv2", "hf_trainer_fsdpv2")
 SCALING = ["xla_native", "xla_ddp", "xla_fsdp", "xla_spmd", "xla_fsdpv2"]
 HF_TRAINER = ("hf_trainer", "hf_trainer_fsdp", "hf_trainer_fsdpv2")
@@ -177,8 +190,11 @@ class Model(XModule):
         self.workload, self.foreach = workload, foreach
         self.net = make_net(workload)
 
+    def forward(self, *args, **kwargs):
+        return self.net(*args, **kwargs)
+
     def training_step(self, batch, batch_idx):
-        loss = loss_of(self.workload, self.net, batch)
+        loss = loss_of(self.workload, self, batch)  # through forward: what compile=True compiles
         self.log("loss", loss)
         return loss
 
@@ -191,8 +207,8 @@ class Probe(Callback):
     """Times the steady state between host reads (every ``log_every_n_steps``) on rank 0 and
     counts compilations and transfers over it."""
 
-    def __init__(self, warmup: int, started: float) -> None:
-        self.warmup, self.started = warmup, started
+    def __init__(self, warmup: int, started: float, xla: bool = True) -> None:
+        self.warmup, self.started, self.xla = warmup, started, xla
         self.marks: list[tuple[int, float]] = []
         self.first_step = None
         self.counts: dict[str, int] = {}
@@ -204,13 +220,16 @@ class Probe(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         step = trainer.global_step
         if step == 1:
-            _xla.wait_device_ops()  # host sync: the first step's end, compile included
+            if self.xla:
+                _xla.wait_device_ops()  # host sync: the first step's end, compile included
             self.first_step = time.time() - self.started
         if step >= self.warmup and step % trainer.log_every_n_steps == 0:  # the Trainer just read values
+            counts = {"compiles": _xla.compile_count(), "transfers": _xla.transfer_from_device_count()} \
+                if self.xla else {}
             if not self.marks:
-                self.counts = {"compiles": _xla.compile_count(), "transfers": _xla.transfer_from_device_count()}
+                self.counts = counts
             self.marks.append((step, time.perf_counter(), time.process_time()))
-            self.counts_end = {"compiles": _xla.compile_count(), "transfers": _xla.transfer_from_device_count()}
+            self.counts_end = counts
 
     def state_dict(self):
         end = getattr(self, "counts_end", self.counts)
@@ -229,9 +248,11 @@ def measure(workload: str, contender: str, steps: int, warmup: int, devices: int
     else:  # one loader per replica, each yielding `batch`
         loader = make_loader(workload, steps * devices, batch)
     started = time.time()
-    if contender in ("hand", "hand_foreach", "eager"):
-        return hand_loop(workload, loader, warmup, every, started, xla=contender != "eager",
-                         foreach=True if contender == "hand_foreach" else None)
+    if contender in ("hand", "hand_foreach", "eager", "eager_compile"):
+        return hand_loop(workload, loader, warmup, every, started, xla=not contender.startswith("eager"),
+                         foreach=True if contender == "hand_foreach" else None, compile=contender.endswith("_compile"))
+    if contender.startswith("eager_ddp"):
+        return hand_ddp(workload, loader, warmup, every, started, devices, compile=contender.endswith("_compile"))
     if contender == "accelerate":
         return accelerate_loop(workload, loader, warmup, every, started)
     if contender in HF_TRAINER:
@@ -245,9 +266,14 @@ def measure(workload: str, contender: str, steps: int, warmup: int, devices: int
         strategy = XlaFSDP(auto_wrap_policy=policy)
     elif contender == "xla_fsdpv2":
         strategy = XlaFSDPv2(auto_wrap_policy=policy)
+    elif contender.startswith("native"):
+        from xtrainer.strategies import NativeDDP, NativeSingle
+
+        strategy = (NativeDDP if contender.startswith("native_ddp") else NativeSingle)(
+            compile=contender.endswith("_compile"))
     else:
         strategy = contender.replace("_per_tensor", "")
-    probe = Probe(warmup, started)
+    probe = Probe(warmup, started, xla=not contender.startswith("native"))
     trainer = Trainer(strategy=strategy, devices=devices, max_epochs=1, log_every_n_steps=every, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_xla_health=False,
                       enable_model_summary=False, default_root_dir=os.path.join(HERE, ".runs"), callbacks=[probe])
@@ -292,10 +318,16 @@ class Marks:
 
 
 def hand_loop(workload: str, loader: DataLoader, warmup: int, every: int, started: float, xla: bool,
-              foreach: bool | None = None) -> dict:
-    """torch_xla's documented loop (``xla``), or the same loop in eager PyTorch on the CPU."""
+              foreach: bool | None = None, compile: bool = False, ddp: bool = False) -> dict:
+    """torch_xla's documented loop (``xla``), or the same loop in eager PyTorch on the CPU
+    (``compile``: the model's forward through ``torch.compile``; ``ddp``: in a process of a gloo
+    group, the model in ``DistributedDataParallel``, as PyTorch's DDP tutorial writes it)."""
     device = _xla.device() if xla else torch.device("cpu")
     net = make_net(workload).to(device)
+    if compile:  # torch.compile(net): net.compile() leaves an nn.Sequential eager (torch 2.9 skips its frame)
+        net = torch.compile(net)
+    if ddp:  # around the compiled module, as NativeDDP(compile=True) wraps it
+        net = nn.parallel.DistributedDataParallel(net)
     opt = make_optimizer(net.parameters(), foreach)
     marks = Marks(warmup, every, started, xla)
     if xla:  # the documented torch_xla loader, as a hand-written loop uses it
@@ -320,6 +352,36 @@ def hand_loop(workload: str, loader: DataLoader, warmup: int, every: int, starte
             loss.item()  # host sync: read the loss, as a training loop logs it
             marks.mark(step)
     return summarize(marks.state(uses_foreach(opt) and xla), loader.batch_size)
+
+
+def hand_ddp(workload: str, loader: DataLoader, warmup: int, every: int, started: float, processes: int,
+             compile: bool) -> dict:
+    """The DDP tutorial's loop: ``processes`` processes started by ``torch.multiprocessing.spawn``
+    over gloo, each reading its share of ``loader``'s data; rank 0's measurement."""
+    import torch.multiprocessing as mp
+
+    from xtrainer.strategies.process import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_hand_ddp_rank, args=(processes, free_port(), workload, loader, warmup, every, started, compile, results),
+             nprocs=processes, join=True)
+    return results.get()
+
+
+def _hand_ddp_rank(rank: int, processes: int, port: int, workload: str, loader: DataLoader, warmup: int, every: int,
+                   started: float, compile: bool, results) -> None:
+    import torch.distributed as dist
+    from torch.utils.data import DistributedSampler
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=processes)
+    sampler = DistributedSampler(loader.dataset, shuffle=False)
+    share = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=True)
+    out = hand_loop(workload, share, warmup, every, started, xla=False, compile=compile, ddp=True)
+    out["samples_per_s"] *= processes
+    if rank == 0:
+        results.put(out)
+    dist.destroy_process_group()
 
 
 def accelerate_loop(workload: str, loader: DataLoader, warmup: int, every: int, started: float) -> dict:
@@ -416,7 +478,10 @@ def summarize(state: dict, samples_per_step: int) -> dict:
 def run_one(workload: str, contender: str, args: argparse.Namespace, devices: int = 1) -> dict | None:
     steps, warmup = (args.steps[workload], args.warmup)
     cmd = [sys.executable, __file__, "--one", workload, contender, str(steps), str(warmup), str(devices), str(args.every)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    env = dict(os.environ)
+    if contender in NATIVE:  # one intra-op thread per process, as torchrun sets it: see native_table
+        env.setdefault("OMP_NUM_THREADS", "1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         print(f"  {workload}/{contender}/x{devices} failed:\n{done.stderr[-1500:]}", flush=True)
@@ -447,6 +512,9 @@ def main() -> None:
                         help="the Llama's attention: eager with the tokenizer's attention_mask (default), or "
                              "transformers' default sdpa without one (which reads the device every forward on XLA)")
     parser.add_argument("--no-scaling", action="store_true")
+    parser.add_argument("--native", action="store_true",
+                        help="only the native strategies and the hand-written eager loops, on mlp (or --contenders "
+                             "among them); their table replaces the native section of RESULTS.md")
     parser.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -455,9 +523,13 @@ def main() -> None:
         return
     os.environ["XTRAINER_BENCH_HF_ATTENTION"] = args.hf_attention  # read by the --one processes
     steps = {"mlp": 300, "lm": 40, "hf_llama": 60} if not args.quick else {"mlp": 120, "lm": 25, "hf_llama": 30}
+    args.steps_given = args.steps
     args.steps = steps if args.steps is None else dict.fromkeys(steps, args.steps)
     args.warmup, args.every = 10, 10
     args.repeats = 1 if args.quick else args.repeats
+    if args.native:
+        args.workloads, args.no_scaling = ["mlp"], True
+        args.contenders = [c for c in args.contenders if c in NATIVE] if args.contenders != CONTENDERS else NATIVE
     if not hf_installed():
         dropped = [c for c in args.contenders if c == "accelerate" or c in HF_TRAINER]
         print("transformers and accelerate are not installed (pip install -e '.[hf]'): skipping the hf_llama "
@@ -466,12 +538,15 @@ def main() -> None:
         args.contenders = [c for c in args.contenders if c not in dropped]
     # the ratios' references come first: the hand loop, with each AdamW path
     contenders = ["hand", "hand_foreach"] + [c for c in args.contenders if c not in ("hand", "hand_foreach")]
+    if args.native:
+        contenders = args.contenders
     results: Results = {}
     for r in range(args.repeats):
         for workload in args.workloads:
             for contender in contenders:  # interleaved: every contender once per repeat
                 if runs_on(workload, contender):
-                    record(results, (workload, contender, 1), r, run_one(workload, contender, args))
+                    devices = native_processes(contender)
+                    record(results, (workload, contender, devices), r, run_one(workload, contender, args, devices))
         if not args.no_scaling:
             for devices in (2, 4):
                 for contender in SCALING:
@@ -480,7 +555,15 @@ def main() -> None:
     with open(os.path.join(HERE, ".runs", "results.json"), "w") as f:  # every measurement, for a second look
         json.dump([{"workload": w, "contender": c, "devices": d, "repeat": r, **out}
                    for (w, c, d), runs in results.items() for r, out in runs.items()], f, indent=1)
-    write_results(results, args, contenders)
+    if args.native:
+        write_native_results(results, args)
+    else:
+        write_results(results, args, contenders)
+
+
+def native_processes(contender: str) -> int:
+    """How many processes a native contender trains on: 2 for the DDP ones, else 1."""
+    return 2 if contender in NATIVE and "_ddp" in contender else 1
 
 
 #: (workload, contender, devices) -> {repeat: measurement}
@@ -551,7 +634,7 @@ def write_results(results: Results, args: argparse.Namespace, contenders: list[s
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for contender in contenders:
             runs = results.get((workload, contender, 1))
-            if not runs:
+            if not runs or (contender in NATIVE and contender != "eager"):  # native: a table of its own
                 continue
             base = reference(results, workload, runs)
             compiles, reads = (f"{median(runs, 'compiles'):.0f}", f"{median(runs, 'transfers_per_step'):.2f}") \
@@ -568,6 +651,8 @@ def write_results(results: Results, args: argparse.Namespace, contenders: list[s
                   "(above 1: foreach costs less).", ""]
     if "hf_llama" in args.workloads:
         lines += head_to_head(results)
+    if any(key[1] in NATIVE[1:] for key in results):
+        lines += native_table(results, args)
     if any(key[2] > 1 for key in results):
         lines += ["## Scaling on the CPU runtime (mlp, samples/s over all replicas or devices)", "",
                   "| strategy | 1 | 2 | 4 | efficiency at 4 |", "| --- | ---: | ---: | ---: | ---: |"]
@@ -589,6 +674,63 @@ def write_results(results: Results, args: argparse.Namespace, contenders: list[s
         f.write("\n".join(lines))
     plot(results, args, contenders)
     print("\n".join(lines))
+
+
+NATIVE_SECTION = "## Native strategies against hand-written eager loops"
+
+
+def native_table(results: Results, args: argparse.Namespace) -> list[str]:
+    """Each native contender beside the hand-written loop it is held to, paired by repeat."""
+    lines = [NATIVE_SECTION, "",
+             f"{datetime.date.today()}; {platform.machine()} with {os.cpu_count()} cores ({platform.processor() or 'cpu'})"
+             f", Python {platform.python_version()}, torch {torch.__version__}, CPU, gloo; mlp, "
+             f"{args.steps['mlp']} steps ({args.warmup} warm-up), batch {WORKLOADS['mlp']['batch']} per process, "
+             f"{args.repeats} repeat(s), medians (ranges in brackets); "
+             f"`python benchmarks/run.py --native{' --quick' if args.quick else ''}"
+             f"{f' --steps {args.steps_given}' if args.steps_given else ''}"
+             f"{f' --repeats {args.repeats}' if args.repeats != 3 and not args.quick else ''}`.", "",
+             "*CPU ms/step*: rank 0's CPU time per step (every thread of its process) between host reads after "
+             "the warm-up. *Overhead*: the contender's CPU time over the hand loop's of the same repeat, minus 1 "
+             "(the goal: at most +3%).", "",
+             "| contender | processes | CPU ms/step | hand-written loop | its CPU ms/step | overhead (CPU) "
+             "| steps/s (wall) | first step (s) |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for contender in NATIVE:
+        if not contender.startswith("native"):
+            continue
+        n = native_processes(contender)
+        mine = results.get(("mlp", contender, n))
+        hand = contender.replace("native", "eager")
+        base = results.get(("mlp", hand, n))
+        if not mine:
+            continue
+        over = ratios(mine, base or {}, lambda run, b: run["cpu_ms_per_step"] / b["cpu_ms_per_step"] - 1)
+        spread = f" ({over[0]:+.1%} to {over[-1]:+.1%})" if len(over) > 1 else ""
+        lines.append(f"| {contender} | {n} | {median(mine, 'cpu_ms_per_step'):.2f} | {hand} "
+                     f"| {median(base, 'cpu_ms_per_step') if base else float('nan'):.2f} "
+                     f"| {f'{statistics.median(over):+.1%}{spread}' if over else 'n/a'} "
+                     f"| {median(mine, 'steps_per_s'):.1f} | {median(mine, 'first_step_s'):.1f} |")
+    return lines + [""]
+
+
+def write_native_results(results: Results, args: argparse.Namespace) -> None:
+    """The native table, in place of the native section of RESULTS.md (the rest is kept)."""
+    path = os.path.join(HERE, "RESULTS.md")
+    kept = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    if NATIVE_SECTION in kept:
+        head, _, tail = kept.partition(NATIVE_SECTION)
+        rest = tail.split("\n## ", 1)
+        kept = head + ("## " + rest[1] if len(rest) > 1 else "")
+    table = native_table(results, args)
+    marker = "\n## Scaling" if "\n## Scaling" in kept else None
+    if marker:  # before the scaling section and the findings
+        head, _, tail = kept.partition(marker)
+        text = head.rstrip("\n") + "\n\n" + "\n".join(table) + marker + tail
+    else:
+        text = kept.rstrip("\n") + "\n\n" + "\n".join(table)
+    with open(path, "w") as f:
+        f.write(text)
+    print("\n".join(table))
 
 
 def versions() -> str:
