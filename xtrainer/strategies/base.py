@@ -23,7 +23,9 @@ read), ``batches_on_device``, ``device_counters`` and ``memory_info``. The XLA s
 these to ``xtrainer._xla``; the native ones (``strategies/torch_native.py``) to PyTorch.
 
 Launching is a family of its own (``strategies.launch``), and so are the replicas' collectives
-(``strategies.collectives``), and delivering batches (``strategies.data``). Every member runs on
+(``strategies.collectives``), and delivering batches (``strategies.data``). What replicas that
+share one process need (the CPU runtime's thread replicas) strategies ask the process
+(``strategies.shared_process``), never the runtime that runs them. Every member runs on
 every replica; collectives (``collectives.reduce``, ``collectives.barrier``,
 ``collectives.broadcast``, a checkpoint save) must be entered by all replicas or they hang.
 """
