@@ -664,7 +664,7 @@ def write_results(results: Results, args: argparse.Namespace, contenders: list[s
         lines += ["", "Each replica or virtual device keeps a batch of "
                   f"{WORKLOADS['mlp']['batch']} (SPMD: the global batch grows with the devices). The replicas of the "
                   "CPU runtime are threads sharing this machine's cores, and every graph cut waits for its replica's "
-                  "execution (see `xtrainer/strategies/cpu_replicas.py`); SPMD's virtual devices share them too. "
+                  "execution (see `xtrainer/strategies/cpu_threads/`); SPMD's virtual devices share them too. "
                   "These numbers show what multi-device runs cost on a laptop, not how a TPU pod scales.", ""]
     findings = os.path.join(HERE, "FINDINGS.md")  # what was learnt from the numbers, kept across runs
     if os.path.exists(findings):

@@ -125,3 +125,76 @@ def test_no_import_cycles_beyond_type_checking_imports():
     for name in graph:
         visit(name, [])
     assert not cycles
+
+
+RUNTIME = "xtrainer.strategies.cpu_threads"  # the CPU runtime's thread replicas
+
+
+def _modules(root: str, *relative: str) -> dict[str, str]:
+    """Every module (dotted name -> path) of the files and folders ``relative`` to the package."""
+    found = {}
+    for rel in relative:
+        path = os.path.join(root, rel)
+        paths = [path] if path.endswith(".py") else [os.path.join(folder, f) for folder, _, files in os.walk(path)
+                                                     for f in files if f.endswith(".py")]
+        for p in paths:
+            found[os.path.relpath(p, os.path.dirname(root))[:-3].replace(os.sep, ".").removesuffix(".__init__")] = p
+    return found
+
+
+def _names_the_runtime(path: str, name: str) -> list[str]:
+    """Where ``path`` imports the runtime package or one of its modules (at any depth, inside
+    functions too), or names it as an attribute (``strategies.cpu_threads``)."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    short = RUNTIME.rpartition(".")[2]
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Attribute) and node.attr == short or isinstance(node, ast.Name) and node.id == short:
+            targets = [RUNTIME]
+        else:
+            continue
+        found += [f"line {node.lineno}: {t}" for t in targets if t == RUNTIME or t.startswith(RUNTIME + ".")]
+    return found
+
+
+def test_only_the_launcher_reaches_the_cpu_thread_runtime():
+    """Strategies, callbacks and the compilation cache ask the process (``shared_process``) what
+    the thread replicas change; only the launcher, which chooses the runtime, imports it."""
+    root = os.path.dirname(os.path.abspath(xtrainer.__file__))
+    runtime = _modules(root, "strategies/cpu_threads")
+    assert f"{RUNTIME}.replicas" in runtime and RUNTIME in runtime
+    checked = {name: path for name, path in _modules(root, "strategies", "callbacks", "compile_cache.py").items()
+               if name not in runtime and name != "xtrainer.strategies.launch"}
+    assert {"xtrainer.strategies.base", "xtrainer.strategies.ddp", "xtrainer.strategies.fsdp",
+            "xtrainer.strategies.shared_process", "xtrainer.callbacks.health", "xtrainer.compile_cache"} <= set(checked)
+    offenders = {name: hits for name, path in checked.items() if (hits := _names_the_runtime(path, name))}
+    assert not offenders, f"import the runtime only in strategies/launch.py; ask shared_process instead: {offenders}"
+    # The check sees an import where there is one.
+    assert _names_the_runtime(os.path.join(root, "strategies", "launch.py"), "xtrainer.strategies.launch")
+
+
+def test_the_private_torch_xla_internals_serve_only_the_cpu_thread_runtime():
+    """``_xla.py``'s last section (private torch_xla internals for the thread replicas) is called
+    from the runtime package and nowhere else."""
+    root = os.path.dirname(os.path.abspath(xtrainer.__file__))
+    source = open(os.path.join(root, "_xla.py")).read()
+    start = next(i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# Private torch_xla internals"))
+    private = {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.lineno > start}
+    assert {"replace_sync", "run_thread_per_device", "all_gather_on_channel"} <= private
+    runtime = _modules(root, "strategies/cpu_threads")
+    used = {}
+    for name, path in _modules(root, ".").items():
+        if name == "xtrainer._xla":
+            continue
+        attrs = {node.attr for node in ast.walk(ast.parse(open(path).read())) if isinstance(node, ast.Attribute)}
+        if attrs & private:
+            used[name] = sorted(attrs & private)
+    assert used and set(used) <= set(runtime), f"private torch_xla internals used outside {RUNTIME}: {used}"

@@ -190,7 +190,8 @@ class FakeTrainer:
 def test_health_figures_are_per_replica_where_one_process_runs_several(monkeypatch, capsys, threads, expected):
     from xtrainer import _xla
     from xtrainer.callbacks import health
-    from xtrainer.strategies import cpu_replicas
+    from xtrainer.strategies import shared_process
+    from xtrainer.strategies.cpu_threads.replicas import ThreadReplicas
 
     counters = {"compile_count": 0, "compile_seconds": 0.0, "execute_count": 0, "transfer_from_device_count": 0}
     for name in counters:
@@ -198,7 +199,8 @@ def test_health_figures_are_per_replica_where_one_process_runs_several(monkeypat
     monkeypatch.setattr(_xla, "memory_info", lambda: None)
     clock = iter([10.0, 11.0, 12.0])
     monkeypatch.setattr(health.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(cpu_replicas, "installed", lambda: threads)
+    # What the CPU runtime's thread replicas install in their process (two threads), or the default.
+    monkeypatch.setattr(shared_process, "_current", ThreadReplicas(2) if threads else shared_process.SharedProcess())
     trainer, callback = FakeTrainer(world_size=2), XlaHealth()
     callback.on_fit_start(trainer, None)
     # Two replicas in the process: 14 compilations, 176 transfers over 88 steps between them.

@@ -21,7 +21,7 @@ from xtrainer import Trainer, _xla
 from xtrainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from xtrainer.checkpoint import CheckpointError, consolidate
 from xtrainer.strategies import STRATEGIES, XlaFSDP, XlaSPMD
-from xtrainer.strategies.launch import ReplicaFailure
+from xtrainer.strategies.launch import CpuThreadReplicas, ReplicaFailure
 
 pytestmark = pytest.mark.multi_device
 
@@ -75,6 +75,7 @@ class Recorder(Callback):
         weights = _xla.to_cpu(trainer.strategy.full_module_state_dict(trainer.model))  # all ranks gather
         torch.save({"rank": trainer.global_rank, "world_size": trainer.world_size, "seen": self.seen,
                     "weights": weights, "global_step": trainer.global_step,
+                    "replicas_in_process": trainer.strategy.replicas_in_this_process(),
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    os.path.join(self.folder, f"rank-{trainer.global_rank}.pt"))
 
@@ -129,6 +130,10 @@ def test_replicas_agree_with_each_other_and_with_one_replica(tmp_path_factory, r
         assert torch.allclose(replicas[0]["weights"][name], tensor, atol=1e-5), name
         assert torch.equal(model.state_dict()[name], replicas[0]["weights"][name]), name  # rank 0's came back
     assert trainer.global_step == ref["global_step"] == EPOCHS * 64 // GLOBAL_BATCH // 2  # two micro-batches a step
+    # Thread replicas install what they share in their own process only; one process per replica shares nothing.
+    threads = isinstance(trainer.strategy.launcher, CpuThreadReplicas)
+    assert {r["replicas_in_process"] for r in replicas} == {devices if threads else 1}
+    assert ref["replicas_in_process"] == trainer.strategy.replicas_in_this_process() == 1  # the calling process
 
 
 @pytest.mark.parametrize("strategy, devices", CASES, ids=IDS)
@@ -161,6 +166,23 @@ def test_rank_zero_logs_and_results_come_back(tmp_path_factory):
     assert len(glob.glob(os.path.join(trainer.log_dir, "events.out.tfevents.*"))) == 1
     (saver,) = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
     assert os.path.exists(saver.best_model_path)  # the default ModelCheckpoint's state came back
+
+
+class WiderOnRankOne(Callback):
+    """Replica 1 builds its last layer with two outputs, replica 0 with one."""
+
+    def setup(self, trainer, module, stage):
+        if trainer.global_rank:
+            module.net[2] = nn.Linear(16, 2)
+
+
+def test_ddp_on_thread_replicas_starts_through_their_rendezvous_and_names_a_replica_of_other_shapes(trainer_kwargs):
+    # DDP's own start (init_sync) reads device tensors outside the thread replicas' serialised graph
+    # cut; their process starts it instead (installed when it starts), and says which replica differs.
+    trainer = Trainer(strategy="xla_ddp", devices=2, max_epochs=1, callbacks=[WiderOnRankOne()], **trainer_kwargs)
+    with pytest.raises(RuntimeError, match=r"DistributedDataParallel: replica [01] holds parameters or buffers of "
+                                           r"other shapes or dtypes than replica [01]; every replica must build"):
+        trainer.fit(Regressor(), make_loader())
 
 
 class StopOnRankOne(Callback):

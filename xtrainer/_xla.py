@@ -8,7 +8,7 @@ process has touched the runtime, so nothing here talks to a device until a funct
 It hands out functions and small classes of xtrainer's own, never torch_xla's modules. Checked
 against torch_xla 2.9 (``TORCH_XLA_VERSION`` below). Functions marked *private API* use torch_xla
 internals that may move in another release; the section at the end serves only
-``xtrainer/strategies/cpu_replicas.py``, whose recipe for several replicas on the CPU runtime
+``xtrainer/strategies/cpu_threads/``, whose recipe for several replicas on the CPU runtime
 patches and calls them.
 """
 
@@ -81,7 +81,7 @@ def device() -> torch.device:
     helpers (``rank_zero_warn``...) which rank this is."""
     dev = torch_xla.device()
     holder = getattr(rank_zero_only, "rank", None)
-    if hasattr(holder, "set"):  # one holder per thread when replicas are threads (cpu_replicas)
+    if hasattr(holder, "set"):  # a holder of one rank per thread, where replicas are threads of one process
         holder.set(xr.global_ordinal())
     else:
         rank_zero_only.rank = xr.global_ordinal()
@@ -713,7 +713,7 @@ def set_checkpoint_status(status: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Private torch_xla internals, for ``xtrainer/strategies/cpu_replicas.py`` only: the recipe that
+# Private torch_xla internals, for ``xtrainer/strategies/cpu_threads/`` only: the recipe that
 # lets several replicas run as threads of one process on the CPU runtime. Nothing else may use
 # these; they are checked against torch_xla 2.9 only (``TESTED_TORCH_XLA``).
 # --------------------------------------------------------------------------------------------

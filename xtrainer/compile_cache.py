@@ -73,8 +73,6 @@ def process_folder(root: str, replicas_in_process: int, global_rank: int, proces
 def activate(trainer: "Trainer") -> None:
     """At the start of each replica, before its first compilation: give this process its cache
     folder (or make sure it has none when the run asks for none). Host-side only."""
-    from xtrainer.strategies import cpu_replicas
-
     if not trainer.strategy.compiles_with_xla:
         _state.update(path=None, note="not used (the strategy does not compile with XLA)")
         return
@@ -87,7 +85,8 @@ def activate(trainer: "Trainer") -> None:
             _state.update(path=None, note="off" + (" (the default on the CPU runtime, which cannot load cached "
                                                    "executables)" if default_cpu else ""))
             return
-        shared = _xla.is_spmd() or cpu_replicas.installed()  # one process for the host's devices
+        # One process for the host's devices: an SPMD program, or replicas that share the process.
+        shared = _xla.is_spmd() or trainer.strategy.replicas_in_this_process() > 1
         path = process_folder(root, 2 if shared else 1, 0 if shared else _xla.global_rank(), _xla.process_index())
         current = _xla.compilation_cache_path()
         if _xla.compilation_cache_started():

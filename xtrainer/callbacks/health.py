@@ -333,11 +333,9 @@ class _Work:
 
 def replicas_in_process(trainer: "Trainer") -> int:
     """How many replicas this process runs, whose work torch_xla's process-wide counters add up:
-    every replica with thread replicas (the CPU runtime with ``devices=N``,
-    ``strategies/cpu_replicas.py``), else 1 (one process per replica, or one SPMD program)."""
-    from xtrainer.strategies import cpu_replicas
-
-    return max(1, int(trainer.world_size)) if cpu_replicas.installed() else 1
+    every replica where they are threads of one process (the CPU runtime with ``devices=N``), else
+    1 (one process per replica, or one SPMD program)."""
+    return trainer.strategy.replicas_in_this_process()
 
 
 def summary_line(totals: dict[str, Any]) -> str:

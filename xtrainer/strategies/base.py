@@ -23,7 +23,9 @@ read), ``batches_on_device``, ``device_counters`` and ``memory_info``. The XLA s
 these to ``xtrainer._xla``; the native ones (``strategies/torch_native.py``) to PyTorch.
 
 Launching is a family of its own (``strategies.launch``), and so are the replicas' collectives
-(``strategies.collectives``), and delivering batches (``strategies.data``). Every member runs on
+(``strategies.collectives``), and delivering batches (``strategies.data``). What replicas that
+share one process need (the CPU runtime's thread replicas) strategies ask the process
+(``strategies.shared_process``), never the runtime that runs them. Every member runs on
 every replica; collectives (``collectives.reduce``, ``collectives.barrier``,
 ``collectives.broadcast``, a checkpoint save) must be entered by all replicas or they hang.
 """
@@ -44,7 +46,7 @@ from xtrainer.checkpoint import layout as ckpt_layout
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.whole import WholeFile
 from xtrainer.precision import Precision
-from xtrainer.strategies import cpu_replicas, launch
+from xtrainer.strategies import launch, shared_process
 from xtrainer.strategies.collectives import Collectives, XlaReplicas
 from xtrainer.strategies.data import DeviceData, _plain_random, distribute_dataloader
 from xtrainer.suggest import did_you_mean
@@ -87,8 +89,8 @@ class Strategy(abc.ABC):
     @property
     def launcher(self) -> launch.Launcher:
         """How ``fit`` runs in every replica (``strategies.launch``): in the calling process with
-        one device; with more, as threads of one new process on the CPU runtime
-        (``cpu_replicas``), or started by ``torch_xla.launch`` (one process per device on TPU)."""
+        one device; with more, as threads of one new process on the CPU runtime, or started by
+        ``torch_xla.launch`` (one process per device on TPU)."""
         return launch.for_replicas(self.devices)
 
     def setup_environment(self) -> None:
@@ -130,6 +132,13 @@ class Strategy(abc.ABC):
         """This replica's host among all of them (0 before ``setup_environment()``)."""
         return self.collectives.node_rank
 
+    def replicas_in_this_process(self) -> int:
+        """How many replicas this process runs, sharing its counters, caches and CPU random
+        generator: 1, unless the runtime that started them runs several as threads of one process
+        (``strategies.shared_process``). Known from the replica's start, before
+        ``setup_environment()``."""
+        return shared_process.current().replicas()
+
     # ---- the module and the optimizers -------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move ``module`` to the device (in the strategy's precision) and wrap it.
@@ -146,8 +155,8 @@ class Strategy(abc.ABC):
     def _replica_random_state(self) -> Iterator[None]:
         """In a launched replica: torch's CPU random state as the calling process had it at launch,
         so that every replica builds the same layers (replicas start from copies of one module;
-        only ``configure_model()`` creates weights in the replicas). Replicas that are threads
-        share one generator and take turns.
+        only ``configure_model()`` creates weights in the replicas). Replicas that share this
+        process share one generator and take turns (``shared_process``).
 
         Rank 0's weights are not broadcast instead: writing into parameters on the device before
         ``XlaFullyShardedDataParallel`` wraps them makes it train wrongly (torch_xla 2.9).
@@ -156,7 +165,7 @@ class Strategy(abc.ABC):
         if rng_state is None:
             yield
             return
-        with cpu_replicas.construction_lock(), torch.random.fork_rng(devices=[]):
+        with shared_process.current().construction_lock(), torch.random.fork_rng(devices=[]):
             torch.set_rng_state(rng_state)
             yield
 

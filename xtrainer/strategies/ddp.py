@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from xtrainer._lazy_xla import xla as _xla
-from xtrainer.strategies import cpu_replicas
+from xtrainer.strategies import shared_process
 from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
 from xtrainer.strategies.process import free_port
 
@@ -66,15 +66,8 @@ class XlaDDP(Strategy):
         if _xla.device_type() == "CPU":
             kwargs.setdefault("bucket_cap_mb", _PER_PARAMETER_BUCKETS_MB)
         module = super().setup_module(module)
-        if not (cpu_replicas.installed() and kwargs.get("init_sync", True)):
-            return DistributedDataParallel(module, **kwargs)
-        # Thread replicas: DDP's start-up reads XLA tensors outside the serialised graph cut.
-        wrapped = DistributedDataParallel(module, **kwargs, init_sync=False)
-        states = [p for name, p in module.named_parameters() if name not in wrapped.parameters_to_ignore]
-        if wrapped.broadcast_buffers:
-            states += [b for name, b in module.named_buffers() if name not in wrapped.parameters_to_ignore]
-        cpu_replicas.start_ddp(states)
-        return wrapped
+        # DistributedDataParallel(module, **kwargs), started as this process's replicas can.
+        return shared_process.current().wrap_ddp(module, kwargs)
 
     def manual_backward(self, wrapped: nn.Module, loss: Any, *args: Any, **kwargs: Any) -> None:
         """DDP's reducer is armed once per forward; manual optimization may run several backward

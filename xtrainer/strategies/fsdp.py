@@ -234,7 +234,7 @@ def _checkpoint_status_per_thread() -> None:
     torch_xla keeps one module-level flag, set while a checkpointed unit recomputes its forward in
     backward, and FSDP's pre-backward hook skips gathering a unit's parameters while it is set
     (``XlaFullyShardedDataParallel._pre_backward_hook``). The CPU runtime's replicas are threads
-    of one process (``cpu_replicas``): one replica's recompute then made another skip its gather
+    of one process (``cpu_threads``): one replica's recompute then made another skip its gather
     and recompute against freed parameters ("Cannot infer shape for dot operation: f32[8,8] <dot>
     f32[1]") with any model at 2 or more replicas. One flag per thread keeps each replica's to
     itself; one process per device (a TPU host) behaves as before."""

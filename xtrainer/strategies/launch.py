@@ -5,7 +5,7 @@ A strategy picks one as its ``launcher``:
 - ``InCaller``: one device; ``fit`` runs in the calling process.
 - ``XlaLaunch``: ``torch_xla.launch``, one process per device (TPU and other PJRT devices).
 - ``CpuThreadReplicas``: several replicas on the CPU runtime, as threads of one new process
-  (``cpu_replicas``).
+  (the ``cpu_threads`` package; this is the one module that imports it).
 - ``SpmdProcess``: one SPMD program in one new process (``process``), for ``XlaSPMD``.
 
 Each has ``launch(fn, *args)``, ``planned_world_size()`` and ``runs_in_caller``. Started replicas
@@ -35,7 +35,7 @@ import torch
 from xtrainer import interrupts
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.interrupts import TrainingInterrupted
-from xtrainer.strategies import cpu_replicas
+from xtrainer.strategies import cpu_threads, shared_process
 from xtrainer.strategies.process import run_in_new_process
 
 
@@ -143,16 +143,16 @@ class XlaLaunch(_StartedReplicas):
 
 
 class CpuThreadReplicas(_StartedReplicas):
-    """Several replicas on the CPU runtime: threads of one new process (``cpu_replicas``)."""
+    """Several replicas on the CPU runtime: threads of one new process (``cpu_threads``)."""
 
     def start(self, job: Callable[[], None]) -> int:
-        return cpu_replicas.launch(job, self.devices)
+        return cpu_threads.launch(job, self.devices)
 
     def explain_crash(self, exitcode: int) -> str:
         if exitcode not in (-signal.SIGABRT, -signal.SIGSEGV):
             return ""
         return (f" Most likely: on the CPU runtime XLA aborts the process when a replica waits more than "
-                f"{cpu_replicas.XLA_COLLECTIVE_WAIT_SECONDS} s at a collective for another one, e.g. one replica doing "
+                f"{cpu_threads.XLA_COLLECTIVE_WAIT_SECONDS} s at a collective for another one, e.g. one replica doing "
                 "long host work alone in a hook (a plot, a sample, a breakpoint) or only some replicas reaching a "
                 "collective. Do such work on every replica or keep it short, or run it with devices=1.")
 
@@ -184,7 +184,7 @@ def for_replicas(devices: int | None) -> Launcher:
     on the CPU runtime, ``torch_xla.launch`` elsewhere."""
     if devices == 1:
         return InCaller(devices)
-    if cpu_replicas.applies(devices):
+    if cpu_threads.applies(devices):
         return CpuThreadReplicas(devices)
     return XlaLaunch(devices)
 
@@ -273,8 +273,8 @@ class _ReplicaJob:
         fn, args = self.fn, self.args
         _current.rng_state = self.rng_state
         try:
-            if cpu_replicas.installed():
-                # Replicas are threads of one process: each needs its own trainer, module and
+            if shared_process.current().replicas() > 1:
+                # Replicas share this process (threads): each needs its own trainer, module and
                 # strategy, as separate processes would have.
                 with self._copy_lock:
                     fn, args = copy.deepcopy((fn, args))
