@@ -75,7 +75,7 @@ class ThreadReplicas(shared_process.SharedProcess):
         done by ``start_ddp`` instead."""
         if not kwargs.get("init_sync", True):
             return DistributedDataParallel(module, **kwargs)
-        wrapped = DistributedDataParallel(module, **kwargs, init_sync=False)
+        wrapped = DistributedDataParallel(module, **{**kwargs, "init_sync": False})
         states = [p for name, p in module.named_parameters() if name not in wrapped.parameters_to_ignore]
         if wrapped.broadcast_buffers:
             states += [b for name, b in module.named_buffers() if name not in wrapped.parameters_to_ignore]
