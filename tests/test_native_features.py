@@ -149,28 +149,6 @@ def test_a_checkpoint_resumes_under_another_native_strategy(tmp_path, one_proces
 
 
 # ---------------------------------------------------------------------------------------------
-# The examples from the command line.
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.multi_device
-@pytest.mark.parametrize("example, needs", [("digits", "sklearn"), ("tiny_llama", "transformers")])
-def test_the_examples_run_under_native_ddp_on_two_processes_from_the_cli(tmp_path, example, needs):
-    """``xtrainer fit --config examples/NAME.yaml trainer.strategy=native_ddp trainer.devices=2``
-    with a few steps: exit 0, a checkpoint written by two processes of native_ddp."""
-    pytest.importorskip(needs)
-    from xtrainer.checkpoint.layout import verify
-
-    exe = os.path.join(os.path.dirname(sys.executable), "xtrainer")
-    run = subprocess.run([exe, "fit", "--config", f"examples/{example}.yaml", "trainer.strategy=native_ddp",
-                          "trainer.devices=2", "trainer.max_steps=2", "trainer.limit_val_batches=1",
-                          f"trainer.default_root_dir={tmp_path}"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
-    assert run.returncode == 0, run.stderr[-3000:]
-    header = verify(os.path.join(tmp_path, "version_0", "checkpoints", "last.ckpt"))
-    assert (header.strategy, header.world_size, header.global_step) == ("native_ddp", 2, 2)
-
-
-# ---------------------------------------------------------------------------------------------
 # Attacks.
 # ---------------------------------------------------------------------------------------------
 def _script(*args: str) -> subprocess.CompletedProcess:
