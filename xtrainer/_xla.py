@@ -266,7 +266,10 @@ class DeviceBatches:
         if getattr(self.loader, "read_in_calling_thread", False):
             yield from self._in_calling_thread()
             return
-        host = _HostBatches(self.loader, watch=True)
+        # Not watched (DataOnDevice(cut=False) costs about 1 ms of CPU per 64-sample batch, every
+        # op of the dataset and the collate intercepted): a dataset that runs the model is read
+        # in the calling thread instead (read_in_calling_thread), where its graphs are counted.
+        host = _HostBatches(self.loader)
         parallel = _parallel_loader.ParallelLoader(host, [self.device], batches_per_execution=sys.maxsize,
                                                    input_sharding=self.input_sharding)
         try:
