@@ -97,6 +97,16 @@ class Results:
             entry.total = _combine(reduce_fx, entry.total, weighted)
             entry.weight += weight
 
+    def log_loss(self, name: str, loss: torch.Tensor) -> None:
+        """The loop's own per-step value of the training loss (a scalar tensor): ``log`` without
+        the checks a user's value needs, once its entry exists."""
+        entry = self.entries.get(name)
+        if entry is None:
+            self.log(name, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False, reduce_fx="mean",
+                     batch_size=None)
+        else:
+            entry.last = loss.detach().float()
+
     def _log_metric(self, name: str, metric: Any, on_step: bool | None, on_epoch: bool | None, prog_bar: bool,
                     logger: bool, add_dataloader_idx: bool) -> None:
         """A torchmetrics ``Metric`` logged by object, with Lightning's meaning: per step, the value

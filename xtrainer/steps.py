@@ -82,7 +82,7 @@ def training_loss(outputs: Any) -> torch.Tensor:
     if not loss.requires_grad:
         raise ValueError("training_step returned a loss that does not require grad: it is detached from the "
                          "model's parameters (was it computed under torch.no_grad(), or with .detach()?).")
-    return loss.reshape(())
+    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def positional_count(method: Any) -> int:

@@ -128,8 +128,7 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
         outputs = trainer.model("train", batch, batch_idx)  # forward: the module's training_step
         loss = training_loss(outputs)
         trainer._publisher.observe_loss(loss)  # the non-finite check, on the device
-        results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
-                    reduce_fx="mean", batch_size=None)
+        results.log_loss(LOSS_KEY, loss)
         if trainer.accumulate_grad_batches > 1:
             loss = loss / trainer.accumulate_grad_batches
         trainer._call("on_before_backward", loss)

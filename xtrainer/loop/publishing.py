@@ -35,25 +35,31 @@ _NONFINITE_KEY = "xtrainer/first_nonfinite_step"
 class NonFiniteWatch:
     """The global step of the first non-finite training loss, tracked on the device.
 
-    Updated inside every step's graph (no host sync); read with the logged values. Its numbers
-    are device tensors of shape (1,), uploaded once, so the step's graph never changes.
+    Three small ops per step and no host sync: each loss clears ``ok`` if it is NaN or infinite,
+    and each optimizer step adds ``ok`` to ``steps_ok``, which therefore stops counting at the
+    step whose loss was first bad. ``first()``, read with the logged values, turns the two into
+    that step's number. The state is made on the device once and updated in place, so the step's
+    graph never changes.
     """
 
     NEVER = 2**62
 
     def __init__(self, device: torch.device, global_step: int) -> None:
-        self.first = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
+        self.ok = torch.ones((), dtype=torch.bool).to(device)
+        self.steps_ok = torch.zeros((), dtype=torch.int64).to(device)
+        self.start = torch.tensor([global_step], dtype=torch.int64).to(device)
         self.never = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
-        self.step = torch.tensor([global_step], dtype=torch.int64).to(device)
-        self.one = torch.tensor([1], dtype=torch.int64).to(device)
         self.reported = False
 
     def observe(self, loss: torch.Tensor) -> None:
-        bad = ~torch.isfinite(loss.detach().reshape(1))
-        self.first = torch.minimum(self.first, torch.where(bad, self.step, self.never))
+        self.ok.logical_and_(torch.isfinite(loss))  # a bool result: nothing for autograd to record
 
     def stepped(self) -> None:
-        self.step = self.step + self.one
+        self.steps_ok.add_(self.ok)
+
+    def first(self) -> torch.Tensor:
+        """The first bad step (shape (1,)), or ``NEVER``; computed where it is read."""
+        return torch.where(self.ok, self.never, self.start + self.steps_ok)
 
 
 class Publisher:
@@ -102,7 +108,7 @@ class Publisher:
         shares_stop = trainer.world_size > 1 and trainer.state == "fit"
         watched = check_loss and self.watch is not None
         if watched:
-            tensors = {**tensors, _NONFINITE_KEY: trainer.strategy.collectives.reduce(self.watch.first, "min")}
+            tensors = {**tensors, _NONFINITE_KEY: trainer.strategy.collectives.reduce(self.watch.first(), "min")}
         stop = trainer.strategy.collectives.any_replica(trainer.should_stop) if shares_stop else False
         if isinstance(stop, torch.Tensor):  # rides along with the values read
             tensors = {**tensors, _STOP_KEY: stop}
@@ -163,7 +169,7 @@ class Publisher:
             return None
         if self._checked_step != trainer.global_step:
             with trainer.strategy.rng_state_kept():  # whether a run checks or not, it draws the same numbers
-                first = int(trainer.strategy.to_cpu(self.watch.first)[0])  # host sync: before a save only
+                first = int(trainer.strategy.to_cpu(self.watch.first())[0])  # host sync: before a save only
                 if trainer.world_size > 1:
                     first = min(trainer.strategy.collectives.all_gather_object(first))
             self._checked_step, self._first_bad = trainer.global_step, first
