@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from xtrainer.results import REDUCE_FXS, Results, batch_size, to_floats
+from xtrainer.loop.results import REDUCE_FXS, Results, batch_size, to_floats
 
 
 def no_reduce(tensor, op):

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import arguments, goodput, interrupts, loaders
+from xtrainer import arguments, goodput, interrupts
+from xtrainer.loop import loaders
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
 from xtrainer.datamodule import XDataModule
@@ -23,14 +24,14 @@ from xtrainer.loop.checkpoints import seed_everything
 from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.publishing import Publisher
 from xtrainer.loop.state import LoopState
-from xtrainer.metric_values import MetricValues
+from xtrainer.loop.metric_values import MetricValues
 from xtrainer.module import XModule
 from xtrainer.optim import SchedulerConfig
 from xtrainer.precision import Precision
 from xtrainer.redaction import redact
-from xtrainer.results import Results
+from xtrainer.loop.results import Results
 from xtrainer.settings import TrainerSettings
-from xtrainer.steps import check_eval_step, check_module
+from xtrainer.loop.steps import check_eval_step, check_module
 from xtrainer.strategies import Strategy, resolve_strategy
 from xtrainer.strategies.launch import SpmdProcess
 from xtrainer.suggest import did_you_mean

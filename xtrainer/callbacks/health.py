@@ -10,7 +10,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from xtrainer import compile_cache, flops
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks.base import Callback
-from xtrainer.results import batch_size
+from xtrainer.loop.results import batch_size
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule

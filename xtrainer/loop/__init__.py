@@ -6,6 +6,13 @@
   optimization).
 - ``evaluation.py``: validation, test, predict and the sanity check.
 - ``publishing.py``: the one place logged values reach the host, and the epoch ends.
+- ``steps.py``: what the module must have, and the dispatcher that calls its ``*_step`` methods
+  inside the strategy's wrappers; the training loss.
+- ``results.py``: values logged with ``self.log``, accumulated on the device;
+  ``metric_values.py``: ``callback_metrics`` as Lightning's tensors; ``metric_sync.py``: an
+  explicit ``metric.compute()`` synced through the strategy.
+- ``loaders.py``: where a run's data comes from (given loaders, a data module, the module's
+  hooks), ``limit_*_batches``, reloading.
 - ``checkpoints.py``: what a fit saves (the checkpoint's dict) and how it continues from one;
   the files themselves are ``xtrainer.checkpoint``'s.
 """

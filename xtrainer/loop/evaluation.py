@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xtrainer.loop.publishing import end_epoch
-from xtrainer.results import Results, batch_size
+from xtrainer.loop.results import Results, batch_size
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer

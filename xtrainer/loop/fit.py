@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xtrainer import interrupts, loaders
+from xtrainer import interrupts
+from xtrainer.loop import loaders
 from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop.publishing import LOSS_KEY, end_epoch
-from xtrainer.results import batch_size
-from xtrainer.steps import training_loss
+from xtrainer.loop.results import batch_size
+from xtrainer.loop.steps import training_loss
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer

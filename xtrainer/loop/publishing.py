@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer.results import to_floats
+from xtrainer.loop.results import to_floats
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer

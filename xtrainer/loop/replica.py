@@ -7,13 +7,14 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
-from xtrainer import compile_cache, interrupts, loaders, metric_sync
+from xtrainer import compile_cache, interrupts
+from xtrainer.loop import loaders, metric_sync
 from xtrainer.checkpoint import background as ckpt_background
 from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop import fit as fit_loop
 from xtrainer.loop.optimization import Optimization
-from xtrainer.results import Results
-from xtrainer.steps import StepDispatcher
+from xtrainer.loop.results import Results
+from xtrainer.loop.steps import StepDispatcher
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
