@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -513,8 +514,9 @@ def main() -> None:
                              "transformers' default sdpa without one (which reads the device every forward on XLA)")
     parser.add_argument("--no-scaling", action="store_true")
     parser.add_argument("--native", action="store_true",
-                        help="only the native strategies and the hand-written eager loops, on mlp (or --contenders "
-                             "among them); their table replaces the native section of RESULTS.md")
+                        help="only the native strategies and the hand-written eager loops, on mlp and lm (or "
+                             "--workloads, --contenders among them); their table replaces the native section of "
+                             "RESULTS.md")
     parser.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -528,7 +530,9 @@ def main() -> None:
     args.warmup, args.every = 10, 10
     args.repeats = 1 if args.quick else args.repeats
     if args.native:
-        args.workloads, args.no_scaling = ["mlp"], True
+        args.no_scaling = True
+        if args.workloads == list(WORKLOADS):  # not given: the smallest step, where the loop's own cost shows, and lm
+            args.workloads = ["mlp", "lm"]
         args.contenders = [c for c in args.contenders if c in NATIVE] if args.contenders != CONTENDERS else NATIVE
     if not hf_installed():
         dropped = [c for c in args.contenders if c == "accelerate" or c in HF_TRAINER]
@@ -683,30 +687,32 @@ def native_table(results: Results, args: argparse.Namespace) -> list[str]:
     """Each native contender beside the hand-written loop it is held to, paired by repeat."""
     lines = [NATIVE_SECTION, "",
              f"{datetime.date.today()}; {platform.machine()} with {os.cpu_count()} cores ({platform.processor() or 'cpu'})"
-             f", Python {platform.python_version()}, torch {torch.__version__}, CPU, gloo; mlp, "
-             f"{args.steps['mlp']} steps ({args.warmup} warm-up), batch {WORKLOADS['mlp']['batch']} per process, "
-             f"{args.repeats} repeat(s), medians (ranges in brackets); "
+             f", Python {platform.python_version()}, torch {torch.__version__}, CPU, gloo; "
+             + ", ".join(f"{w} {args.steps[w]} steps, batch {WORKLOADS[w]['batch']} per process"
+                         for w in args.workloads)
+             + f" ({args.warmup} warm-up), {args.repeats} repeat(s), medians (ranges in brackets); "
              f"`python benchmarks/run.py --native{' --quick' if args.quick else ''}"
+             f"{' --workloads ' + ' '.join(args.workloads) if args.workloads != ['mlp', 'lm'] else ''}"
              f"{f' --steps {args.steps_given}' if args.steps_given else ''}"
              f"{f' --repeats {args.repeats}' if args.repeats != 3 and not args.quick else ''}`.", "",
              "*CPU ms/step*: rank 0's CPU time per step (every thread of its process) between host reads after "
              "the warm-up. *Overhead*: the contender's CPU time over the hand loop's of the same repeat, minus 1 "
              "(the goal: at most +3%).", "",
-             "| contender | processes | CPU ms/step | hand-written loop | its CPU ms/step | overhead (CPU) "
+             "| workload | contender | processes | CPU ms/step | hand-written loop | its CPU ms/step | overhead (CPU) "
              "| steps/s (wall) | first step (s) |",
-             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
-    for contender in NATIVE:
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for workload, contender in itertools.product(args.workloads, NATIVE):
         if not contender.startswith("native"):
             continue
         n = native_processes(contender)
-        mine = results.get(("mlp", contender, n))
+        mine = results.get((workload, contender, n))
         hand = contender.replace("native", "eager")
-        base = results.get(("mlp", hand, n))
+        base = results.get((workload, hand, n))
         if not mine:
             continue
         over = ratios(mine, base or {}, lambda run, b: run["cpu_ms_per_step"] / b["cpu_ms_per_step"] - 1)
         spread = f" ({over[0]:+.1%} to {over[-1]:+.1%})" if len(over) > 1 else ""
-        lines.append(f"| {contender} | {n} | {median(mine, 'cpu_ms_per_step'):.2f} | {hand} "
+        lines.append(f"| {workload} | {contender} | {n} | {median(mine, 'cpu_ms_per_step'):.2f} | {hand} "
                      f"| {median(base, 'cpu_ms_per_step') if base else float('nan'):.2f} "
                      f"| {f'{statistics.median(over):+.1%}{spread}' if over else 'n/a'} "
                      f"| {median(mine, 'steps_per_s'):.1f} | {median(mine, 'first_step_s'):.1f} |")
