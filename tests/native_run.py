@@ -3,6 +3,7 @@ runs that need their own processes (torchrun, signals)::
 
     python native_run.py --strategy native_ddp --devices 2 --root ROOT --out OUT.pt [--ckpt last]
         [--steps N] [--global-batch B] [--pause SECONDS] [--ready FILE] [--clip V [--clip-algorithm value]]
+        [--compile]
 
 The data and the weights are small integers and dyadic fractions, computed in float64, so that
 every sum in a step is exact: a step over one global batch gives the same bits however the batch
@@ -175,11 +176,18 @@ def main() -> None:
     parser.add_argument("--ready", default=None)
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--clip-algorithm", default="norm")
+    parser.add_argument("--compile", action="store_true", help="the step's forward through torch.compile")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", args.devices))
     clip = {"gradient_clip_val": args.clip, "gradient_clip_algorithm": args.clip_algorithm} if args.clip else {}
     try:
-        trainer, model = fit(args.strategy, args.devices, args.root, args.steps, args.global_batch, args.ckpt,
+        strategy = args.strategy
+        if args.compile:
+            from xtrainer.strategies import NativeDDP, NativeFSDP, NativeSingle
+
+            strategy = {"native": NativeSingle, "native_ddp": NativeDDP, "native_fsdp": NativeFSDP}[strategy](
+                compile=True)
+        trainer, model = fit(strategy, args.devices, args.root, args.steps, args.global_batch, args.ckpt,
                              args.pause, args.ready, world_size=world_size, **clip)
     except TrainingInterrupted as err:
         sys.exit(err.exit_code)

@@ -20,6 +20,10 @@ replica, before anything is compiled. A process that compiled before its run sta
 session, a notebook's second fit with another folder) cannot switch to another cache: the health
 summary says so.
 
+The native strategies (``compile=True``) compile with torch.compile, whose Inductor keeps its own
+on-disk caches: ``_activate_inductor`` points them at ``<runs root>/inductor_cache/rank_<k>``
+(or the folder given) the same way, and the summary counts Inductor's cache hits.
+
 **The XLA CPU runtime writes the cache but cannot load it.** torch_xla 2.9's
 ``PjRtComputationClient::DeserializeComputation`` asks the PJRT client for
 ``DeserializeExecutable``; the CPU client of the XLA it ships (``xla::PjRtCpuClient``) implements
@@ -48,6 +52,9 @@ _lock = threading.Lock()
 _MARK = "XTRAINER_COMPILATION_CACHE"
 #: What ``activate`` did in this process: ``{"path": ..., "note": ...}``.
 _state: dict[str, Any] = {}
+#: torch.compile's (Inductor's) cache folder, for the native strategies; set with ``_INDUCTOR_MARK``
+#: when xtrainer chose it, as above.
+_INDUCTOR, _INDUCTOR_MARK = "TORCHINDUCTOR_CACHE_DIR", "XTRAINER_INDUCTOR_CACHE"
 
 
 def folder_for(setting: Any, runs_root: str) -> str | None:
@@ -74,7 +81,7 @@ def activate(trainer: "Trainer") -> None:
     """At the start of each replica, before its first compilation: give this process its cache
     folder (or make sure it has none when the run asks for none). Host-side only."""
     if not trainer.strategy.compiles_with_xla:
-        _state.update(path=None, note="not used (the strategy does not compile with XLA)")
+        _activate_inductor(trainer)
         return
     root = folder_for(trainer.settings.compilation_cache, trainer._runs_root)
     with _lock:
@@ -102,6 +109,42 @@ def activate(trainer: "Trainer") -> None:
         _state.update(path=path, note="")
 
 
+def _activate_inductor(trainer: "Trainer") -> None:
+    """The native strategies: torch.compile's own on-disk caches (Inductor's compiled graphs,
+    AOTAutograd's and the kernels) go to ``<runs root>/inductor_cache/rank_<k>`` (or the folder
+    given), so that a restart on a machine with a fresh temporary folder (a preemptible VM) finds
+    them. Inductor reads ``TORCHINDUCTOR_CACHE_DIR`` at every lookup; one the user set is kept.
+    ``compilation_cache=False`` leaves Inductor its default folder under the temporary folder."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    setting = trainer.settings.compilation_cache
+    given = os.environ.get(_INDUCTOR)
+    with _lock:
+        if given and given != os.environ.get(_INDUCTOR_MARK) and given != default_cache_dir():
+            _state.update(path=given, note="")  # the user's own, from the environment
+            return
+        if setting is False:
+            if given and given == os.environ.get(_INDUCTOR_MARK):  # ours, from an earlier run in this process
+                os.environ.pop(_INDUCTOR, None)
+            _state.update(path=None, note="off (torch.compile keeps its own cache in the temporary folder)")
+            return
+        root = (os.path.join(trainer._runs_root, "inductor_cache") if setting in (None, True)
+                else os.path.abspath(os.path.expanduser(os.fspath(setting))))
+        path = process_folder(root, 1, trainer.strategy.global_rank, 0)
+        os.environ[_INDUCTOR] = os.environ[_INDUCTOR_MARK] = path
+        _state.update(path=path, note="")
+
+
+def inductor_counts() -> dict[str, int]:
+    """Inductor's cache lookups in this process so far: graphs loaded from its cache (``hits``)
+    and compiled (``misses``); nothing found unloadable is counted apart (``unloadable``: 0)."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {"hits": int(inductor["fxgraph_cache_hit"]), "misses": int(inductor["fxgraph_cache_miss"]),
+            "unloadable": 0}
+
+
 def describe(before: dict[str, int], after: dict[str, int]) -> tuple[dict[str, Any], str]:
     """The cache's figures between two ``_xla.persistent_cache_counts()`` and one sentence for
     the summary, which says plainly when nothing was loaded from it."""
@@ -113,6 +156,8 @@ def describe(before: dict[str, int], after: dict[str, int]) -> tuple[dict[str, A
         return figures, f"compilation cache {note}"
     hits, misses, unloadable = counts["hits"], counts["misses"], counts["unloadable"]
     lookups = hits + misses + unloadable
+    if not lookups:
+        return figures, f"compilation cache {path}: nothing was compiled in this fit"
     text = f"compilation cache {path}: {hits} of {lookups} graphs loaded"
     if unloadable:
         text += (f"; {unloadable} found but NOT loadable (compiled again: "

@@ -72,7 +72,8 @@ class Trainer:
             logged values (every ``log_every_n_steps`` and at epoch ends): no extra host sync,
             so training may run up to that many steps past the first bad loss before stopping.
         compilation_cache: keep compiled graphs on disk for restarts (``xtrainer/compile_cache.py``):
-            None (on where the runtime can load them: not the CPU runtime), True, False or a folder.
+            None (on where the runtime can load them: not the XLA CPU runtime; torch.compile's
+            cache under the native strategies is on everywhere), True, False or a folder.
         hang_timeout, exit_on_hang: when no training step finishes for ``hang_timeout`` seconds
             (``"auto"``: a multiple of the median step, at least minutes; None: never), write every
             thread's Python stack to the log and the run folder, and with ``exit_on_hang`` end the

@@ -248,8 +248,8 @@ def _data_counters(trainer: "Trainer") -> dict[str, float]:
 
 
 def _cache_counts(trainer: "Trainer") -> dict[str, int]:
-    """The persistent compilation cache's counters (none for a strategy that does not compile with XLA)."""
-    return _xla.persistent_cache_counts() if trainer.strategy.compiles_with_xla else {}
+    """The persistent compilation cache's counters: XLA's, or torch.compile's (Inductor's)."""
+    return _xla.persistent_cache_counts() if trainer.strategy.compiles_with_xla else compile_cache.inductor_counts()
 
 
 class _Work:
