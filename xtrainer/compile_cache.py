@@ -115,7 +115,11 @@ def _activate_inductor(trainer: "Trainer") -> None:
     given), so that a restart on a machine with a fresh temporary folder (a preemptible VM) finds
     them. Inductor reads ``TORCHINDUCTOR_CACHE_DIR`` at every lookup; one the user set is kept.
     ``compilation_cache=False`` leaves Inductor its default folder under the temporary folder."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # a private module of torch's: where it moved, any folder set is taken as the user's
+        def default_cache_dir() -> str:
+            return ""
 
     setting = trainer.settings.compilation_cache
     given = os.environ.get(_INDUCTOR)
