@@ -3,7 +3,7 @@ runs that need their own processes (torchrun, signals)::
 
     python native_run.py --strategy native_ddp --devices 2 --root ROOT --out OUT.pt [--ckpt last]
         [--steps N] [--global-batch B] [--pause SECONDS] [--ready FILE] [--clip V [--clip-algorithm value]]
-        [--compile]
+        [--compile] [--layers] [--after-fit]
 
 The data and the weights are small integers and dyadic fractions, computed in float64, so that
 every sum in a step is exact: a step over one global batch gives the same bits however the batch
@@ -177,11 +177,19 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--clip-algorithm", default="norm")
     parser.add_argument("--compile", action="store_true", help="the step's forward through torch.compile")
+    parser.add_argument("--layers", action="store_true",
+                        help="native_fsdp: shard each Block apart and recompute its activations in backward")
+    parser.add_argument("--after-fit", action="store_true",
+                        help="use the module after the fit (forward, validate, save_checkpoint): into OUT.pt")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", args.devices))
     clip = {"gradient_clip_val": args.clip, "gradient_clip_algorithm": args.clip_algorithm} if args.clip else {}
     try:
         strategy = args.strategy
+        if args.layers:
+            from xtrainer.strategies import NativeFSDP
+
+            strategy = NativeFSDP(auto_wrap_policy={Block}, activation_checkpointing=True)
         if args.compile:
             from xtrainer.strategies import NativeDDP, NativeFSDP, NativeSingle
 
@@ -192,9 +200,20 @@ def main() -> None:
     except TrainingInterrupted as err:
         sys.exit(err.exit_code)
     weights = whole_weights(model)
+    after = after_fit(trainer, model, args.root) if args.after_fit else {}
     if trainer.is_global_zero:
         torch.save({"weights": weights, "global_step": trainer.global_step, "world_size": trainer.world_size,
-                    "log_dir": trainer.log_dir}, args.out)
+                    "log_dir": trainer.log_dir, **after}, args.out)
+
+
+def after_fit(trainer: Trainer, model: XModule, root: str) -> dict:
+    """What a script does with its module after ``fit`` (every process): the parameters' types and
+    names, a forward pass, ``validate``, and ``save_checkpoint`` (``ROOT/after.ckpt``)."""
+    found = {"param_types": sorted({type(p).__name__ for p in model.parameters()}),
+             "keys": list(model.state_dict()), "forward": model(torch.ones(2, FEATURES, dtype=torch.float64)).detach()}
+    found["validate"] = trainer.validate(model, DataLoader(make_data(), batch_size=8))
+    trainer.save_checkpoint(os.path.join(root, "after.ckpt"))
+    return found
 
 
 if __name__ == "__main__":

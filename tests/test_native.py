@@ -161,12 +161,25 @@ def test_sigterm_stops_both_processes_at_one_step_and_the_run_resumes_bitwise(tm
 def test_torchrun_runs_each_replica_in_place(tmp_path, one_process):
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                           os.path.join(HERE, "native_run.py"), "--strategy", "native_fsdp", "--devices", "1",
-                          "--steps", str(STEPS), "--root", str(tmp_path), "--out", str(tmp_path / "out.pt")],
+                          "--steps", str(STEPS), "--root", str(tmp_path), "--out", str(tmp_path / "out.pt"),
+                          "--layers", "--after-fit"],
                          env=_env(), capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     out = torch.load(tmp_path / "out.pt")
     assert out["world_size"] == 2 and out["global_step"] == STEPS
     _assert_bitwise(out["weights"], one_process)
+    # The module stays in each process after the fit (its Block sharded apart and wrapped for
+    # activation checkpointing during it): whole plain weights under their own names, a
+    # forward of its own, a later validate (sharded afresh), and save_checkpoint writes whole tensors.
+    assert out["param_types"] == ["Parameter"] and out["keys"] == list(one_process)
+    assert "keeps FSDP2's hooks" not in run.stderr
+    reference = native_run.ExactNet()
+    reference.load_state_dict(one_process)
+    assert torch.equal(out["forward"], reference(torch.ones(2, native_run.FEATURES, dtype=torch.float64)).detach())
+    assert out["validate"] and "val_loss" in out["validate"][0]
+    from xtrainer.checkpoint import load_checkpoint
+
+    _assert_bitwise(load_checkpoint(tmp_path / "after.ckpt")["state_dict"], one_process)
     # One run folder (rank 0's, shared): the one the other process claimed was given back.
     [folder] = glob.glob(str(tmp_path / "version_*"))
     assert out["log_dir"] == folder and os.listdir(os.path.join(folder, "checkpoints"))

@@ -23,7 +23,9 @@ per ``log_every_n_steps`` (``add_step_closure`` runs the read at that step's ``s
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import warnings
 from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
@@ -618,10 +620,70 @@ class NativeFSDP(NativeSingle):
                 "param_groups": [groups[key] for key in sorted(groups, key=int)]}
 
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
+        """The user's module back as it was given, with the whole trained weights: FSDP2's
+        sharding and activation-checkpointing wrappers taken off, so that after a fit under
+        torchrun (where the module stays in the process) it runs forward on its own, saves plain
+        tensors under its own names, and a later ``validate``/``test`` shards it afresh. Gathering
+        the weights is a collective: every process tears down at the same point."""
         self._closures, self._root, self._manual = [], None, False
         if failed and self.world_size > 1:
+            return  # as the base: this process's copy is discarded, and a peer may be gone
+        _unshard_for_good(wrapped)
+        _unwrap_checkpointing(self.unwrap(wrapped).module)
+        super().teardown(wrapped, failed)
+
+
+def _unshard_for_good(root: nn.Module) -> None:
+    """Undo ``fully_shard`` on ``root`` and every module under it: each sharded parameter replaced
+    by a plain one holding the whole tensor (gathered in the same order on every process; shared
+    parameters stay shared), FSDP2's forward hooks, state and class removed. torch has no public
+    way back (tested with torch 2.9 and 2.13): the internals used are named here, and a torch that
+    moved them gets the module with its whole weights and a warning."""
+    from torch.distributed.fsdp import FSDPModule
+
+    whole: dict[int, nn.Parameter] = {}
+    for module in root.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if _is_dtensor(param):
+                if id(param) not in whole:
+                    whole[id(param)] = nn.Parameter(param.full_tensor().detach(), requires_grad=param.requires_grad)
+                setattr(module, name, whole[id(param)])
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:
+            from torch.distributed import _composable_state
+
+            contract = importlib.import_module("torch.distributed._composable.contract")  # the package exports a function of that name
+
+            state = module._get_fsdp_state()
+            state._pre_forward_hook_handle.remove()
+            state._post_forward_hook_handle.remove()
+            for key in (contract.STATE_KEY, contract.REGISTRY_KEY):
+                entries = module.__dict__.get(key)
+                if isinstance(entries, dict):
+                    for name in [k for k in entries if getattr(k, "__name__", k) == "fully_shard"]:
+                        del entries[name]
+            _composable_state._module_state_mapping.pop(module, None)
+            module.__class__ = next(base for base in type(module).__bases__ if not issubclass(base, FSDPModule))
+        except (AttributeError, ImportError, StopIteration) as err:
+            warnings.warn(f"native_fsdp: the module keeps FSDP2's hooks after the fit ({err}); its weights are "
+                          "whole. Run it through trainer.validate/test, or rebuild it and load its state_dict.",
+                          stacklevel=2)
             return
-        # The module keeps its sharded parameters (DTensors); they live on the device already.
+    for module in root.modules():
+        for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+            module.__dict__.pop(attr, None)
+
+
+def _unwrap_checkpointing(module: nn.Module) -> None:
+    """Take the activation-checkpointing wrappers (``CheckpointWrapper``) out of ``module``: each
+    wrapped layer back in its place, under its own name."""
+    for parent in module.modules():
+        for name, child in list(parent.named_children()):
+            inner = getattr(child, "_checkpoint_wrapped_module", None)
+            if type(child).__name__ == "CheckpointWrapper" and isinstance(inner, nn.Module):
+                setattr(parent, name, inner)
 
 
 @contextlib.contextmanager
