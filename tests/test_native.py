@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -95,13 +96,27 @@ def test_two_processes_end_bitwise_equal_to_one_on_the_same_global_batches(tmp_p
 
 @pytest.mark.multi_device
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)], ids=["2-then-1", "1-then-2"])
-def test_fsdp_checkpoint_resumes_exactly_at_another_world_size(tmp_path, one_process, first, then):
+def test_fsdp_checkpoint_resumes_exactly_at_another_world_size(tmp_path, one_process, first, then, capfd):
     root = str(tmp_path)
     native_run.fit("native_fsdp", first, root, STEPS // 2, 8)  # a checkpoint of step 2 (momentum in it)
-    trainer, model = native_run.fit("native_fsdp", then, root, STEPS, 8, ckpt_path="last")
+    with warnings.catch_warnings(record=True) as caught:  # a resume in this process warns here...
+        warnings.simplefilter("always")
+        trainer, model = native_run.fit("native_fsdp", then, root, STEPS, 8, ckpt_path="last")
     assert trainer.global_step == STEPS
     assert trainer.ckpt_path.endswith("epoch=0-step=2.ckpt")
     _assert_bitwise(_weights(model), one_process)
+    # ...one in started processes on their stderr. The same global batch: the same batches, no warning.
+    told = [str(w.message) for w in caught] + [capfd.readouterr().err]
+    assert not any("Resuming inside an epoch" in text for text in told), told
+
+
+@pytest.mark.multi_device
+def test_resuming_inside_an_epoch_with_another_global_batch_warns(tmp_path, capfd):
+    root = str(tmp_path)
+    native_run.fit("native_ddp", 2, root, STEPS // 2, 8)  # a checkpoint of step 2, inside the first epoch
+    with pytest.warns(UserWarning, match=r"Resuming inside an epoch with 1 replicas from a checkpoint of 2: the "
+                                         r"global batches are made differently \(global_batch 8 -> 4\), so the rest"):
+        native_run.fit("native_ddp", 1, root, STEPS, 4, ckpt_path="last")
 
 
 @pytest.mark.multi_device
