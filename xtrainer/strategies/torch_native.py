@@ -344,8 +344,14 @@ class NativeSingle(Strategy):
             return
         norm = _gradient_norm(grads, shards)
         coefficient = torch.clamp(value / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        # One multiply over each group of shards of one device and dtype (torch's foreach kernels,
+        # as clip_grads_with_norm_ uses), by the coefficient in their dtype: the same products as
+        # one mul_ per shard, without a kernel launch per tensor.
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for shard in shards:
-            shard.mul_(coefficient.to(shard.dtype))
+            groups.setdefault((shard.device, shard.dtype), []).append(shard)
+        for (device, dtype), group in groups.items():
+            torch._foreach_mul_(group, coefficient.to(device=device, dtype=dtype))
 
     # ---- the step -------------------------------------------------------------------------
     def sync(self) -> None:
