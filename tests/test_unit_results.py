@@ -192,6 +192,8 @@ def test_batch_size_is_dim_0_of_the_first_tensor_found():
     assert batch_size(([torch.zeros(4)], torch.zeros(9))) == 4
     assert batch_size(["no tensors"]) == 1
     assert batch_size((["a", "b", "c"], torch.zeros(3, 2))) == 3  # (texts, tensor): the tensor's length
+    numpy = pytest.importorskip("numpy")
+    assert batch_size((numpy.zeros((10**7,)), torch.zeros(6))) == 6  # an array is a leaf, not walked
     with pytest.raises(ValueError, match="no tensor in it"):
         batch_size(["no tensors"], strict=True)
     assert math.isinf(float(Results("train", True)._constant(-math.inf, torch.device("cpu"))))

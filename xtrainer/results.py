@@ -265,8 +265,8 @@ def _sizes(batch: Any):
     that is not a tensor (a string, a number, any other object). Shape metadata only: no host sync."""
     if isinstance(batch, torch.Tensor):
         yield int(batch.shape[0]) if batch.dim() else 1
-    elif isinstance(batch, (str, bytes)):
-        yield None
+    elif isinstance(batch, (str, bytes)) or hasattr(batch, "__array__"):
+        yield None  # a leaf: a NumPy array is not walked element by element either
     elif isinstance(batch, Mapping):
         for value in batch.values():
             yield from _sizes(value)
@@ -293,6 +293,8 @@ def batch_size(batch: Any, strict: bool = False) -> int:
         for found in _sizes(batch):
             if size is None:
                 size = found
+                if size is not None and not strict:
+                    break  # no warning to give: the rest need not be walked
             elif found != size:
                 ambiguous = True
                 break
@@ -306,5 +308,6 @@ def batch_size(batch: Any, strict: bool = False) -> int:
         _warned_ambiguous.add(size)
         warnings.warn(f"The batch size inferred from an ambiguous batch (its parts have different lengths, or "
                       f"parts that are not tensors) is {size}, the length of its first tensor; to log epoch "
-                      "means weighted otherwise, pass self.log(..., batch_size=N).", UserWarning, stacklevel=4)
+                      "means weighted otherwise, pass self.log(..., batch_size=N).", UserWarning,
+                      stacklevel=5)  # the self.log call in the user's step
     return size
