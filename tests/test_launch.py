@@ -41,7 +41,7 @@ def test_a_module_holding_a_torch_generator_trains_on_two_devices(tmp_path, stra
     model = WithGenerator()
     trainer = Trainer(strategy=strategy, devices=2, max_epochs=1, default_root_dir=str(tmp_path), logger=False,
                       enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
-    trainer.fit(model, make_loader())
+    trainer.fit(model, make_loader(shuffle=True, generator=torch.Generator().manual_seed(1)))  # a loader's too
     expected = torch.Generator().manual_seed(7)
     torch.rand(3, generator=expected)
     assert trainer.global_step == 4
