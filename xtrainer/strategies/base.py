@@ -310,7 +310,7 @@ class Strategy(abc.ABC):
         if distribute and isinstance(loader, DataLoader) and (self.world_size > 1 or _plain_random(loader)):
             distributed = distribute_dataloader(loader, self.world_size, self.global_rank)
             owns_sampler, loader = distributed is not loader, distributed
-        return DeviceData(loader, self.batches_on_device, owns_sampler)
+        return DeviceData(loader, self.batches_on_device, owns_sampler, replicas=self.world_size)
 
     def _input_sharding(self) -> Any:
         """How batches are laid out over the devices as they are sent (None: on this replica's)."""

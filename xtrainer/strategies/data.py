@@ -30,8 +30,9 @@ class DeviceData:
     ``batches_on_device``).
     """
 
-    def __init__(self, loader: Iterable, on_device: Callable[..., Iterable], owns_sampler: bool = False) -> None:
-        self.loader, self.owns_sampler = loader, owns_sampler
+    def __init__(self, loader: Iterable, on_device: Callable[..., Iterable], owns_sampler: bool = False,
+                 replicas: int = 1) -> None:
+        self.loader, self.owns_sampler, self.replicas = loader, owns_sampler, replicas
         if isinstance(loader, DataLoader) and loader.num_workers > 0 \
                 and not isinstance(loader.worker_init_fn, _WorkerOfThisRun):
             loader.worker_init_fn = _WorkerOfThisRun(loader.worker_init_fn)
@@ -92,7 +93,7 @@ class DeviceData:
         if self.owns_sampler and isinstance(sampler, DistributedSampler) and not sampler.drop_last:
             return {"shuffle": bool(sampler.shuffle), "samples": int(sampler.total_size),
                     "global_batch": batch_size * sampler.num_replicas, "drop_last": loader.batch_sampler.drop_last}
-        if type(sampler) is SequentialSampler:  # one replica's plain loader (several get a DistributedSampler)
+        if type(sampler) is SequentialSampler and self.replicas == 1:  # one replica's plain loader
             return {"shuffle": False, "samples": len(sampler), "global_batch": batch_size,
                     "drop_last": loader.batch_sampler.drop_last}
         return None
