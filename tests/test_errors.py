@@ -9,7 +9,7 @@ import torch
 from conftest import Regressor, make_loader
 from torch.utils.data import DataLoader
 
-from xtrainer import Trainer, XModule, _xla
+from xtrainer import Trainer, XDataModule, XModule, _xla
 from xtrainer.callbacks import Callback
 
 
@@ -196,3 +196,51 @@ def test_a_script_that_trains_at_import_is_told_to_guard_it(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: The script starts training when it is imported")
     assert "if __name__ == '__main__':" in last
+
+
+class FailsAtStep2(Regressor):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise ValueError("the module's own error at batch 2")
+        return super().training_step(batch, batch_idx)
+
+
+class BrokenCleanup(Callback):
+    """A callback whose ``on_exception`` and ``teardown`` fail too."""
+
+    def on_exception(self, trainer, module, exception):
+        raise RuntimeError("on_exception broke")
+
+    def teardown(self, trainer, module, stage):
+        raise OSError("teardown broke")
+
+
+class BrokenData(XDataModule):
+    """A data module whose teardown (in the calling process) fails."""
+
+    def train_dataloader(self):
+        return make_loader()
+
+    def teardown(self, stage):
+        raise OSError("the data module's teardown broke")
+
+
+@pytest.mark.parametrize("strategy, devices", [
+    ("auto", 1), pytest.param("xla_ddp", 2, marks=pytest.mark.multi_device),  # thread replicas
+    pytest.param("native_ddp", 2, marks=pytest.mark.multi_device)])  # real processes
+def test_a_failing_teardown_or_on_exception_does_not_hide_the_replicas_error(trainer_kwargs, strategy, devices):
+    trainer = Trainer(strategy=strategy, max_epochs=1, devices=devices, callbacks=[BrokenCleanup()], **trainer_kwargs)
+    with pytest.raises(ValueError, match="the module's own error at batch 2") as info:
+        trainer.fit(FailsAtStep2(), make_loader())
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "BrokenCleanup.on_exception failed too: RuntimeError: on_exception broke" in notes and "BrokenCleanup.teardown" in notes and "teardown broke" in notes
+    assert trainer.state == "idle"
+
+    trainer = Trainer(strategy=strategy, max_epochs=1, devices=devices, **trainer_kwargs)
+    with pytest.raises(ValueError, match="the module's own error at batch 2") as info:
+        trainer.fit(FailsAtStep2(), datamodule=BrokenData())
+    assert "the data module's teardown broke" in "\n".join(getattr(info.value, "__notes__", []))
+    # Without an error of the run, a failing teardown is the error.
+    trainer = Trainer(strategy=strategy, max_epochs=1, devices=devices, callbacks=[BrokenCleanup()], **trainer_kwargs)
+    with pytest.raises(OSError, match="teardown broke"):
+        trainer.fit(Regressor(), make_loader())

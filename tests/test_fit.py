@@ -2,11 +2,13 @@
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
-from conftest import Regressor, make_loader
+from conftest import Regressor, make_data, make_loader
 from torch import nn
+from torch.utils.data import DataLoader
 
 from xtrainer import Trainer
 from xtrainer.callbacks import Callback
@@ -224,6 +226,81 @@ def test_logged_epoch_mean_is_weighted_by_batch_size(trainer_kwargs):
     assert math.isclose(trainer.callback_metrics["x0"], x[:, 0].mean().item(), rel_tol=1e-5)
     assert math.isclose(trainer.callback_metrics["x0_max"], x[:, 0].max().item(), rel_tol=1e-6)
     assert trainer.callback_metrics["rows"] == 20.0
+
+
+class TextsAndFeatures(torch.utils.data.Dataset):
+    """Samples of (text, features): batches collate to (list of texts, tensor)."""
+
+    def __init__(self, n: int) -> None:
+        self.x = make_data(n).tensors[0]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return f"sample {i}", self.x[i]
+
+
+def test_epoch_mean_weights_by_the_first_tensor_not_by_a_list_of_texts(trainer_kwargs):
+    class Texts(Regressor):
+        def training_step(self, batch, batch_idx):
+            texts, x = batch
+            self.log("x0", x[:, 0].mean(), on_step=False, on_epoch=True)
+            return self(x).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            texts, x = batch
+            self.log("val_x0", x[:, 0].mean())
+
+    data = TextsAndFeatures(20)
+    loader = DataLoader(data, batch_size=8)  # (8 texts, 8 rows), (8, 8), (4, 4)
+    trainer = Trainer(max_epochs=1, **trainer_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (texts, tensor) is not ambiguous: no warning
+        trainer.fit(Texts(), loader, loader)
+    assert math.isclose(trainer.callback_metrics["x0"], data.x[:, 0].mean().item(), rel_tol=1e-5)
+    assert math.isclose(trainer.callback_metrics["val_x0"], data.x[:, 0].mean().item(), rel_tol=1e-5)
+
+
+def test_an_ambiguous_batch_warns_once_and_one_without_tensors_needs_a_batch_size(trainer_kwargs):
+    class WithMask(Regressor):
+        def training_step(self, batch, batch_idx):
+            x, y, mask = batch
+            self.log("x0", x[:, 0].mean(), on_step=False, on_epoch=True)
+            return nn.functional.mse_loss(self(x), y)
+
+    def with_a_longer_mask(samples):  # x and y of n rows, a mask of n + 1: which is the batch size?
+        x, y = torch.utils.data.default_collate(samples)
+        return x, y, torch.ones(len(samples) + 1)
+
+    loader = make_loader(n=16, batch_size=8, collate_fn=with_a_longer_mask)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(max_epochs=2, **trainer_kwargs)
+        trainer.fit(WithMask(), loader)
+    ambiguous = [str(w.message) for w in caught if "ambiguous" in str(w.message)]
+    assert len(ambiguous) == 1 and "is 8, the length of its first tensor" in ambiguous[0]  # once, not per batch
+    assert math.isclose(trainer.callback_metrics["x0"], loader.dataset.tensors[0][:, 0].mean().item(), rel_tol=1e-5)
+
+    class TextsOnly(Regressor):  # batches of texts only: the module makes its tensors itself
+        given = None
+
+        def training_step(self, texts, batch_idx):
+            x = torch.tensor([[float(len(t))] * 8 for t in texts]).to(self.device)
+            self.log("mean_len", x[:, 0].mean(), on_step=False, on_epoch=True, batch_size=self.given)
+            return self(x).pow(2).mean()
+
+    texts = DataLoader([f"text number {i}" for i in range(12)], batch_size=4)
+    with pytest.raises(ValueError, match=r"^Could not infer the batch size from the batch \(no tensor in it\)"
+                                         r".*self\.log\(\.\.\., batch_size=N\)") as info:
+        Trainer(max_epochs=1, **trainer_kwargs).fit(TextsOnly(), texts)
+    assert "\n" not in str(info.value)
+    module = TextsOnly()
+    module.given = 4
+    trainer = Trainer(max_epochs=1, **trainer_kwargs)
+    trainer.fit(module, texts)
+    assert math.isclose(trainer.callback_metrics["mean_len"], sum(len(f"text number {i}") for i in range(12)) / 12,
+                        rel_tol=1e-6)
 
 
 def test_module_properties_inside_fit(trainer_kwargs):

@@ -207,3 +207,50 @@ def test_a_gan_on_two_replicas_equals_one_replica_on_the_global_batch(tmp_path, 
     for name, tensor in reference.state_dict().items():
         assert torch.equal(replicas[0][name], replicas[1][name]), name
         assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name
+
+
+class TwoPasses(XModule):
+    """Manual optimization with one optimizer and two forward/backward passes per batch, each
+    reaching every parameter: DDP without ``find_unused_parameters`` fits it, and the reducer
+    must be re-armed for the second backward (``arm_reducer``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def training_step(self, batch, batch_idx):
+        real, noise = batch
+        opt = self.optimizers()
+        loss = (self.net(real) - noise).pow(2).mean()
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        again = (self.net(real) - noise).abs().mean()  # with the stepped weights
+        self.manual_backward(again)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        self.log("loss", again, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.multi_device
+def test_two_backward_passes_per_step_on_two_ddp_replicas_without_unused_parameters_equal_one_replica(tmp_path):
+    model = TwoPasses()
+    trainer = Trainer(strategy=XlaDDP(find_unused_parameters=False), devices=2, max_epochs=2,
+                      callbacks=[SaveWeights(tmp_path)], enable_checkpointing=False, **quiet(tmp_path))
+    trainer.fit(model, real_data(batch_size=4))  # each replica 4 of the global batch's 8
+    assert trainer.global_step == 2 * 2 * STEPS_PER_EPOCH
+    replicas = [torch.load(p, weights_only=True) for p in sorted(glob.glob(str(tmp_path / "rank-*.pt")))]
+    assert len(replicas) == 2
+    reference = TwoPasses()
+    Trainer(max_epochs=2, enable_checkpointing=False, **quiet(tmp_path / "one")).fit(reference, real_data())
+    start = TwoPasses().state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert not torch.equal(tensor, start[name]), name  # it trained
+        assert torch.equal(replicas[0][name], replicas[1][name]), name
+        assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -122,13 +123,27 @@ def test_two_processes_end_bitwise_equal_to_one_on_the_same_global_batches(tmp_p
 
 @pytest.mark.multi_device
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)], ids=["2-then-1", "1-then-2"])
-def test_fsdp_checkpoint_resumes_exactly_at_another_world_size(tmp_path, one_process, first, then):
+def test_fsdp_checkpoint_resumes_exactly_at_another_world_size(tmp_path, one_process, first, then, capfd):
     root = str(tmp_path)
     native_run.fit("native_fsdp", first, root, STEPS // 2, 8)  # a checkpoint of step 2 (momentum in it)
-    trainer, model = native_run.fit("native_fsdp", then, root, STEPS, 8, ckpt_path="last")
+    with warnings.catch_warnings(record=True) as caught:  # a resume in this process warns here...
+        warnings.simplefilter("always")
+        trainer, model = native_run.fit("native_fsdp", then, root, STEPS, 8, ckpt_path="last")
     assert trainer.global_step == STEPS
     assert trainer.ckpt_path.endswith("epoch=0-step=2.ckpt")
     _assert_bitwise(_weights(model), one_process)
+    # ...one in started processes on their stderr. The same global batch: the same batches, no warning.
+    told = [str(w.message) for w in caught] + [capfd.readouterr().err]
+    assert not any("Resuming inside an epoch" in text for text in told), told
+
+
+@pytest.mark.multi_device
+def test_resuming_inside_an_epoch_with_another_global_batch_warns(tmp_path, capfd):
+    root = str(tmp_path)
+    native_run.fit("native_ddp", 2, root, STEPS // 2, 8)  # a checkpoint of step 2, inside the first epoch
+    with pytest.warns(UserWarning, match=r"Resuming inside an epoch with 1 replicas from a checkpoint of 2: the "
+                                         r"global batches are made differently \(global_batch 8 -> 4\), so the rest"):
+        native_run.fit("native_ddp", 1, root, STEPS, 4, ckpt_path="last")
 
 
 @pytest.mark.multi_device
@@ -294,3 +309,63 @@ def native_run_strategy(name: str, **kwargs):
     from xtrainer.strategies import STRATEGIES
 
     return STRATEGIES[name](**kwargs)
+
+
+class _ShorterBatchLater:
+    """``native_run``'s data as 8 batches of 8, except batch 3, shorter from the second epoch on."""
+
+    def __init__(self) -> None:
+        self.x, self.y = native_run.make_data().tensors
+        self.epochs = 0
+
+    def __len__(self) -> int:
+        return 8
+
+    def __iter__(self):
+        epoch, self.epochs = self.epochs, self.epochs + 1  # counted as it starts: the loop reads 8, no more
+        for i in range(8):
+            rows = 5 if epoch >= 1 and i == 3 else 8
+            yield self.x[8 * i:8 * i + rows], self.y[8 * i:8 * i + rows]
+
+
+class _BreakingNet(native_run.ExactNet):
+    """A forward with a graph break in it (a call torch.compile cannot trace)."""
+
+    def forward(self, x):
+        hidden = self.block(x)
+        torch._dynamo.graph_break()
+        return hidden.sum(dim=1, keepdim=True)
+
+
+def test_health_reports_torch_compiles_compilations_graph_breaks_and_recompilations(tmp_path, capsys):
+    from xtrainer.callbacks import Callback, XlaHealth
+    from xtrainer.strategies import NativeSingle
+
+    class Figures(Callback):
+        def __init__(self):
+            self.logged = []
+
+        def on_metrics(self, trainer, module, metrics, step):
+            self.logged.append(metrics)  # XlaHealth adds its figures to this dict, before or after this hook
+
+    health, figures = XlaHealth(), Figures()
+    trainer = Trainer(strategy=NativeSingle(compile=True, compile_kwargs={"backend": "eager"}), max_epochs=3,
+                      log_every_n_steps=4, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+                      enable_checkpointing=False, callbacks=[health, figures])
+    with pytest.warns(UserWarning, match=r"torch.compile recompiled \d+ graph\(s\) at step 12 \(epoch 1, training "
+                                         r"batch 3\), after the first epoch: this batch's shapes \(\(5, 4\), \(5, 1\)\) "
+                                         r"never occurred.*TORCH_LOGS=recompiles"):
+        trainer.fit(_BreakingNet(), _ShorterBatchLater())
+    assert health.totals["compilations"] >= 2 and health.totals["compile_seconds"] > 0
+    assert health.totals["graph_breaks"] >= 1  # counted when a graph is traced, not on every call
+    assert [r["step"] for r in health.recompilations] == [12]
+    logged = [m for m in figures.logged if "torch_compile/compilations" in m]
+    assert len(logged) == 6  # every 4 steps of 24
+    assert logged[0]["torch_compile/compilations"] >= 1 and logged[0]["torch_compile/graph_breaks"] >= 1
+    assert logged[1]["torch_compile/compilations"] == 0  # warm: nothing compiled from step 4 to 8
+    assert sum(m["torch_compile/compilations"] for m in logged) == health.totals["compilations"]
+    assert not any(name.startswith("xla/") or "transfers" in name for m in logged for name in m)  # not counted here
+    line = next(text for text in capsys.readouterr().out.splitlines() if text.startswith("fit: 24 steps"))
+    recompiled = health.recompilations[0]["graphs"]  # both graphs around the break, for the new shape
+    assert "torch.compile compilations" in line and f"{recompiled} after the first epoch" in line, line
+    assert "graph break(s)" in line and "transfers" not in line, line

@@ -72,6 +72,38 @@ def test_the_native_norm_clip_is_torch_clip_grad_norm():
         assert clipped == (value != 100.0)  # a norm under the limit is left alone
 
 
+def test_the_norm_clip_multiplies_each_dtype_at_once_with_the_bits_of_one_multiply_per_tensor():
+    """The gradients of each dtype are scaled by one foreach multiply (not one ``mul_`` per
+    tensor), with the same bits as multiplying each by the coefficient in its dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from xtrainer.strategies import NativeSingle
+    from xtrainer.strategies.torch_native import _gradient_norm
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    dtypes = [torch.float32, torch.float64, torch.float32, torch.bfloat16, torch.float64, torch.float32]
+    params = [torch.nn.Parameter(torch.randn(3, 4 + i, dtype=dtype)) for i, dtype in enumerate(dtypes)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    grads = [p.grad.clone() for p in params]
+    coefficient = torch.clamp(0.5 / (_gradient_norm(grads, grads) + 1e-6), max=1.0)
+    expected = [g.mul_(coefficient.to(g.dtype)) for g in grads]  # one multiply per tensor
+    with Ops() as ops:
+        NativeSingle().clip_gradients(None, torch.optim.SGD(params, lr=0.1), 0.5, "norm")
+    assert ops.names.count("_foreach_mul_") == 3 and "mul_" not in ops.names, ops.names
+    for p, e in zip(params, expected):
+        assert p.grad.dtype == e.dtype and torch.equal(p.grad, e)
+
+
 @pytest.mark.multi_device
 def test_fsdp_accumulating_micro_batches_clips_the_sum(tmp_path):
     """Two micro-batches per step under native_fsdp (gradient sync off for the first), clipped by

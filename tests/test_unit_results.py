@@ -17,7 +17,7 @@ def no_reduce(tensor, op):
 
 def train_store() -> Results:
     results = Results("train", default_on_step=True)
-    results.in_step = True
+    results.begin_batch(torch.zeros(1))  # values logged from a step of a one-row batch
     return results
 
 
@@ -36,7 +36,7 @@ def test_train_defaults_are_per_step_and_on_epoch_adds_the_epoch_value():
 
 def test_evaluation_values_are_per_epoch_whatever_on_step_says():
     results = Results("validate", default_on_step=False)
-    results.in_step = True
+    results.begin_batch(torch.zeros(1))  # values logged from a step of a one-row batch
     results.log("val_loss", torch.tensor(2.0), True, False, False, False, "mean", None)
     results.log("val_loss", torch.tensor(4.0), True, False, False, False, "mean", None)
     assert results.step_tensors(no_reduce, 1) == {}
@@ -88,7 +88,8 @@ def test_logger_false_hides_every_variant_of_the_name():
 
 def test_a_second_dataloader_suffixes_the_name_unless_asked_not_to():
     results = Results("validate", default_on_step=False)
-    results.in_step, results.suffix = True, "/dataloader_idx_1"
+    results.begin_batch(torch.zeros(1))
+    results.suffix = "/dataloader_idx_1"
     results.log("a", torch.tensor(1.0), None, None, False, False, "mean", None)
     results.log("b", torch.tensor(1.0), None, None, False, False, "mean", None, add_dataloader_idx=False)
     assert set(results.epoch_tensors(no_reduce, 1)) == {"a/dataloader_idx_1", "b"}
@@ -190,4 +191,9 @@ def test_batch_size_is_dim_0_of_the_first_tensor_found():
     assert batch_size({"ids": torch.zeros(7, 2), "mask": torch.zeros(3)}) == 7
     assert batch_size(([torch.zeros(4)], torch.zeros(9))) == 4
     assert batch_size(["no tensors"]) == 1
+    assert batch_size((["a", "b", "c"], torch.zeros(3, 2))) == 3  # (texts, tensor): the tensor's length
+    numpy = pytest.importorskip("numpy")
+    assert batch_size((numpy.zeros((10**7,)), torch.zeros(6))) == 6  # an array is a leaf, not walked
+    with pytest.raises(ValueError, match="no tensor in it"):
+        batch_size(["no tensors"], strict=True)
     assert math.isinf(float(Results("train", True)._constant(-math.inf, torch.device("cpu"))))

@@ -408,13 +408,17 @@ class Trainer:
         if isinstance(train_dataloaders, XDataModule):  # Lightning accepts it in this place too
             train_dataloaders, datamodule = None, train_dataloaders
         loaders.prepare(self, "fit", model, datamodule, given=train_dataloaders is not None or val_dataloaders is not None)
+        error = None
         try:
             sources = loaders.for_fit(self, model, train_dataloaders, val_dataloaders)
             with interrupts.graceful():  # SIGTERM/SIGINT: finish the step, write a checkpoint, raise
                 self._launch("fit", model, sources, ckpt_path)
             self._fitted_model = model
-        finally:
-            loaders.teardown(self, "fit")
+        except BaseException as err:
+            error = err
+            raise
+        finally:  # a data module's teardown that fails too does not hide the fit's error
+            replica.run_cleanup([("the data module's teardown", lambda: loaders.teardown(self, "fit"))], error)
 
     def resolve_ckpt_path(self, ckpt_path: str | os.PathLike | None) -> str | None:
         """The checkpoint ``ckpt_path`` means for this run, checked completely (every byte against
@@ -472,12 +476,16 @@ class Trainer:
         if datamodule is None and dataloaders is None:
             datamodule = self.datamodule  # the fit's, if it had one
         loaders.prepare(self, stage, model, datamodule, given=dataloaders is not None)
+        error = None
         try:
             sources = loaders.for_stage(self, model, stage, dataloaders)
             check_eval_step(model, stage)
             results = self._launch(stage, model, sources, ckpt_path)
+        except BaseException as err:
+            error = err
+            raise
         finally:
-            loaders.teardown(self, stage)
+            replica.run_cleanup([("the data module's teardown", lambda: loaders.teardown(self, stage))], error)
         if verbose and stage != "predict":
             evaluation.print_results(stage, results)
         return results
@@ -514,13 +522,11 @@ class Trainer:
         """Every ``on_exception`` hook, each given its chance: one that fails does not hide ``err``."""
         if self._module is None:
             return
-        hooks = [lambda: self._module.on_exception(err)] + [
-            (lambda cb=cb: cb.on_exception(self, self._module, err)) for cb in self.callbacks]
-        for hook in hooks:
-            try:
-                hook()
-            except Exception as hook_err:  # noqa: BLE001 - reported, and the original error goes on
-                err.add_note(f"(an on_exception hook failed too: {type(hook_err).__name__}: {hook_err})")
+        module = self._module
+        hooks = [(f"{type(module).__name__}.on_exception", lambda: module.on_exception(err))] + [
+            (f"{type(cb).__name__}.on_exception", functools.partial(cb.on_exception, self, module, err))
+            for cb in self.callbacks]
+        replica.run_cleanup(hooks, err)  # one that fails is a note on err, which goes on
 
     def hyperparameters(self) -> dict[str, Any]:
         """The module's saved hyperparameters, the run's configuration and the Trainer's settings;

@@ -47,6 +47,12 @@ class XlaHealth(Callback):
     compilation cache (``xtrainer/compile_cache.py``): graphs loaded from it, and plainly when it
     did not hit.
 
+    Under the native strategies the compiler is ``torch.compile`` (their ``compile=True``): its
+    counters (``Strategy.device_counters``, read where XLA's are) give ``torch_compile/compilations``,
+    ``torch_compile/compile_seconds`` and ``torch_compile/graph_breaks``, the same recompilation
+    warnings (``TORCH_LOGS=recompiles`` shows Dynamo's reasons) and the summary line; PyTorch
+    counts no executions or transfers, so none are shown.
+
     torch_xla's counters belong to the process. Where one process runs several replicas (threads,
     on the CPU runtime with ``devices=N``) they add up every replica's work, so this callback
     divides them by the replicas the process runs: the logged ``xla/`` figures and the summary
@@ -163,9 +169,10 @@ class XlaHealth(Callback):
         record = {"step": trainer.global_step, "epoch": trainer.current_epoch, "where": where, "graphs": new,
                   "reason": why}
         self.recompilations.append(record)
-        message = (f"XLA recompiled {new} graph(s) at step {trainer.global_step} (epoch {trainer.current_epoch}, "
-                   f"{where}), after the first epoch: {why}. Each recompilation stalls training; run with "
-                   "PT_XLA_DEBUG_LEVEL=2 to see torch_xla's reasons.")
+        compiler = trainer.strategy.compiler
+        message = (f"{compiler.name} recompiled {new} graph(s) at step {trainer.global_step} (epoch "
+                   f"{trainer.current_epoch}, {where}), after the first epoch: {why}. Each recompilation stalls "
+                   f"training; {compiler.reasons}.")
         if self.on_recompile == "raise":
             raise RecompilationError(message)
         if self.on_recompile == "warn":
@@ -187,20 +194,20 @@ class XlaHealth(Callback):
         now, before = self._mark(trainer), self._interval
         seconds = max(now["time"] - before["time"], 1e-9)
         per_replica = self._replicas
-        figures = {
-            "xla/compilations": (now["compiles"] - before["compiles"]) / per_replica,
-            "xla/data_loading_compilations": (now["data_compiles"] - before["data_compiles"]) / per_replica,
-            "xla/compile_seconds": (now["compile_s"] - before["compile_s"]) / per_replica,
-            "xla/executions": (now["executions"] - before["executions"]) / per_replica,
-            "xla/transfers_to_host": (now["transfers"] - before["transfers"]) / per_replica,
-            "throughput/steps_per_second": (now["step"] - before["step"]) / seconds,
-            "throughput/samples_per_second": self._interval_samples / seconds,
-        }
+        prefix = trainer.strategy.compiler.prefix
+        # The counters this strategy's compiler keeps (``Strategy.device_counters``), by their figure's name.
+        figures = {f"{prefix}/{figure}": (now[counter] - before[counter]) / per_replica
+                   for counter, figure in _FIGURES.items() if counter in now}
+        if trainer.strategy.compiles_with_xla:
+            figures["xla/data_loading_compilations"] = (now["data_compiles"] - before["data_compiles"]) / per_replica
+        figures.update({"throughput/steps_per_second": (now["step"] - before["step"]) / seconds,
+                        "throughput/samples_per_second": self._interval_samples / seconds})
         figures.update(self._work.figures(seconds, interval=True))
         memory = trainer.strategy.memory_info()
         if memory is not None:
-            figures.update({"xla/memory_bytes_used": memory["bytes_used"],
-                            "xla/memory_bytes_limit": memory["bytes_limit"]})
+            where = "xla" if trainer.strategy.compiles_with_xla else "device"
+            figures.update({f"{where}/memory_bytes_used": memory["bytes_used"],
+                            f"{where}/memory_bytes_limit": memory["bytes_limit"]})
         self._interval, self._interval_samples = now, 0
         return {k: float(v) for k, v in figures.items()}
 
@@ -220,7 +227,11 @@ class XlaHealth(Callback):
                        "data_loading_compilations": (end["data_compiles"] - start["data_compiles"]) / replicas,
                        "data_loading_compile_seconds": (end["data_compile_s"] - start["data_compile_s"]) / replicas,
                        "recompilations": sum(r["graphs"] for r in self.recompilations),
-                       "transfers_per_step": (end["transfers"] - start["transfers"]) / max(steps, 1) / replicas}
+                       "compiler": trainer.strategy.compiler.name}
+        if "transfers" in end:  # counted where the compiler keeps the count (XLA)
+            self.totals["transfers_per_step"] = (end["transfers"] - start["transfers"]) / max(steps, 1) / replicas
+        if "graph_breaks" in end:  # torch.compile's
+            self.totals["graph_breaks"] = (end["graph_breaks"] - start["graph_breaks"]) / replicas
         self.totals.update(self._work.figures(seconds, interval=False))
         self.work_summary = self._work.summary(self.totals)
         cache, self.cache_summary = compile_cache.describe(self._cache_counts, _cache_counts(trainer))
@@ -235,6 +246,11 @@ class XlaHealth(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.recompilations = list(state_dict.get("recompilations", []))
+
+
+#: ``Strategy.device_counters`` keys -> the logged figures' names (under the compiler's prefix).
+_FIGURES = {"compiles": "compilations", "compile_s": "compile_seconds", "executions": "executions",
+            "transfers": "transfers_to_host", "graph_breaks": "graph_breaks"}
 
 
 def _data_counters(trainer: "Trainer") -> dict[str, float]:
@@ -350,14 +366,22 @@ def summary_line(totals: dict[str, Any]) -> str:
     replicas = totals.get("replicas_in_process", 1)
     head = (f"fit: {totals['steps']} steps in {totals['seconds']:.1f} s ({totals['steps_per_second']:.1f} steps/s, "
             f"{totals['samples_per_second']:.0f} samples/s); ")
-    compilations = f"{_count(totals['compilations'])} compilations ({totals['compile_seconds']:.1f} s)"
+    compiler = totals.get("compiler", "XLA")
+    what = "compilations" if compiler == "XLA" else f"{compiler} compilations"
+    compilations = f"{_count(totals['compilations'])} {what} ({totals['compile_seconds']:.1f} s)"
     if totals.get("data_loading_compilations"):
         compilations += (f" of which {_count(totals['data_loading_compilations'])} while loading data "
                          f"({totals['data_loading_compile_seconds']:.1f} s)")
-    transfers = f"{totals['transfers_per_step']:.2f} device-to-host transfers per step"
+    # What else the compiler counts: XLA's transfers, torch.compile's graph breaks.
+    others = []
+    if "graph_breaks" in totals:
+        others.append(f"{_count(totals['graph_breaks'])} graph break(s)")
+    if "transfers_per_step" in totals:
+        others.append(f"{totals['transfers_per_step']:.2f} device-to-host transfers per step")
+    tail = "".join(f"; {other}" for other in others)
     if replicas == 1:
-        return head + f"{compilations}, {totals['recompilations']} after the first epoch; {transfers}"
-    return (head + f"per replica ({replicas} in this process): {compilations}, {transfers}; "
+        return head + f"{compilations}, {totals['recompilations']} after the first epoch{tail}"
+    return (head + f"per replica ({replicas} in this process): {compilations}{''.join(', ' + o for o in others)}; "
             f"{totals['recompilations']} graph(s) compiled after the first epoch in this process")
 
 

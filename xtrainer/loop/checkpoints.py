@@ -205,11 +205,8 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
         for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
             config.scheduler.load_state_dict(state)
         loops = checkpoint["loops"]
-        if checkpoint.get("world_size", trainer.world_size) != trainer.world_size and not loops["epoch_finished"]:
-            rank_zero_warn(
-                f"Resuming inside an epoch with {trainer.world_size} replicas from a checkpoint of "
-                f"{checkpoint['world_size']}: the data is sharded differently, so the rest of this epoch "
-                "is not exactly the batches the original run would have seen.")
+        if not loops["epoch_finished"]:
+            warn_if_the_epoch_continues_differently(trainer, checkpoint)
         trainer.loop.load_state_dict(loops)
         set_rng_states(checkpoint.get("rng_states"), trainer.strategy)
         metrics = loops.get("callback_metrics") or {}
@@ -230,6 +227,32 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
     trainer.module.on_load_checkpoint(checkpoint)
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, trainer.module, checkpoint)
+
+
+def warn_if_the_epoch_continues_differently(trainer: "Trainer", checkpoint: dict[str, Any]) -> None:
+    """Resuming inside an epoch: a warning when the rest of the epoch is not the batches the saved
+    run would have trained on (the data's layout, ``DeviceData.layout``, differs, or is not known
+    while the world size changed). The same global batch over another number of replicas is the
+    same batches: no warning."""
+    saved_size = checkpoint.get("world_size", trainer.world_size)
+    states = checkpoint.get("data_state")
+    saved = states[0].get("layout") if isinstance(states, list) and states and isinstance(states[0], dict) else None
+    data = trainer._train_data
+    now = data.layout() if hasattr(data, "layout") else None
+    if saved is not None and saved == now:
+        return
+    if saved is None or now is None:
+        if saved_size == trainer.world_size:
+            return  # the same replicas: each draws its own share again (its generators are restored)
+        why = ("the data is sharded differently (a sampler of the loader's own, or a checkpoint from before "
+               "xtrainer recorded how its batches were made)")
+    else:
+        changed = ", ".join(f"{name} {saved.get(name)} -> {now.get(name)}" for name in sorted(now)
+                            if saved.get(name) != now.get(name))
+        why = f"the global batches are made differently ({changed})"
+    rank_zero_warn(
+        f"Resuming inside an epoch with {trainer.world_size} replicas from a checkpoint of {saved_size}: {why}, "
+        "so the rest of this epoch is not exactly the batches the original run would have seen.")
 
 
 def per_replica(strategy: Any, value: Any) -> list[Any]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xtrainer.loop.publishing import end_epoch
-from xtrainer.loop.results import Results, batch_size
+from xtrainer.loop.results import Results
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
@@ -40,7 +40,7 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
                 if batch_idx >= limit:
                     break
                 trainer._call(f"on_{hook}_batch_start", batch, batch_idx, *extra)
-                results.batch_size, results.in_step = batch_size(batch), True
+                results.begin_batch(batch)
                 outputs = wrapped(stage, batch, batch_idx, *extra)
                 results.in_step = False
                 if stage == "predict":

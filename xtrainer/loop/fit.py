@@ -22,7 +22,6 @@ from xtrainer import interrupts
 from xtrainer.loop import loaders
 from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop.publishing import LOSS_KEY, end_epoch
-from xtrainer.loop.results import batch_size
 from xtrainer.loop.steps import training_loss
 
 if TYPE_CHECKING:
@@ -124,7 +123,7 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
     loop, strategy = trainer.loop, trainer.strategy
     steps = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or batch_idx + 1 == trainer.num_training_batches
     results = trainer._results
-    results.batch_size, results.in_step = batch_size(batch), True
+    results.begin_batch(batch)
     with strategy.no_backward_sync(trainer.model, enabled=not steps):
         outputs = trainer.model("train", batch, batch_idx)  # forward: the module's training_step
         loss = training_loss(outputs)
@@ -153,7 +152,7 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None
     (``self.manual_backward``, ``self.optimizers()``); the graph is still cut once per call."""
     loop = trainer.loop
     results = trainer._results
-    results.batch_size, results.in_step = batch_size(batch), True
+    results.begin_batch(batch)
     before = loop.global_step
     outputs = trainer.model("train", batch, batch_idx)
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs

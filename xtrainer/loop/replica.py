@@ -4,8 +4,11 @@ back (the environment, setup, the stage, teardown), and the checkpoint it contin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from typing import TYPE_CHECKING, Any
+import sys
+import traceback
+from typing import TYPE_CHECKING, Any, Callable
 
 from xtrainer import compile_cache, interrupts
 from xtrainer.loop import loaders, metric_sync
@@ -41,7 +44,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
     trainer.state, trainer.should_stop, trainer._publisher.stop_agreed = stage, False, False
     module.trainer = trainer
     trainer._module = module
-    in_process, failed = trainer.strategy.launcher.runs_in_caller, False
+    in_process, error = trainer.strategy.launcher.runs_in_caller, None
     try:
         for cb in trainer.callbacks:
             cb.setup(trainer, module, stage)
@@ -79,20 +82,49 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
                 callbacks={cb.state_key: cb.state_dict() for cb in trainer.callbacks})
         return result
     except BaseException as err:
-        failed = True
+        error = err
         if not isinstance(err, interrupts.TrainingInterrupted):  # that one called the hook already
             trainer._call_on_exception(err)
         raise
     finally:
-        ckpt_background.drain(raise_errors=False)  # goodput: a stop waits for the checkpoint's write
-        trainer._publisher.close(trainer, failed)  # flush what was logged, also when training failed
-        if trainer._wrapped is not None:
-            trainer.strategy.teardown(trainer._wrapped, failed)
-        for cb in trainer.callbacks:
-            cb.teardown(trainer, module, stage)
-        module.teardown(stage)
-        trainer.state = "idle"
-        trainer._wrapped = trainer._module = None
+        failed, wrapped = error is not None, trainer._wrapped
+        steps = [("the checkpoint writes' wait", lambda: ckpt_background.drain(raise_errors=False)),
+                 # flush what was logged, also when training failed
+                 ("closing the loggers", lambda: trainer._publisher.close(trainer, failed))]
+        if wrapped is not None:
+            steps.append((f"{type(trainer.strategy).__name__}.teardown",
+                          lambda: trainer.strategy.teardown(wrapped, failed)))
+        steps += [(f"{type(cb).__name__}.teardown", functools.partial(cb.teardown, trainer, module, stage))
+                  for cb in trainer.callbacks]
+        steps.append((f"{type(module).__name__}.teardown", functools.partial(module.teardown, stage)))
+        try:
+            run_cleanup(steps, error)
+        finally:
+            trainer.state = "idle"
+            trainer._wrapped = trainer._module = None
+
+
+def run_cleanup(steps: list[tuple[str, Callable[[], Any]]], error: BaseException | None) -> None:
+    """Run every ``(name, step)`` of a clean-up, each also when one before it failed. When the
+    run failed with ``error``, that error stays the one raised: a step that fails too is told as
+    a note on it (and its traceback printed), as Lightning keeps the original error. Otherwise
+    the first step to fail is raised once every step ran (later failures as notes on it)."""
+    first: BaseException | None = None
+    for name, step in steps:
+        try:
+            step()
+        except Exception as step_err:  # noqa: BLE001 - reported below; the clean-up goes on
+            note = f"({name} failed too: {type(step_err).__name__}: {step_err})"
+            if error is not None:
+                error.add_note(note)
+                print(f"xtrainer: while the run was ending with {type(error).__name__}, {name} failed:\n"
+                      + "".join(traceback.format_exception(step_err)), file=sys.stderr, flush=True)
+            elif first is None:
+                first = step_err
+            else:
+                first.add_note(note)
+    if first is not None:
+        raise first
 
 
 def restore(trainer: "Trainer", path: str, stage: str) -> None:

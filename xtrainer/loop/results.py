@@ -10,7 +10,10 @@ not change from one step to the next.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,13 +47,25 @@ class Results:
     stage: str
     default_on_step: bool
     entries: dict[str, _Entry] = field(default_factory=dict)
-    batch_size: int = 1  # of the batch being processed, inferred from its first tensor
+    # Of the batch being processed: inferred from ``batch`` (its first tensor's length) the first
+    # time a value logged on_epoch with the mean reduction needs it, unless self.log gave one.
+    batch_size: int | None = None
+    batch: Any = None
     in_step: bool = False
     suffix: str = ""  # "/dataloader_idx_N" when an evaluation has several dataloaders
     # Batch sizes and identities as device tensors, made once per value. A Python number in the
     # graph would be deduplicated with any other scalar of equal value (a learning rate, an
     # optimizer step count): a different graph, so a recompilation, whenever two coincide.
     _constants: dict[tuple[str, float], torch.Tensor] = field(default_factory=dict)
+
+    def begin_batch(self, batch: Any) -> None:
+        """Values logged from now on belong to ``batch`` (its size is read only if needed)."""
+        self.batch, self.batch_size, self.in_step = batch, None, True
+
+    def _batch_size(self) -> int:
+        if self.batch_size is None:
+            self.batch_size = batch_size(self.batch, strict=True)
+        return self.batch_size
 
     def log(self, name: str, value: Any, on_step: bool | None, on_epoch: bool | None,
             prog_bar: bool, sync_dist: bool, reduce_fx: Any, batch_size: int | None, logger: bool = True,
@@ -87,7 +102,9 @@ class Results:
         if on_step:
             entry.last = value
         if on_epoch:
-            weight = (batch_size or self.batch_size) if reduce_fx == "mean" else 1
+            weight = 1
+            if reduce_fx == "mean":  # weighted by the batch's size (one value of an epoch hook: by 1)
+                weight = batch_size or (self._batch_size() if self.in_step else 1)
             weighted = value * self._constant(float(weight), value.device) if reduce_fx == "mean" else value
             if not self.in_step:
                 entry.total, entry.weight = weighted, float(weight)
@@ -202,6 +219,7 @@ class Results:
             entry.total, entry.weight = saved["total"].to(device), float(saved["weight"])
 
     def reset_epoch(self) -> None:
+        self.batch = None  # not kept alive past its epoch
         for entry in self.entries.values():
             entry.total, entry.weight = None, 0.0
 
@@ -247,15 +265,59 @@ def to_floats(tensors: dict[str, torch.Tensor], to_cpu: Callable[[Any], Any]) ->
     return {name: float(value) for name, value in host.items()}
 
 
-def batch_size(batch: Any) -> int:
-    """dim 0 of the batch's first tensor (shape metadata: no host sync)."""
+_NO_BATCH_SIZE = ("Could not infer the batch size from the batch ({}) to weight an epoch mean; pass it as "
+                  "self.log(..., batch_size=N), or simplify the batch's structure.")
+_warned_ambiguous: set[int] = set()
+
+
+def _sizes(batch: Any):
+    """Lengths met walking the batch: dim 0 of each tensor (1 for a 0-dim one), None for each leaf
+    that is not a tensor (a string, a number, any other object). Shape metadata only: no host sync."""
     if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
+        yield int(batch.shape[0]) if batch.dim() else 1
+    elif isinstance(batch, (str, bytes)) or hasattr(batch, "__array__"):
+        yield None  # a leaf: a NumPy array is not walked element by element either
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _sizes(value)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            yield from _sizes(getattr(batch, f.name))
+    elif isinstance(batch, Iterable) and not isinstance(batch, Iterator):  # an iterator would be used up
         for item in batch:
-            size = batch_size(item)
-            if size:
-                return size
-    return 1
+            yield from _sizes(item)
+    else:
+        yield None
+
+
+def batch_size(batch: Any, strict: bool = False) -> int:
+    """The batch's size as Lightning infers it: the length (dim 0) of the first tensor found
+    walking the batch (mappings by value, sequences, dataclasses), so that ``(texts, labels)``
+    counts ``len(labels)``. When anything met after it (another tensor's length, or a leaf that is
+    not a tensor) disagrees, the batch is ambiguous: the first length is kept, with a warning once.
+    Without any tensor: 1, or with ``strict`` (a size is needed to weight a mean) a ValueError.
+    Reads shapes only: no host sync."""
+    size = None
+    ambiguous = False
+    try:
+        for found in _sizes(batch):
+            if size is None:
+                size = found
+                if size is not None and not strict:
+                    break  # no warning to give: the rest need not be walked
+            elif found != size:
+                ambiguous = True
+                break
+    except RecursionError:
+        raise ValueError(_NO_BATCH_SIZE.format("it nests too deeply")) from None
+    if size is None:
+        if strict:
+            raise ValueError(_NO_BATCH_SIZE.format("no tensor in it"))
+        return 1
+    if ambiguous and strict and size not in _warned_ambiguous:
+        _warned_ambiguous.add(size)
+        warnings.warn(f"The batch size inferred from an ambiguous batch (its parts have different lengths, or "
+                      f"parts that are not tensors) is {size}, the length of its first tensor; to log epoch "
+                      "means weighted otherwise, pass self.log(..., batch_size=N).", UserWarning,
+                      stacklevel=5)  # the self.log call in the user's step
+    return size

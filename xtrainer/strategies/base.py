@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import inspect
 from typing import Any, Callable, ClassVar, Iterable, Iterator
 
@@ -50,6 +51,18 @@ from xtrainer.strategies import launch, shared_process
 from xtrainer.strategies.collectives import Collectives, XlaReplicas
 from xtrainer.strategies.data import DeviceData, _plain_random, distribute_dataloader
 from xtrainer.suggest import did_you_mean
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilerNames:
+    """What ``XlaHealth`` calls a strategy's compiler (``Strategy.compiler``)."""
+
+    prefix: str  # of the logged figures: "xla" gives "xla/compilations"
+    name: str  # in messages: "XLA recompiled 1 graph(s)..."
+    reasons: str  # how to see the compiler's own reasons for a recompilation
+
+
+XLA_COMPILER = CompilerNames("xla", "XLA", "run with PT_XLA_DEBUG_LEVEL=2 to see torch_xla's reasons")
 
 
 class Strategy(abc.ABC):
@@ -261,10 +274,17 @@ class Strategy(abc.ABC):
         return state + offset
 
     def device_counters(self) -> dict[str, float]:
-        """This process's counters of compiled graphs, compile seconds, executions and transfers
-        to the host (``XlaHealth``); zeros where the device keeps none."""
+        """This process's counters (host counters: reading them syncs nothing), for ``XlaHealth``
+        and goodput: always ``compiles`` (graphs compiled) and ``compile_s`` (their seconds); and
+        those this strategy's compiler keeps among ``executions`` (graphs run), ``transfers``
+        (device-to-host transfers) and ``graph_breaks``. XLA's: compilations, executions, transfers."""
         return {"compiles": _xla.compile_count(), "compile_s": _xla.compile_seconds(),
                 "executions": _xla.execute_count(), "transfers": _xla.transfer_from_device_count()}
+
+    #: How ``XlaHealth`` names this strategy's compiler: the prefix of its logged figures
+    #: (``xla/compilations``...), the compiler in its messages, and how to see the compiler's own
+    #: reasons for a recompilation.
+    compiler: ClassVar[CompilerNames] = XLA_COMPILER
 
     def memory_info(self) -> dict[str, int] | None:
         """``{"bytes_used", "bytes_limit"}`` of this replica's device, or None where unknown."""
@@ -290,7 +310,7 @@ class Strategy(abc.ABC):
         if distribute and isinstance(loader, DataLoader) and (self.world_size > 1 or _plain_random(loader)):
             distributed = distribute_dataloader(loader, self.world_size, self.global_rank)
             owns_sampler, loader = distributed is not loader, distributed
-        return DeviceData(loader, self.batches_on_device, owns_sampler)
+        return DeviceData(loader, self.batches_on_device, owns_sampler, replicas=self.world_size)
 
     def _input_sharding(self) -> Any:
         """How batches are laid out over the devices as they are sent (None: on this replica's)."""

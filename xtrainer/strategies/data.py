@@ -30,8 +30,9 @@ class DeviceData:
     ``batches_on_device``).
     """
 
-    def __init__(self, loader: Iterable, on_device: Callable[..., Iterable], owns_sampler: bool = False) -> None:
-        self.loader, self.owns_sampler = loader, owns_sampler
+    def __init__(self, loader: Iterable, on_device: Callable[..., Iterable], owns_sampler: bool = False,
+                 replicas: int = 1) -> None:
+        self.loader, self.owns_sampler, self.replicas = loader, owns_sampler, replicas
         if isinstance(loader, DataLoader) and loader.num_workers > 0 \
                 and not isinstance(loader.worker_init_fn, _WorkerOfThisRun):
             loader.worker_init_fn = _WorkerOfThisRun(loader.worker_init_fn)
@@ -73,8 +74,29 @@ class DeviceData:
                 self._epoch_start[name] = generator.get_state()
 
     def state_dict(self) -> dict[str, Any]:
-        """What a run resumed inside this epoch needs to draw the epoch's order again."""
-        return {"generators": dict(self._epoch_start)}
+        """What a run resumed inside this epoch needs to draw the epoch's order again (and its
+        ``layout``, to tell whether a run of another world size continues it exactly)."""
+        return {"generators": dict(self._epoch_start), "layout": self.layout()}
+
+    def layout(self) -> dict[str, Any] | None:
+        """How the epoch's global batches are made, when it does not depend on the world size's
+        split: a sampler the strategy put in (a ``DistributedSampler`` re-seeded with the run's
+        seed and the epoch) deals out one order of its ``samples`` (the dataset, padded to a
+        multiple of the world size) to the replicas in turn, so the k-th global batch is the
+        k-th run of ``global_batch`` samples of that order on any number of replicas; a plain
+        sequential loader of one replica is the same order unshuffled. Equal layouts: the same
+        batches, whatever the world size. None: the order is the loader's own, not known here."""
+        loader = self.loader
+        if not isinstance(loader, DataLoader) or type(loader.batch_sampler) is not BatchSampler:
+            return None
+        sampler, batch_size = loader.sampler, loader.batch_sampler.batch_size
+        if self.owns_sampler and isinstance(sampler, DistributedSampler) and not sampler.drop_last:
+            return {"shuffle": bool(sampler.shuffle), "samples": int(sampler.total_size),
+                    "global_batch": batch_size * sampler.num_replicas, "drop_last": loader.batch_sampler.drop_last}
+        if type(sampler) is SequentialSampler and self.replicas == 1:  # one replica's plain loader
+            return {"shuffle": False, "samples": len(sampler), "global_batch": batch_size,
+                    "drop_last": loader.batch_sampler.drop_last}
+        return None
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """After ``set_epoch``: put the user's generators back to where this epoch began."""

@@ -62,14 +62,15 @@ def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[di
     context = multiprocessing.get_context("spawn")
     inherited_marker = os.environ.get(_UNGUARDED_MARKER)  # set if this is a started process itself
     marker = os.path.join(tempfile.gettempdir(), f"xtrainer-unguarded-{os.getpid()}-{id(args)}")
-    child_args: tuple = (target, args, os.getpid())
-    if len(envs) > 1:
-        # Pickled here with the plain pickler, once: multiprocessing's own would put every tensor in
-        # shared memory, and the processes would all train the same weights.
-        try:
-            child_args = (_unpickled_main, (pickle.dumps((target, args)),), os.getpid())
-        except (pickle.PicklingError, AttributeError, TypeError) as err:
-            raise TypeError(_unpicklable(what, err)) from err
+    # Pickled here with the plain pickler, once, into bytes that every process unpickles for itself.
+    # multiprocessing's own pickler would hand each tensor over as a reference to shared memory: the
+    # processes would all train the same weights, the caller's own tensors would be moved into shared
+    # memory, and a tensor made only while pickling (a torch.Generator's state, from its __reduce__)
+    # is freed in the caller before a process can map it ("unable to resize file" there).
+    try:
+        child_args: tuple = (_unpickled_main, (pickle.dumps((target, args)),), os.getpid())
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise TypeError(_unpicklable(what, err)) from err
     processes: list = []
     try:
         for env in envs:
