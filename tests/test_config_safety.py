@@ -18,9 +18,10 @@ from torch import nn
 import xtrainer
 from xtrainer import cli
 from xtrainer.callbacks import Callback
-from xtrainer.config import ConfigError, load, locate, place, plan, save_config
+from xtrainer.config import ConfigError, load, plan, save_config
+from xtrainer.config.targets import locate, place
 from xtrainer.loggers import CSVLogger
-from xtrainer.redaction import REDACTED, looks_secret, redact
+from xtrainer.config.redaction import REDACTED, looks_secret, redact
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -268,7 +269,7 @@ def test_a_standard_library_module_is_not_imported_for_a_config(monkeypatch):
     "shutil.rmtree", "importlib.import_module", "sys.exit", "pickle.loads", "marshal.loads", "ctypes.CDLL",
     "socket.socket", "pty.spawn", "runpy.run_path", "code.InteractiveConsole", "multiprocessing.Process",
     "signal.raise_signal", "io.FileIO", "_io.FileIO", "pathlib.Path", "tempfile.TemporaryDirectory",
-    "logging.FileHandler", "xtrainer.config.importlib.import_module", "conftest.torch.load", "conftest.os",
+    "logging.FileHandler", "xtrainer.config.targets.importlib.import_module", "conftest.torch.load", "conftest.os",
     "conftest.Regressor.__init__", "os", "", None, 3, "conftest..Regressor", "numpy.memmap", "numpy.ndarray",
     "torch.nn.Linear", "xtrainer.Trainer", "xtrainer.callbacks.EarlyStopping", "conftest.RegressionData",
 ])

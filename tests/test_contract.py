@@ -18,7 +18,7 @@ from xtrainer.callbacks import Callback
 from xtrainer.callbacks.base import CALLBACK_HOOKS
 from xtrainer.config import TrainerConfig
 from xtrainer.module import MODULE_HOOKS
-from xtrainer.settings import TrainerSettings
+from xtrainer.config.settings import TrainerSettings
 from xtrainer.strategies import STRATEGIES
 
 

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import arguments, goodput, interrupts, loaders
+from xtrainer import goodput, interrupts, loaders
+from xtrainer.config import arguments
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
 from xtrainer.datamodule import XDataModule
@@ -27,9 +28,9 @@ from xtrainer.metric_values import MetricValues
 from xtrainer.module import XModule
 from xtrainer.optim import SchedulerConfig
 from xtrainer.precision import Precision
-from xtrainer.redaction import redact
+from xtrainer.config.redaction import redact
 from xtrainer.results import Results
-from xtrainer.settings import TrainerSettings
+from xtrainer.config.settings import TrainerSettings
 from xtrainer.steps import check_eval_step, check_module
 from xtrainer.strategies import Strategy, resolve_strategy
 from xtrainer.strategies.launch import SpmdProcess
@@ -521,7 +522,7 @@ class Trainer:
 
     def hyperparameters(self) -> dict[str, Any]:
         """The module's saved hyperparameters, the run's configuration and the Trainer's settings;
-        secrets written as "***" (``xtrainer.redaction``: what every logger receives)."""
+        secrets written as "***" (``xtrainer/config/redaction.py``: what every logger receives)."""
         settings = {"strategy": self.strategy.name, "world_size": self.world_size, "precision": self.precision.name,
                     "max_epochs": self.max_epochs, "max_steps": self.max_steps,
                     "accumulate_grad_batches": self.accumulate_grad_batches,

@@ -75,13 +75,13 @@ class Strategy(abc.ABC):
     def check_accelerator(self, accelerator: str, num_nodes: int) -> None:
         """Refuse an ``accelerator`` (or ``num_nodes``) this strategy cannot run on (calling
         process, before launch)."""
-        from xtrainer import arguments
+        from xtrainer.config import arguments
 
         arguments.check_accelerator(accelerator, num_nodes)
 
     def resolve_devices(self, devices: int | str) -> int | None:
         """The Trainer's ``devices`` as a count (None: every local device)."""
-        from xtrainer import arguments
+        from xtrainer.config import arguments
 
         return arguments.resolve_devices(devices)
 
