@@ -27,12 +27,12 @@ from xtrainer.loop.state import LoopState
 from xtrainer.metric_values import MetricValues
 from xtrainer.module import XModule
 from xtrainer.optim import SchedulerConfig
-from xtrainer.precision import Precision
 from xtrainer.config.redaction import redact
 from xtrainer.results import Results
 from xtrainer.config.settings import TrainerSettings
 from xtrainer.steps import check_eval_step, check_module
 from xtrainer.strategies import Strategy, resolve_strategy
+from xtrainer.strategies.precision import Precision
 from xtrainer.strategies.launch import SpmdProcess
 from xtrainer.suggest import did_you_mean
 

@@ -45,10 +45,10 @@ from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint import layout as ckpt_layout
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.whole import WholeFile
-from xtrainer.precision import Precision
 from xtrainer.strategies import launch, shared_process
 from xtrainer.strategies.collectives import Collectives, XlaReplicas
 from xtrainer.strategies.data import DeviceData, _plain_random, distribute_dataloader
+from xtrainer.strategies.precision import Precision
 from xtrainer.suggest import did_you_mean
 
 
