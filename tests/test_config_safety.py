@@ -16,7 +16,7 @@ from conftest import RegressionData, Regressor
 from torch import nn
 
 import xtrainer
-from xtrainer import cli
+from xtrainer.launch import cli
 from xtrainer.callbacks import Callback
 from xtrainer.config import ConfigError, load, plan, save_config
 from xtrainer.config.targets import locate, place
@@ -387,7 +387,7 @@ def test_the_readme_forms_pass_xtrainer_config_which_writes_nothing(tmp_path):
     before = snapshot(tmp_path)
     script = "; ".join(f"print(cli.main(['config', '--config', {str(tmp_path / name)!r}]), flush=True)"
                        for name in configs)
-    done = subprocess.run([sys.executable, "-c", f"from xtrainer import cli; {script}"], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", f"from xtrainer.launch import cli; {script}"], capture_output=True,
                           text=True, cwd=work, env={**os.environ, "PJRT_DEVICE": "CPU",
                                                     "PYTHONPATH": os.pathsep.join([ROOT, TESTS])})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import functools
 import inspect
 import math
 import os
@@ -12,14 +11,16 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import goodput, interrupts, loaders
-from xtrainer.config import arguments
+from xtrainer import goodput, loaders
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
+from xtrainer.config import arguments
+from xtrainer.config.redaction import redact
+from xtrainer.config.settings import TrainerSettings
 from xtrainer.datamodule import XDataModule
+from xtrainer.launch import stages
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
-from xtrainer.loop import checkpoints, evaluation, replica
-from xtrainer.loop.replica import remove_if_empty
+from xtrainer.loop import checkpoints
 from xtrainer.loop.checkpoints import seed_everything
 from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.publishing import Publisher
@@ -27,13 +28,9 @@ from xtrainer.loop.state import LoopState
 from xtrainer.metric_values import MetricValues
 from xtrainer.module import XModule
 from xtrainer.optim import SchedulerConfig
-from xtrainer.config.redaction import redact
 from xtrainer.results import Results
-from xtrainer.config.settings import TrainerSettings
-from xtrainer.steps import check_eval_step, check_module
 from xtrainer.strategies import Strategy, resolve_strategy
 from xtrainer.strategies.precision import Precision
-from xtrainer.strategies.launch import SpmdProcess
 from xtrainer.suggest import did_you_mean
 
 __all__ = ["Trainer", "seed_everything"]
@@ -76,7 +73,7 @@ class Trainer:
         hang_timeout, exit_on_hang: when no training step finishes for ``hang_timeout`` seconds
             (``"auto"``: a multiple of the median step, at least minutes; None: never), write every
             thread's Python stack to the log and the run folder, and with ``exit_on_hang`` end the
-            process with exit code 75 so that a restart loop goes on (``xtrainer/watchdog.py``).
+            process with exit code 75 so that a restart loop goes on (``xtrainer/launch/watchdog.py``).
         enable_goodput: account wall time (compiling, data, checkpoints, restarts, steps lost to
             preemption) per run and across restarts, in ``goodput.json`` (``xtrainer/goodput.py``).
         async_checkpointing: write whole-file checkpoints in a background thread; the loop pays only
@@ -262,15 +259,7 @@ class Trainer:
     def world_size(self) -> int:
         if self._replica_ready:
             return self.strategy.world_size
-        return self._planned_world_size()
-
-    def _planned_world_size(self) -> int:
-        planned = self.strategy.launcher.planned_world_size()
-        if planned is not None:
-            return planned
-        if isinstance(self.strategy.launcher, SpmdProcess):
-            return self.num_nodes  # one SPMD process per host
-        return self.num_devices * self.num_nodes
+        return stages.planned_world_size(self)
 
     @property
     def num_devices(self) -> int:
@@ -402,17 +391,8 @@ class Trainer:
             datamodule: XDataModule | None = None, ckpt_path: str | os.PathLike | None = None) -> None:
         """Train ``model`` on loaders given here, or a ``datamodule``'s, or the module's own
         ``*_dataloader()`` hooks. Afterwards ``model`` holds the trained weights (on the CPU)."""
-        check_module(model, "fit")
-        if isinstance(train_dataloaders, XDataModule):  # Lightning accepts it in this place too
-            train_dataloaders, datamodule = None, train_dataloaders
-        loaders.prepare(self, "fit", model, datamodule, given=train_dataloaders is not None or val_dataloaders is not None)
-        try:
-            sources = loaders.for_fit(self, model, train_dataloaders, val_dataloaders)
-            with interrupts.graceful():  # SIGTERM/SIGINT: finish the step, write a checkpoint, raise
-                self._launch("fit", model, sources, ckpt_path)
-            self._fitted_model = model
-        finally:
-            loaders.teardown(self, "fit")
+        stages.fit(self, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+        self._fitted_model = model
 
     def resolve_ckpt_path(self, ckpt_path: str | os.PathLike | None) -> str | None:
         """The checkpoint ``ckpt_path`` means for this run, checked completely (every byte against
@@ -458,48 +438,13 @@ class Trainer:
 
     def _evaluate(self, stage: str, model: XModule | None, dataloaders: Any, ckpt_path: str | None,
                   verbose: bool, datamodule: XDataModule | None) -> Any:
-        if isinstance(dataloaders, XDataModule):
-            dataloaders, datamodule = None, dataloaders
         if model is None:
             model = self._fitted_model
             if model is None:
                 raise ValueError(f"{stage}() got no model, and this Trainer has not fitted one: pass the model.")
             if ckpt_path is None and getattr(self.checkpoint_callback, "best_model_path", ""):
                 ckpt_path = "best"
-        check_module(model, stage)
-        if datamodule is None and dataloaders is None:
-            datamodule = self.datamodule  # the fit's, if it had one
-        loaders.prepare(self, stage, model, datamodule, given=dataloaders is not None)
-        try:
-            sources = loaders.for_stage(self, model, stage, dataloaders)
-            check_eval_step(model, stage)
-            results = self._launch(stage, model, sources, ckpt_path)
-        finally:
-            loaders.teardown(self, stage)
-        if verbose and stage != "predict":
-            evaluation.print_results(stage, results)
-        return results
-
-    def _launch(self, stage: str, model: XModule, sources: dict[str, list | None], ckpt_path: Any) -> Any:
-        resolved = self._resolve_ckpt_path(ckpt_path)
-        self.ckpt_path = resolved
-        self.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
-        # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the
-        # epoch) and each replica's XLA random generator (with its rank).
-        self.loop.seed = torch.initial_seed() % 2**31
-        try:
-            result = self.strategy.launcher.launch(functools.partial(replica.run, self), stage, model, sources, resolved)
-        except BaseException:
-            remove_if_empty(self.log_dir)  # a run that failed before writing anything leaves no folder
-            raise
-        if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
-            model.load_state_dict(result["state_dict"])
-            self.loop = result["loop"]
-            self.should_stop = result["should_stop"]
-            self.callback_metrics = result["callback_metrics"]
-            for cb in self.callbacks:
-                cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
-        return result["outputs"]
+        return stages.evaluate(self, stage, model, dataloaders, ckpt_path, verbose, datamodule)
 
     def _train_data_state(self) -> Any:
         """What a checkpoint keeps of the training data's order in this epoch (None: nothing)."""

@@ -19,7 +19,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer import interrupts
+from xtrainer.launch import interrupts
 from xtrainer import checkpoint as ckpt_io
 from xtrainer.checkpoint import format as ckpt_format
 from xtrainer.checkpoint import resume

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xtrainer import interrupts, loaders
+from xtrainer import loaders
+from xtrainer.launch import interrupts
 from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop.publishing import LOSS_KEY, end_epoch
 from xtrainer.results import batch_size

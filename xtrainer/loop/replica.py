@@ -7,7 +7,8 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
-from xtrainer import compile_cache, interrupts, loaders, metric_sync
+from xtrainer import compile_cache, loaders, metric_sync
+from xtrainer.launch import interrupts
 from xtrainer.checkpoint import background as ckpt_background
 from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop import fit as fit_loop
