@@ -112,7 +112,7 @@ class Trainer:
         enable_xla_health: bool = True,
         detect_nonfinite: str = "raise",
         compilation_cache: bool | str | os.PathLike | None = None,  # goodput: compile_cache.py
-        hang_timeout: float | str | None = "auto",  # goodput: watchdog.py
+        hang_timeout: float | str | None = "auto",  # goodput: launch/watchdog.py
         exit_on_hang: bool = False,
         enable_goodput: bool = True,  # goodput: goodput.py
         async_checkpointing: bool = False,  # goodput: checkpoint/background.py
