@@ -23,11 +23,11 @@ from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_r
 from xtrainer.loop import checkpoints
 from xtrainer.loop.checkpoints import seed_everything
 from xtrainer.loop.optimization import Optimization
+from xtrainer.loop.optimizers import SchedulerConfig
 from xtrainer.loop.publishing import Publisher
 from xtrainer.loop.state import LoopState
 from xtrainer.metric_values import MetricValues
 from xtrainer.module import XModule
-from xtrainer.optim import SchedulerConfig
 from xtrainer.results import Results
 from xtrainer.strategies import Strategy, resolve_strategy
 from xtrainer.strategies.precision import Precision
