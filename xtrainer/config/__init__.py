@@ -54,11 +54,37 @@ checked whole, then built) and ``redaction.py`` (secrets hidden from what a run 
 
 from __future__ import annotations
 
-from xtrainer.config.building import Plan, Run, build, check, check_run, plan
-from xtrainer.config.loading import flatten, load, load_config, save_config, split_argv, to_yaml
-from xtrainer.config.schema import CONFIG_FILE, TARGET, ConfigError, RunConfig, TrainerConfig, trainer_kwargs
-from xtrainer.config.targets import instantiate
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CONFIG_FILE", "TARGET", "ConfigError", "Plan", "Run", "RunConfig", "TrainerConfig", "build", "check",
-           "check_run", "flatten", "instantiate", "load", "load_config", "plan", "save_config", "split_argv",
-           "to_yaml", "trainer_kwargs"]
+#: Each public name and the module that defines it, imported on first use: the Trainer imports
+#: ``config.settings`` and ``config.arguments`` without loading OmegaConf and YAML.
+_LAZY = {
+    **dict.fromkeys(("Plan", "Run", "build", "check", "check_run", "plan"), "xtrainer.config.building"),
+    **dict.fromkeys(("flatten", "load", "load_config", "save_config", "split_argv", "to_yaml"),
+                    "xtrainer.config.loading"),
+    **dict.fromkeys(("CONFIG_FILE", "TARGET", "ConfigError", "RunConfig", "TrainerConfig", "trainer_kwargs"),
+                    "xtrainer.config.schema"),
+    "instantiate": "xtrainer.config.targets",
+}
+
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:  # for type checkers, IDEs and the API reference: the names as if imported eagerly
+    from xtrainer.config.building import Plan, Run, build, check, check_run, plan
+    from xtrainer.config.loading import flatten, load, load_config, save_config, split_argv, to_yaml
+    from xtrainer.config.schema import CONFIG_FILE, TARGET, ConfigError, RunConfig, TrainerConfig, trainer_kwargs
+    from xtrainer.config.targets import instantiate
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'xtrainer.config' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
