@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from xtrainer import cli
+from xtrainer.launch import cli
 from xtrainer.config import RunConfig, load, save_config
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -186,7 +186,7 @@ def test_spmd_checkpoints_go_through_torch_distributed_checkpoint_on_s3(bucket):
 
 
 def test_consolidate_reads_from_s3_and_writes_to_s3(bucket):
-    from xtrainer import cli
+    from xtrainer.launch import cli
 
     root = f"{bucket}/fsdp"
     _, model = fit(root, 1, strategy="xla_fsdp", logger=False)
@@ -218,7 +218,7 @@ def test_a_missing_client_names_the_extra_to_install(tmp_path):
 
 
 def test_the_command_line_runs_into_an_object_store(memory, tmp_path, monkeypatch):
-    from xtrainer import cli
+    from xtrainer.launch import cli
 
     monkeypatch.chdir(os.path.dirname(os.path.abspath(__file__)))  # the config's targets live in conftest
     config = tmp_path / "run.yaml"

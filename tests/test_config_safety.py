@@ -16,11 +16,12 @@ from conftest import RegressionData, Regressor
 from torch import nn
 
 import xtrainer
-from xtrainer import cli
+from xtrainer.launch import cli
 from xtrainer.callbacks import Callback
-from xtrainer.config import ConfigError, load, locate, place, plan, save_config
+from xtrainer.config import ConfigError, load, plan, save_config
+from xtrainer.config.targets import locate, place
 from xtrainer.loggers import CSVLogger
-from xtrainer.redaction import REDACTED, looks_secret, redact
+from xtrainer.config.redaction import REDACTED, looks_secret, redact
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -268,7 +269,7 @@ def test_a_standard_library_module_is_not_imported_for_a_config(monkeypatch):
     "shutil.rmtree", "importlib.import_module", "sys.exit", "pickle.loads", "marshal.loads", "ctypes.CDLL",
     "socket.socket", "pty.spawn", "runpy.run_path", "code.InteractiveConsole", "multiprocessing.Process",
     "signal.raise_signal", "io.FileIO", "_io.FileIO", "pathlib.Path", "tempfile.TemporaryDirectory",
-    "logging.FileHandler", "xtrainer.config.importlib.import_module", "conftest.torch.load", "conftest.os",
+    "logging.FileHandler", "xtrainer.config.targets.importlib.import_module", "conftest.torch.load", "conftest.os",
     "conftest.Regressor.__init__", "os", "", None, 3, "conftest..Regressor", "numpy.memmap", "numpy.ndarray",
     "torch.nn.Linear", "xtrainer.Trainer", "xtrainer.callbacks.EarlyStopping", "conftest.RegressionData",
 ])
@@ -386,7 +387,7 @@ def test_the_readme_forms_pass_xtrainer_config_which_writes_nothing(tmp_path):
     before = snapshot(tmp_path)
     script = "; ".join(f"print(cli.main(['config', '--config', {str(tmp_path / name)!r}]), flush=True)"
                        for name in configs)
-    done = subprocess.run([sys.executable, "-c", f"from xtrainer import cli; {script}"], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", f"from xtrainer.launch import cli; {script}"], capture_output=True,
                           text=True, cwd=work, env={**os.environ, "PJRT_DEVICE": "CPU",
                                                     "PYTHONPATH": os.pathsep.join([ROOT, TESTS])})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -99,7 +99,7 @@ def run_folders(tmp_path) -> list[str]:
 # --------------------------------------------------------------------------------------------
 _PROBE = textwrap.dedent("""
     import sys
-    from xtrainer import cli
+    from xtrainer.launch import cli
     try:
         code = cli.main(sys.argv[1:])
     except SystemExit as exit:
@@ -147,7 +147,7 @@ def test_importing_xtrainer_is_lazy_and_its_names_still_work():
     assert done.stdout.split()[0] == "False", done.stdout + done.stderr[-2000:]
     # In this process torch is loaded already: the names resolve to the modules' objects.
     from xtrainer.datamodule import XDataModule
-    from xtrainer.interrupts import TrainingInterrupted
+    from xtrainer.launch.interrupts import TrainingInterrupted
     from xtrainer.module import XModule
     from xtrainer.trainer import Trainer, seed_everything
 

@@ -101,7 +101,7 @@ def test_a_run_that_keeps_stepping_never_fires(tmp_path):
 
 
 def test_the_automatic_limit_waits_for_compilations_then_follows_the_median_step():
-    from xtrainer.watchdog import FLOOR, STARTUP_LIMIT, HangWatchdog
+    from xtrainer.launch.watchdog import FLOOR, STARTUP_LIMIT, HangWatchdog
 
     watchdog = HangWatchdog()
     assert watchdog.limit([], 0) == STARTUP_LIMIT
@@ -267,7 +267,7 @@ def test_doctor_reports_the_runtime_and_checks_two_strategies(tmp_path):
 
 
 def test_doctor_refuses_an_unknown_strategy_in_one_line():
-    from xtrainer import doctor
+    from xtrainer.launch import doctor
 
     with pytest.raises(SystemExit, match="unknown strategy 'xla_dpp'"):
         doctor.plan("xla_dpp:2", None)

@@ -15,7 +15,7 @@ from torch import nn
 from xtrainer import Trainer, _xla
 from xtrainer.callbacks import Callback
 from xtrainer.config import ConfigError, build, load
-from xtrainer.optim import prefer_foreach
+from xtrainer.loop.optimizers import prefer_foreach
 from xtrainer.strategies import XlaFSDP, XlaFSDPv2
 from xtrainer.strategies.wrap_policies import layer_classes, no_split_classes, wrap_policy
 

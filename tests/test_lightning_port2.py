@@ -224,7 +224,7 @@ def _params():
 
 
 def test_configure_optimizers_forms():
-    from xtrainer.optim import NoOptimizer, parse_optimizers
+    from xtrainer.loop.optimizers import NoOptimizer, parse_optimizers
 
     plateau_cls, step_cls = torch.optim.lr_scheduler.ReduceLROnPlateau, torch.optim.lr_scheduler.StepLR
     a, b = torch.optim.SGD(_params(), lr=0.1), torch.optim.Adam(_params())
@@ -336,7 +336,7 @@ def test_manual_optimizers_are_instances_of_their_class(tmp_path):
 
 
 def test_the_optimizer_wrapper_shares_everything_with_the_optimizer():
-    from xtrainer.optim import StrategyOptimizer
+    from xtrainer.loop.optimizers import StrategyOptimizer
 
     class Strategy:
         def optimizer_step(self, optimizer, before):

@@ -33,13 +33,10 @@ from xtrainer.loggers import (CSVLogger, Logger, TensorBoardLogger, claim_run_fo
                               move_run_folder, run_folder_root)
 from xtrainer.summary import human_readable_count, summarize
 
-LOGGERS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "xtrainer", "loggers.py")
-# Child processes load loggers.py alone (it needs no torch), so that they start in a blink.
-LOAD_LOGGERS = textwrap.dedent(f"""
-    import importlib.util, sys
-    spec = importlib.util.spec_from_file_location("xloggers", {LOGGERS_PY!r})
-    xloggers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(xloggers)
+# Child processes import the loggers alone (no Trainer, no torch_xla), so that they start quickly.
+LOAD_LOGGERS = textwrap.dedent("""
+    import sys
+    import xtrainer.loggers as xloggers
 """)
 
 
@@ -337,9 +334,9 @@ def test_tensorboard_refuses_values_that_are_not_numbers(tmp_path):
 
 
 def test_log_graph_is_accepted_with_one_warning(tmp_path):
-    from xtrainer import loggers
+    from xtrainer.loggers import base
 
-    loggers._warned.discard("log_graph")
+    base._warned.discard("log_graph")
     with pytest.warns(UserWarning, match="not logged on XLA"):
         logger = TensorBoardLogger(tmp_path, log_graph=True)
     with warnings.catch_warnings():
@@ -414,9 +411,9 @@ def test_csv_flushes_every_n_steps_even_when_steps_skip(tmp_path):
 
 
 def test_a_metric_named_step_gives_way_to_the_step_column(tmp_path):
-    from xtrainer import loggers
+    from xtrainer.loggers import base
 
-    loggers._warned.discard("csv-step")
+    base._warned.discard("csv-step")
     logger = CSVLogger(tmp_path)
     with pytest.warns(UserWarning, match="named 'step'"):
         logger.log_metrics({"step": 99.0, "x": 1.0}, 3)
@@ -529,7 +526,7 @@ KILLED_WRITER = LOAD_LOGGERS + textwrap.dedent("""
             if calls[0] == kill_at_replace:
                 os.kill(os.getpid(), 9)
             return real(*args)
-        xloggers.os.replace = replace
+        os.replace = replace  # the loggers' module and this script share one os
     os.write(out, b"ready\\n")
     for step in range(10 ** 6):
         metrics = {"loss": step * 0.5, "epoch": step // 10, 'odd, "name"\\n': -step}

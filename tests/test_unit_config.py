@@ -11,8 +11,8 @@ import pytest
 from torch import nn
 
 from xtrainer.callbacks import Callback, EarlyStopping
-from xtrainer.config import (ConfigError, Expected, Target, check_arguments, check_run, instantiate, load,
-                             load_config, locate, place, plan, resolve_target)
+from xtrainer.config import ConfigError, check_run, instantiate, load, load_config, plan
+from xtrainer.config.targets import Expected, Target, check_arguments, locate, place, resolve_target
 from xtrainer.module import XModule
 
 HERE = __name__  # this module, importable by name as the configurations below name it

@@ -1,4 +1,4 @@
-"""``configure_optimizers``' return forms (``xtrainer.optim.parse_optimizers``) on their own: every
+"""``configure_optimizers``' return forms (``xtrainer.loop.optimizers.parse_optimizers``) on their own: every
 form Lightning documents, what each scheduler entry becomes, and every refusal with its message;
 then ``step_schedulers``. No Trainer and no training: real optimizers and schedulers over a few
 host parameters."""
@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from xtrainer.optim import NoOptimizer, SchedulerConfig, parse_optimizers, step_schedulers
+from xtrainer.loop.optimizers import NoOptimizer, SchedulerConfig, parse_optimizers, step_schedulers
 
 
 def sgd(lr: float = 0.1) -> torch.optim.SGD:

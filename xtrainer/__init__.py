@@ -19,7 +19,7 @@ _LAZY = {
     "seed_everything": "xtrainer.trainer",
     "XModule": "xtrainer.module",
     "XDataModule": "xtrainer.datamodule",
-    "TrainingInterrupted": "xtrainer.interrupts",
+    "TrainingInterrupted": "xtrainer.launch.interrupts",
 }
 
 __all__ = ["Trainer", "TrainingInterrupted", "XDataModule", "XModule", "__version__", "seed_everything"]
@@ -48,7 +48,7 @@ _set_rank_zero_rank()
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
     from xtrainer.datamodule import XDataModule
-    from xtrainer.interrupts import TrainingInterrupted
+    from xtrainer.launch.interrupts import TrainingInterrupted
     from xtrainer.module import XModule
     from xtrainer.trainer import Trainer, seed_everything
 

@@ -142,7 +142,7 @@ class Goodput(Callback):
 
     def on_exception(self, trainer: "Trainer", module: "XModule", exception: BaseException) -> None:
         if self._active:
-            from xtrainer.interrupts import TrainingInterrupted
+            from xtrainer.launch.interrupts import TrainingInterrupted
 
             self.record["status"] = "interrupted" if isinstance(exception, TrainingInterrupted) else "failed"
             self.record["last_step"] = trainer.global_step

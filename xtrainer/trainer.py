@@ -12,31 +12,30 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import arguments, goodput, interrupts
-from xtrainer.loop import loaders
+from xtrainer import goodput
 from xtrainer.callbacks import ModelCheckpoint
 from xtrainer.callbacks.base import Callback
+from xtrainer.config import arguments
+from xtrainer.config.redaction import redact
+from xtrainer.config.settings import TrainerSettings
 from xtrainer.datamodule import XDataModule
+from xtrainer.launch import stages
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
-from xtrainer.loop import checkpoints, evaluation, replica
-from xtrainer.loop.replica import remove_if_empty
+from xtrainer.loop import checkpoints, loaders, replica
 from xtrainer.loop.checkpoints import seed_everything
-from xtrainer.loop.optimization import Optimization
-from xtrainer.loop.publishing import Publisher
-from xtrainer.loop.state import LoopState
 from xtrainer.loop.metric_values import MetricValues
-from xtrainer.module import XModule
-from xtrainer.optim import SchedulerConfig
-from xtrainer.precision import Precision
-from xtrainer.redaction import redact
+from xtrainer.loop.optimization import Optimization
+from xtrainer.loop.optimizers import SchedulerConfig
+from xtrainer.loop.publishing import Publisher
 from xtrainer.loop.results import Results
-from xtrainer.settings import TrainerSettings
-from xtrainer.loop.steps import check_eval_step, check_module
+from xtrainer.loop.state import LoopState
+from xtrainer.module import XModule
 from xtrainer.strategies import Strategy, resolve_strategy
-from xtrainer.strategies.launch import SpmdProcess
+from xtrainer.strategies.precision import Precision
 from xtrainer.suggest import did_you_mean
 
 __all__ = ["Trainer", "seed_everything"]
+
 
 class Trainer:
     """Trains an ``XModule`` on XLA devices.
@@ -77,7 +76,7 @@ class Trainer:
         hang_timeout, exit_on_hang: when no training step finishes for ``hang_timeout`` seconds
             (``"auto"``: a multiple of the median step, at least minutes; None: never), write every
             thread's Python stack to the log and the run folder, and with ``exit_on_hang`` end the
-            process with exit code 75 so that a restart loop goes on (``xtrainer/watchdog.py``).
+            process with exit code 75 so that a restart loop goes on (``xtrainer/launch/watchdog.py``).
         enable_goodput: account wall time (compiling, data, checkpoints, restarts, steps lost to
             preemption) per run and across restarts, in ``goodput.json`` (``xtrainer/goodput.py``).
         async_checkpointing: write whole-file checkpoints in a background thread; the loop pays only
@@ -116,7 +115,7 @@ class Trainer:
         enable_xla_health: bool = True,
         detect_nonfinite: str = "raise",
         compilation_cache: bool | str | os.PathLike | None = None,  # goodput: compile_cache.py
-        hang_timeout: float | str | None = "auto",  # goodput: watchdog.py
+        hang_timeout: float | str | None = "auto",  # goodput: launch/watchdog.py
         exit_on_hang: bool = False,
         enable_goodput: bool = True,  # goodput: goodput.py
         async_checkpointing: bool = False,  # goodput: checkpoint/background.py
@@ -264,15 +263,7 @@ class Trainer:
     def world_size(self) -> int:
         if self._replica_ready:
             return self.strategy.world_size
-        return self._planned_world_size()
-
-    def _planned_world_size(self) -> int:
-        planned = self.strategy.launcher.planned_world_size()
-        if planned is not None:
-            return planned
-        if isinstance(self.strategy.launcher, SpmdProcess):
-            return self.num_nodes  # one SPMD process per host
-        return self.num_devices * self.num_nodes
+        return stages.planned_world_size(self)
 
     @property
     def num_devices(self) -> int:
@@ -404,21 +395,8 @@ class Trainer:
             datamodule: XDataModule | None = None, ckpt_path: str | os.PathLike | None = None) -> None:
         """Train ``model`` on loaders given here, or a ``datamodule``'s, or the module's own
         ``*_dataloader()`` hooks. Afterwards ``model`` holds the trained weights (on the CPU)."""
-        check_module(model, "fit")
-        if isinstance(train_dataloaders, XDataModule):  # Lightning accepts it in this place too
-            train_dataloaders, datamodule = None, train_dataloaders
-        loaders.prepare(self, "fit", model, datamodule, given=train_dataloaders is not None or val_dataloaders is not None)
-        error = None
-        try:
-            sources = loaders.for_fit(self, model, train_dataloaders, val_dataloaders)
-            with interrupts.graceful():  # SIGTERM/SIGINT: finish the step, write a checkpoint, raise
-                self._launch("fit", model, sources, ckpt_path)
-            self._fitted_model = model
-        except BaseException as err:
-            error = err
-            raise
-        finally:  # a data module's teardown that fails too does not hide the fit's error
-            replica.run_cleanup([("the data module's teardown", lambda: loaders.teardown(self, "fit"))], error)
+        stages.fit(self, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+        self._fitted_model = model
 
     def resolve_ckpt_path(self, ckpt_path: str | os.PathLike | None) -> str | None:
         """The checkpoint ``ckpt_path`` means for this run, checked completely (every byte against
@@ -464,52 +442,13 @@ class Trainer:
 
     def _evaluate(self, stage: str, model: XModule | None, dataloaders: Any, ckpt_path: str | None,
                   verbose: bool, datamodule: XDataModule | None) -> Any:
-        if isinstance(dataloaders, XDataModule):
-            dataloaders, datamodule = None, dataloaders
         if model is None:
             model = self._fitted_model
             if model is None:
                 raise ValueError(f"{stage}() got no model, and this Trainer has not fitted one: pass the model.")
             if ckpt_path is None and getattr(self.checkpoint_callback, "best_model_path", ""):
                 ckpt_path = "best"
-        check_module(model, stage)
-        if datamodule is None and dataloaders is None:
-            datamodule = self.datamodule  # the fit's, if it had one
-        loaders.prepare(self, stage, model, datamodule, given=dataloaders is not None)
-        error = None
-        try:
-            sources = loaders.for_stage(self, model, stage, dataloaders)
-            check_eval_step(model, stage)
-            results = self._launch(stage, model, sources, ckpt_path)
-        except BaseException as err:
-            error = err
-            raise
-        finally:
-            replica.run_cleanup([("the data module's teardown", lambda: loaders.teardown(self, stage))], error)
-        if verbose and stage != "predict":
-            evaluation.print_results(stage, results)
-        return results
-
-    def _launch(self, stage: str, model: XModule, sources: dict[str, list | None], ckpt_path: Any) -> Any:
-        resolved = self._resolve_ckpt_path(ckpt_path)
-        self.ckpt_path = resolved
-        self.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
-        # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the
-        # epoch) and each replica's XLA random generator (with its rank).
-        self.loop.seed = torch.initial_seed() % 2**31
-        try:
-            result = self.strategy.launcher.launch(functools.partial(replica.run, self), stage, model, sources, resolved)
-        except BaseException:
-            remove_if_empty(self.log_dir)  # a run that failed before writing anything leaves no folder
-            raise
-        if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
-            model.load_state_dict(result["state_dict"])
-            self.loop = result["loop"]
-            self.should_stop = result["should_stop"]
-            self.callback_metrics = result["callback_metrics"]
-            for cb in self.callbacks:
-                cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
-        return result["outputs"]
+        return stages.evaluate(self, stage, model, dataloaders, ckpt_path, verbose, datamodule)
 
     def _train_data_state(self) -> Any:
         """What a checkpoint keeps of the training data's order in this epoch (None: nothing)."""
@@ -530,7 +469,7 @@ class Trainer:
 
     def hyperparameters(self) -> dict[str, Any]:
         """The module's saved hyperparameters, the run's configuration and the Trainer's settings;
-        secrets written as "***" (``xtrainer.redaction``: what every logger receives)."""
+        secrets written as "***" (``xtrainer/config/redaction.py``: what every logger receives)."""
         settings = {"strategy": self.strategy.name, "world_size": self.world_size, "precision": self.precision.name,
                     "max_epochs": self.max_epochs, "max_steps": self.max_steps,
                     "accumulate_grad_batches": self.accumulate_grad_batches,

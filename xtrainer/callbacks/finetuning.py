@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from xtrainer.callbacks.base import Callback
-from xtrainer.optim import prefer_foreach
+from xtrainer.loop.optimizers import prefer_foreach
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule

@@ -13,7 +13,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback
 from xtrainer.callbacks.health import XlaHealth
 from xtrainer.callbacks.progress import ProgressBar
-from xtrainer.settings import seconds
+from xtrainer.config.settings import seconds
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule

@@ -3,7 +3,8 @@
 - ``fit.py``: the epoch loop and the training step, in the order they run.
 - ``state.py``: ``LoopState``, where a fit is (step, epoch, batches in the epoch...).
 - ``optimization.py``: the optimizers of a run and how they step (clipping, schedulers, manual
-  optimization).
+  optimization); ``optimizers.py``: what ``configure_optimizers`` may return, parsed, and the
+  schedulers' stepping.
 - ``evaluation.py``: validation, test, predict and the sanity check.
 - ``publishing.py``: the one place logged values reach the host, and the epoch ends.
 - ``steps.py``: what the module must have, and the dispatcher that calls its ``*_step`` methods

@@ -19,13 +19,13 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from xtrainer import interrupts
 from xtrainer import checkpoint as ckpt_io
 from xtrainer.checkpoint import format as ckpt_format
 from xtrainer.checkpoint import resume
 from xtrainer.checkpoint.whole import WholeFile
 from xtrainer.checkpoint.format import CheckpointError
-from xtrainer.optim import keeping_foreach, step_schedulers
+from xtrainer.launch import interrupts
+from xtrainer.loop.optimizers import keeping_foreach, step_schedulers
 
 try:
     import numpy as _numpy

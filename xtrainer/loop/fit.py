@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xtrainer import interrupts
+from xtrainer.launch import interrupts
 from xtrainer.loop import loaders
 from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop.publishing import LOSS_KEY, end_epoch

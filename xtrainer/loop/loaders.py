@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from xtrainer import arguments
+from xtrainer.config import arguments
 from xtrainer.datamodule import LOADER_HOOKS, XDataModule
 from xtrainer.module import XModule
 from xtrainer.strategies.data import sequential_dataloader

@@ -1,5 +1,5 @@
 """A fit's optimizers and schedulers, and how they step: what ``configure_optimizers`` returned
-(parsed by ``xtrainer/optim.py``), the optimizer step of automatic optimization with its hooks and
+(parsed by ``loop/optimizers.py``), the optimizer step of automatic optimization with its hooks and
 gradient clipping, the learning-rate schedulers, and manual optimization's ``manual_backward``,
 ``clip_gradients`` and step counting. One per replica's run, owned by the Trainer."""
 
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xtrainer.callbacks.base import Callback
+from xtrainer.loop.optimizers import SchedulerConfig, StrategyOptimizer, parse_optimizers, prefer_foreach, step_schedulers
 from xtrainer.module import XModule
-from xtrainer.optim import SchedulerConfig, StrategyOptimizer, parse_optimizers, prefer_foreach, step_schedulers
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer

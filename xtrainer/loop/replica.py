@@ -10,7 +10,8 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
-from xtrainer import compile_cache, interrupts
+from xtrainer import compile_cache
+from xtrainer.launch import interrupts
 from xtrainer.loop import loaders, metric_sync
 from xtrainer.checkpoint import background as ckpt_background
 from xtrainer.loop import checkpoints, evaluation

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from xtrainer.module import MODULE_HOOKS, XModule
 from xtrainer.callbacks.base import check_hook_names
-from xtrainer.precision import Precision
+from xtrainer.module import MODULE_HOOKS, XModule
+from xtrainer.strategies.precision import Precision
 
 STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
                 "predict": "predict_step"}

@@ -46,10 +46,10 @@ from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint import layout as ckpt_layout
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.whole import WholeFile
-from xtrainer.precision import Precision
 from xtrainer.strategies import launch, shared_process
 from xtrainer.strategies.collectives import Collectives, XlaReplicas
 from xtrainer.strategies.data import DeviceData, _plain_random, distribute_dataloader
+from xtrainer.strategies.precision import Precision
 from xtrainer.suggest import did_you_mean
 
 
@@ -88,13 +88,13 @@ class Strategy(abc.ABC):
     def check_accelerator(self, accelerator: str, num_nodes: int) -> None:
         """Refuse an ``accelerator`` (or ``num_nodes``) this strategy cannot run on (calling
         process, before launch)."""
-        from xtrainer import arguments
+        from xtrainer.config import arguments
 
         arguments.check_accelerator(accelerator, num_nodes)
 
     def resolve_devices(self, devices: int | str) -> int | None:
         """The Trainer's ``devices`` as a count (None: every local device)."""
-        from xtrainer import arguments
+        from xtrainer.config import arguments
 
         return arguments.resolve_devices(devices)
 

@@ -32,9 +32,9 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from xtrainer import interrupts
 from xtrainer._lazy_xla import xla as _xla
-from xtrainer.interrupts import TrainingInterrupted
+from xtrainer.launch import interrupts
+from xtrainer.launch.interrupts import TrainingInterrupted
 from xtrainer.strategies import cpu_threads, shared_process
 from xtrainer.strategies.process import run_in_new_process
 

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from xtrainer import interrupts
+from xtrainer.launch import interrupts
 
 _environ_lock = threading.Lock()
 #: Set in a started process: where to leave word that it was asked to start one of its own while

@@ -34,9 +34,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import nn
 
-from xtrainer import interrupts
 from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
 from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
+from xtrainer.launch import interrupts
 from xtrainer.strategies import launch, torch_devices
 from xtrainer.strategies.base import CompilerNames, Strategy, check_wrapper_kwargs
 from xtrainer.strategies.collectives import Collectives

@@ -13,9 +13,9 @@ from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
-from xtrainer.settings import TrainerSettings, seconds  # noqa: F401  (the Trainer reads arguments.seconds)
+from xtrainer.config.settings import TrainerSettings, seconds  # noqa: F401  (the Trainer reads arguments.seconds)
 from xtrainer.goodput import Goodput
-from xtrainer.watchdog import HangWatchdog
+from xtrainer.launch.watchdog import HangWatchdog
 
 
 def resolve(values: dict[str, Any], callbacks: Any, logger: Any, plugins: Any, model_registry: Any

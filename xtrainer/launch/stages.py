@@ -1,0 +1,104 @@
+"""A stage (``fit``, ``validate``, ``test``, ``predict``) as the calling process runs it: the data
+prepared and torn down (``loaders.py``), the checkpoint it starts from resolved, the run folder
+claimed, the replicas started through the strategy's launcher (``strategies/launch.py``), rank
+0's results brought home, and a run that failed before it wrote anything leaving no folder.
+What each replica then does is ``loop/replica.py``."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from xtrainer.datamodule import XDataModule
+from xtrainer.launch import interrupts
+from xtrainer.loop import evaluation, loaders, replica
+from xtrainer.loop.replica import remove_if_empty
+from xtrainer.loop.steps import check_eval_step, check_module
+from xtrainer.strategies.launch import SpmdProcess
+
+if TYPE_CHECKING:
+    from xtrainer.module import XModule
+    from xtrainer.trainer import Trainer
+
+
+def fit(trainer: Trainer, model: XModule, train_dataloaders: Any, val_dataloaders: Any,
+        datamodule: XDataModule | None, ckpt_path: Any) -> None:
+    """``Trainer.fit``: the data of the fit, then the replicas, under a graceful stop on SIGTERM/SIGINT."""
+    check_module(model, "fit")
+    if isinstance(train_dataloaders, XDataModule):  # Lightning accepts it in this place too
+        train_dataloaders, datamodule = None, train_dataloaders
+    loaders.prepare(trainer, "fit", model, datamodule,
+                    given=train_dataloaders is not None or val_dataloaders is not None)
+    error = None
+    try:
+        sources = loaders.for_fit(trainer, model, train_dataloaders, val_dataloaders)
+        with interrupts.graceful():  # SIGTERM/SIGINT: finish the step, write a checkpoint, raise
+            run(trainer, "fit", model, sources, ckpt_path)
+    except BaseException as err:
+        error = err
+        raise
+    finally:  # a data module's teardown that fails too does not hide the fit's error
+        replica.run_cleanup([("the data module's teardown", lambda: loaders.teardown(trainer, "fit"))], error)
+
+
+def evaluate(trainer: Trainer, stage: str, model: XModule, dataloaders: Any, ckpt_path: Any, verbose: bool,
+             datamodule: XDataModule | None) -> Any:
+    """``Trainer.validate``/``test``/``predict`` of ``model``: its data, then the replicas; the
+    results table printed when ``verbose``."""
+    if isinstance(dataloaders, XDataModule):
+        dataloaders, datamodule = None, dataloaders
+    check_module(model, stage)
+    if datamodule is None and dataloaders is None:
+        datamodule = trainer.datamodule  # the fit's, if it had one
+    loaders.prepare(trainer, stage, model, datamodule, given=dataloaders is not None)
+    error = None
+    try:
+        sources = loaders.for_stage(trainer, model, stage, dataloaders)
+        check_eval_step(model, stage)
+        results = run(trainer, stage, model, sources, ckpt_path)
+    except BaseException as err:
+        error = err
+        raise
+    finally:
+        replica.run_cleanup([("the data module's teardown", lambda: loaders.teardown(trainer, stage))], error)
+    if verbose and stage != "predict":
+        evaluation.print_results(stage, results)
+    return results
+
+
+def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | None], ckpt_path: Any) -> Any:
+    """Start the replicas of ``stage`` and return rank 0's outputs; where the replicas ran in
+    other processes, rank 0's weights, loop state, metrics and callback states come home."""
+    resolved = trainer._resolve_ckpt_path(ckpt_path)
+    trainer.ckpt_path = resolved
+    trainer.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
+    # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the
+    # epoch) and each replica's XLA random generator (with its rank).
+    trainer.loop.seed = torch.initial_seed() % 2**31
+    try:
+        result = trainer.strategy.launcher.launch(functools.partial(replica.run, trainer), stage, model, sources,
+                                                  resolved)
+    except BaseException:
+        remove_if_empty(trainer.log_dir)  # a run that failed before writing anything leaves no folder
+        raise
+    if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
+        model.load_state_dict(result["state_dict"])
+        trainer.loop = result["loop"]
+        trainer.should_stop = result["should_stop"]
+        trainer.callback_metrics = result["callback_metrics"]
+        for cb in trainer.callbacks:
+            cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
+    return result["outputs"]
+
+
+def planned_world_size(trainer: Trainer) -> int:
+    """The replicas the launch will start (before it has): what ``trainer.world_size`` says in the
+    calling process, as in Lightning."""
+    planned = trainer.strategy.launcher.planned_world_size()
+    if planned is not None:
+        return planned
+    if isinstance(trainer.strategy.launcher, SpmdProcess):
+        return trainer.num_nodes  # one SPMD process per host
+    return trainer.num_devices * trainer.num_nodes
