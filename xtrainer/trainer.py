@@ -177,7 +177,6 @@ class Trainer:
         self._log_dir: str | None = None  # claimed on first use (log_dir)
 
         self.callbacks: list[Callback] = arguments.with_defaults(settings, callbacks)
-        self._hook_listeners: dict[str, tuple[tuple[Callback, ...], list[Callback]]] = {}
         if logger is True:
             # <default_root_dir>/version_N (Lightning's logger=True adds a lightning_logs/ level)
             logger = TensorBoardLogger(name="")
@@ -521,26 +520,15 @@ class Trainer:
         """Call ``hook`` on the module, then on every callback, in order; the module's answer."""
         module = self.module
         answer = getattr(module, hook)(*args)
-        for cb in self._listeners(hook):
+        for cb in self.callbacks:
             getattr(cb, hook)(self, module, *args)
         return answer
-
-    def _listeners(self, hook: str) -> list[Callback]:
-        """The callbacks that implement ``hook``, in order: ``Callback``'s own no-op is skipped
-        (a step calls five hooks, and most callbacks listen to few of them)."""
-        callbacks = tuple(self.callbacks)
-        cached = self._hook_listeners.get(hook)
-        if cached is None or cached[0] != callbacks:
-            listening = [cb for cb in callbacks
-                         if hook in vars(cb) or getattr(type(cb), hook) is not getattr(Callback, hook)]
-            cached = self._hook_listeners[hook] = (callbacks, listening)
-        return cached[1]
 
     def _num_batches(self, data: Any, stage: str) -> float:
         return loaders.num_batches(data, self.limits["train" if stage == "fit" else stage], stage)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_module=None, _wrapped=None, _optim=Optimization(), _hook_listeners={})
+        state.update(_module=None, _wrapped=None, _optim=Optimization())
         return state
 
