@@ -110,7 +110,7 @@ def test_a_replica_that_keeps_the_others_waiting_too_long_is_named(tmp_path):
         class SlowRankZero(Callback):
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
                 if trainer.global_step == 2 and trainer.is_global_zero:
-                    time.sleep(15)  # host work on rank 0 alone, past XLA's wait at the next collective
+                    time.sleep(60)  # host work on rank 0 alone, well past XLA's wait at the next collective (5 s, then 10 s more)
 
         if __name__ == "__main__":
             Trainer(devices=2, max_epochs=1, enable_progress_bar=False, logger=False, enable_checkpointing=False,

@@ -17,7 +17,7 @@ Nothing else calls a logger's ``log_metrics``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 LOSS_KEY = "loss"
 _STOP_KEY = "xtrainer/should_stop"
-_NONFINITE_KEY = "xtrainer/first_nonfinite_step"
 
 
 class NonFiniteWatch:
@@ -37,16 +36,20 @@ class NonFiniteWatch:
 
     Three small ops per step and no host sync: each loss clears ``ok`` if it is NaN or infinite,
     and each optimizer step adds ``ok`` to ``steps_ok``, which therefore stops counting at the
-    step whose loss was first bad. ``first()``, read with the logged values, turns the two into
-    that step's number. The state is made on the device once and updated in place, so the step's
-    graph never changes.
+    step whose loss was first bad. The state is made on the device once and updated in place, so
+    the step's graph never changes. It is read with the logged values (``tensors``, then
+    ``first_step``): with one replica the two numbers themselves, which the step left as device
+    data (no execution of their own); with several, the first bad step of any replica, computed
+    in the reduction that runs anyway.
     """
 
     NEVER = 2**62
+    _OK, _STEPS_OK, _FIRST = "xtrainer/nonfinite_ok", "xtrainer/nonfinite_steps_ok", "xtrainer/first_nonfinite_step"
 
     def __init__(self, device: torch.device, global_step: int) -> None:
         self.ok = torch.ones((), dtype=torch.bool).to(device)
         self.steps_ok = torch.zeros((), dtype=torch.int64).to(device)
+        self.start_step = global_step
         self.start = torch.tensor([global_step], dtype=torch.int64).to(device)
         self.never = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
         self.reported = False
@@ -57,9 +60,22 @@ class NonFiniteWatch:
     def stepped(self) -> None:
         self.steps_ok.add_(self.ok)
 
-    def first(self) -> torch.Tensor:
-        """The first bad step (shape (1,)), or ``NEVER``; computed where it is read."""
-        return torch.where(self.ok, self.never, self.start + self.steps_ok)
+    def tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int) -> dict[str, torch.Tensor]:
+        """What the read transfers (see the class)."""
+        if world_size == 1:
+            return self.local_tensors()
+        return {self._FIRST: reduce(torch.where(self.ok, self.never, self.start + self.steps_ok), "min")}
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """This replica's state as it is (device data once the step's graph ran)."""
+        return {self._OK: self.ok, self._STEPS_OK: self.steps_ok}
+
+    def first_step(self, values: dict[str, float]) -> float:
+        """The first bad step (``NEVER``: none) from what ``tensors`` read, taken out of ``values``."""
+        if self._FIRST in values:
+            return values.pop(self._FIRST)
+        ok, steps_ok = values.pop(self._OK), values.pop(self._STEPS_OK)
+        return self.NEVER if ok else self.start_step + steps_ok
 
 
 class Publisher:
@@ -108,7 +124,7 @@ class Publisher:
         shares_stop = trainer.world_size > 1 and trainer.state == "fit"
         watched = check_loss and self.watch is not None
         if watched:
-            tensors = {**tensors, _NONFINITE_KEY: trainer.strategy.collectives.reduce(self.watch.first(), "min")}
+            tensors = {**tensors, **self.watch.tensors(trainer.strategy.collectives.reduce, trainer.world_size)}
         stop = trainer.strategy.collectives.any_replica(trainer.should_stop) if shares_stop else False
         if isinstance(stop, torch.Tensor):  # rides along with the values read
             tensors = {**tensors, _STOP_KEY: stop}
@@ -118,7 +134,7 @@ class Publisher:
         if stop:
             trainer.should_stop = self.stop_agreed = True
         if watched:
-            self._report_nonfinite(trainer, values.pop(_NONFINITE_KEY))
+            self._report_nonfinite(trainer, self.watch.first_step(values))
         prog = trainer._results.prog_bar_names()
         trainer.progress_bar_metrics.update({k: v for k, v in values.items() if k in prog})
         public = {k: v for k, v in values.items() if k != LOSS_KEY}
@@ -169,7 +185,8 @@ class Publisher:
             return None
         if self._checked_step != trainer.global_step:
             with trainer.strategy.rng_state_kept():  # whether a run checks or not, it draws the same numbers
-                first = int(trainer.strategy.to_cpu(self.watch.first())[0])  # host sync: before a save only
+                local = to_floats(self.watch.local_tensors(), trainer.strategy.to_cpu)  # host sync: before a save only
+                first = int(self.watch.first_step(local))
                 if trainer.world_size > 1:
                     first = min(trainer.strategy.collectives.all_gather_object(first))
             self._checked_step, self._first_bad = trainer.global_step, first
