@@ -185,16 +185,15 @@ def main() -> None:
     world_size = int(os.environ.get("WORLD_SIZE", args.devices))
     clip = {"gradient_clip_val": args.clip, "gradient_clip_algorithm": args.clip_algorithm} if args.clip else {}
     try:
-        strategy = args.strategy
+        strategy, options = args.strategy, {}
         if args.layers:
-            from xtrainer.strategies import NativeFSDP
-
-            strategy = NativeFSDP(auto_wrap_policy={Block}, activation_checkpointing=True)
+            options.update(auto_wrap_policy={Block}, activation_checkpointing=True)
         if args.compile:
-            from xtrainer.strategies import NativeDDP, NativeFSDP, NativeSingle
+            options["compile"] = True
+        if options:
+            from xtrainer.strategies import STRATEGIES
 
-            strategy = {"native": NativeSingle, "native_ddp": NativeDDP, "native_fsdp": NativeFSDP}[strategy](
-                compile=True)
+            strategy = STRATEGIES[args.strategy](**options)
         trainer, model = fit(strategy, args.devices, args.root, args.steps, args.global_batch, args.ckpt,
                              args.pause, args.ready, world_size=world_size, **clip)
     except TrainingInterrupted as err:
