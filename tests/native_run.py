@@ -29,10 +29,13 @@ from xtrainer.callbacks import Callback, ModelCheckpoint
 FEATURES = 4
 
 
-def make_data(n: int = 64, seed: int = 0) -> TensorDataset:
+def make_data(n: int = 64, seed: int = 0, nan_at: int | None = None) -> TensorDataset:
+    """``n`` samples; ``nan_at``: the index of one sample whose input is NaN."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-2, 3, (n, FEATURES), generator=g).double()
     y = torch.randint(-2, 3, (n, 1), generator=g).double()
+    if nan_at is not None:
+        x[nan_at, 0] = float("nan")
     return TensorDataset(x, y)
 
 
@@ -148,14 +151,15 @@ def whole_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def fit(strategy, devices: int, root: str, steps: int, global_batch: int, ckpt_path=None, pause: float = 0.0,
         ready: str | None = None, every_n_train_steps: int = 2, world_size: int | None = None,
-        model: XModule | None = None, **kwargs):
+        model: XModule | None = None, nan_at: int | None = None, **kwargs):
     """Returns (trainer, model). ``world_size``: the processes the batch is split over (devices,
-    or torchrun's); ``model``: an ``ExactNet`` unless given."""
+    or torchrun's); ``model``: an ``ExactNet`` unless given; ``nan_at``: a NaN sample (``make_data``)."""
     world_size = world_size or devices
-    loader = DataLoader(make_data(), batch_size=global_batch // world_size)
+    loader = DataLoader(make_data(nan_at=nan_at), batch_size=global_batch // world_size)
     model = model if model is not None else ExactNet()
     trainer = Trainer(strategy=strategy, devices=devices, max_steps=steps, default_root_dir=root,
-                      enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, logger=False,
+                      log_every_n_steps=kwargs.pop("log_every_n_steps", 2),
                       num_sanity_val_steps=0,
                       callbacks=[ModelCheckpoint(every_n_train_steps=every_n_train_steps, save_last=True),
                                  Pause(pause, ready, root)], **kwargs)

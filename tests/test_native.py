@@ -305,6 +305,23 @@ def test_the_native_strategies_refuse_what_they_cannot_run(tmp_path):
         Trainer(strategy="native", accelerator="xla")
 
 
+@pytest.mark.parametrize("fold_after", [1024, 3], ids=["read", "folded-between-reads"])
+def test_a_nan_loss_is_reported_with_its_step_without_a_host_sync_per_step(tmp_path, monkeypatch, fold_after):
+    from xtrainer.loop.publishing import DeferredWatch
+
+    monkeypatch.setattr(DeferredWatch, "FOLD_AFTER", fold_after)
+    # Batches of 2, two per optimizer step: sample 21 is in batch 10, so in global step 5; the
+    # values are read every 4 steps, so the fit learns of it at step 8.
+    with pytest.raises(FloatingPointError, match=r"NaN or infinite at global step 5 .*step 8 now"):
+        native_run.fit("native", 1, str(tmp_path), 12, 2, nan_at=21, accumulate_grad_batches=2,
+                       log_every_n_steps=4, every_n_train_steps=100)
+    with pytest.warns(UserWarning, match=r"NaN or infinite at global step 5 .*goes on") as record:
+        trainer, _ = native_run.fit("native", 1, str(tmp_path / "warn"), 12, 2, nan_at=21, accumulate_grad_batches=2,
+                                    log_every_n_steps=4, every_n_train_steps=100, detect_nonfinite="warn")
+    assert trainer.global_step == 12  # training went on, warned once
+    assert len([w for w in record if "training goes on" in str(w.message)]) == 1
+
+
 def native_run_strategy(name: str, **kwargs):
     from xtrainer.strategies import STRATEGIES
 

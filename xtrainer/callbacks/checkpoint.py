@@ -474,11 +474,12 @@ class ModelCheckpoint(Callback):
         bad = trainer.nonfinite_step()
         if bad is not None:
             self._last_saved_step = trainer.global_step
-            newest = self._newest or "none (none was written before)"
-            if os.path.islink(newest):
+            newest = self._newest
+            if newest and os.path.islink(newest):
                 newest = f"{os.path.realpath(newest)} ({os.path.basename(newest)} links to it)"
+            kept = f"The newest good checkpoint stays {newest}." if newest else "No checkpoint was written before it."
             rank_zero_warn(f"ModelCheckpoint: no checkpoint at step {trainer.global_step}: the training loss became "
-                           f"NaN or infinite at step {bad}. The newest good checkpoint stays {newest}.")
+                           f"NaN or infinite at step {bad}. {kept}")
             return None
         # The bookkeeping is updated before the write, so that the checkpoint carries it.
         state = plan["state"]

@@ -32,27 +32,57 @@ _STOP_KEY = "xtrainer/should_stop"
 
 
 class NonFiniteWatch:
-    """The global step of the first non-finite training loss, tracked on the device.
+    """The global step of the first non-finite training loss, known on the device without a
+    host sync, read with the logged values (``Publisher.publish``).
 
-    Three small ops per step and no host sync: each loss clears ``ok`` if it is NaN or infinite,
-    and each optimizer step adds ``ok`` to ``steps_ok``, which therefore stops counting at the
-    step whose loss was first bad. The state is made on the device once and updated in place, so
-    the step's graph never changes. It is read with the logged values (``tensors``, then
-    ``first_step``): with one replica the two numbers themselves, which the step left as device
-    data (no execution of their own); with several, the first bad step of any replica, computed
-    in the reduction that runs anyway.
+    Two forms, as the strategy runs ops: ``InGraphWatch`` where they are recorded into the step's
+    lazy graph (XLA: three small ops in that graph cost nothing until it runs), ``DeferredWatch``
+    where each op runs as it is called (the native strategies: a step's losses are kept and
+    checked together when they are read). Both give ``local_first``, this replica's first bad step
+    as a ``(1,)`` int64 device tensor (``NEVER``: none), which several replicas reduce with min.
     """
 
     NEVER = 2**62
-    _OK, _STEPS_OK, _FIRST = "xtrainer/nonfinite_ok", "xtrainer/nonfinite_steps_ok", "xtrainer/first_nonfinite_step"
+    _FIRST = "xtrainer/first_nonfinite_step"
 
     def __init__(self, device: torch.device, global_step: int) -> None:
+        self.device, self.start_step = device, global_step
+        self.reported = False
+
+    def observe(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def stepped(self) -> None:
+        raise NotImplementedError
+
+    def local_first(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """What one replica's read transfers (decoded by ``first_step``)."""
+        return {self._FIRST: self.local_first()}
+
+    def first_step(self, values: dict[str, float]) -> float:
+        """The first bad step (``NEVER``: none) from what ``local_tensors`` read (or ``_FIRST``
+        reduced over the replicas), taken out of ``values``."""
+        return values.pop(self._FIRST)
+
+
+class InGraphWatch(NonFiniteWatch):
+    """Three small ops per step in the step's graph: each loss clears ``ok`` if it is NaN or
+    infinite, and each optimizer step adds ``ok`` to ``steps_ok``, which therefore stops counting
+    at the step whose loss was first bad. The state is made on the device once and updated in
+    place, so the step's graph never changes. One replica reads the two numbers themselves, which
+    the step left as device data (no execution of their own)."""
+
+    _OK, _STEPS_OK = "xtrainer/nonfinite_ok", "xtrainer/nonfinite_steps_ok"
+
+    def __init__(self, device: torch.device, global_step: int) -> None:
+        super().__init__(device, global_step)
         self.ok = torch.ones((), dtype=torch.bool).to(device)
         self.steps_ok = torch.zeros((), dtype=torch.int64).to(device)
-        self.start_step = global_step
         self.start = torch.tensor([global_step], dtype=torch.int64).to(device)
         self.never = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
-        self.reported = False
 
     def observe(self, loss: torch.Tensor) -> None:
         self.ok.logical_and_(torch.isfinite(loss))  # a bool result: nothing for autograd to record
@@ -60,22 +90,53 @@ class NonFiniteWatch:
     def stepped(self) -> None:
         self.steps_ok.add_(self.ok)
 
-    def tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int) -> dict[str, torch.Tensor]:
-        """What the read transfers (see the class)."""
-        if world_size == 1:
-            return self.local_tensors()
-        return {self._FIRST: reduce(torch.where(self.ok, self.never, self.start + self.steps_ok), "min")}
+    def local_first(self) -> torch.Tensor:
+        return torch.where(self.ok, self.never, self.start + self.steps_ok)
 
     def local_tensors(self) -> dict[str, torch.Tensor]:
-        """This replica's state as it is (device data once the step's graph ran)."""
         return {self._OK: self.ok, self._STEPS_OK: self.steps_ok}
 
     def first_step(self, values: dict[str, float]) -> float:
-        """The first bad step (``NEVER``: none) from what ``tensors`` read, taken out of ``values``."""
         if self._FIRST in values:
             return values.pop(self._FIRST)
         ok, steps_ok = values.pop(self._OK), values.pop(self._STEPS_OK)
         return self.NEVER if ok else self.start_step + steps_ok
+
+
+class DeferredWatch(NonFiniteWatch):
+    """For ops that run as they are called: a step keeps a reference to its loss and notes the
+    global step on the host (no op at all); the losses kept are checked together, in a few ops,
+    when the watch is read, and folded into ``first`` (a device tensor), which the same ops keep
+    once it is set. A read happens every ``log_every_n_steps``; past ``FOLD_AFTER`` losses
+    without one they are folded without a read, so memory stays bounded."""
+
+    FOLD_AFTER = 1024
+
+    def __init__(self, device: torch.device, global_step: int) -> None:
+        super().__init__(device, global_step)
+        self.step = global_step
+        self.losses: list[torch.Tensor] = []
+        self.steps: list[int] = []
+        self.first = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
+
+    def observe(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss.detach())
+        self.steps.append(self.step)
+        if len(self.losses) >= self.FOLD_AFTER:
+            self.local_first()
+
+    def stepped(self) -> None:
+        self.step += 1
+
+    def local_first(self) -> torch.Tensor:
+        if self.losses:
+            losses = torch.stack([loss.reshape(()) for loss in self.losses])
+            # The steps' numbers go to the device as data, once per read.
+            steps = torch.tensor(self.steps, dtype=torch.int64).to(self.device, non_blocking=True)
+            bad = torch.where(torch.isfinite(losses), self.NEVER, steps).min().reshape(1)
+            self.first = torch.minimum(self.first, bad)
+            self.losses, self.steps = [], []
+        return self.first
 
 
 class Publisher:
@@ -89,8 +150,8 @@ class Publisher:
 
     # ---- a fit's beginning and end ---------------------------------------------------------
     def start_fit(self, trainer: "Trainer") -> None:
-        self.watch = (NonFiniteWatch(trainer.strategy.device, trainer.global_step)
-                      if self.detect_nonfinite != "off" else None)
+        watch = InGraphWatch if trainer.strategy.lazy else DeferredWatch
+        self.watch = watch(trainer.strategy.device, trainer.global_step) if self.detect_nonfinite != "off" else None
         self._checked_step = -1
         if trainer.is_global_zero and trainer.module._log_hyperparams:
             for logger in trainer.loggers:
@@ -121,11 +182,18 @@ class Publisher:
     def publish(self, trainer: "Trainer", tensors: dict[str, torch.Tensor], check_loss: bool = False
                 ) -> dict[str, float]:
         """Read ``tensors`` (and what rides along) in one transfer; hand the values out."""
-        shares_stop = trainer.world_size > 1 and trainer.state == "fit"
+        several = trainer.world_size > 1
+        shares_stop = several and trainer.state == "fit"
         watched = check_loss and self.watch is not None
-        if watched:
-            tensors = {**tensors, **self.watch.tensors(trainer.strategy.collectives.reduce, trainer.world_size)}
-        stop = trainer.strategy.collectives.any_replica(trainer.should_stop) if shares_stop else False
+        if watched and not several:
+            tensors = {**tensors, **self.watch.local_tensors()}
+        stop: torch.Tensor | bool = False
+        if shares_stop or (watched and several):  # the replicas agree on both in one reduction
+            first = self.watch.local_first() if watched else None
+            stop, first = trainer.strategy.collectives.agree(trainer.should_stop and shares_stop, first)
+            stop = stop if shares_stop else False
+            if first is not None:
+                tensors = {**tensors, NonFiniteWatch._FIRST: first}
         if isinstance(stop, torch.Tensor):  # rides along with the values read
             tensors = {**tensors, _STOP_KEY: stop}
         values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the only place logged values reach the host

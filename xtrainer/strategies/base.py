@@ -296,6 +296,9 @@ class Strategy(abc.ABC):
 
     #: Whether this strategy's graphs are XLA's (the compilation cache, XLA's counters and chips).
     compiles_with_xla: bool = True
+    #: Whether ops are recorded into a lazy graph that runs at ``sync`` (XLA), so that a few more
+    #: in a step cost nothing until then; False where each op runs as it is called.
+    lazy: bool = True
 
     def batches_on_device(self, loader: Iterable, start: int = 0) -> Iterable:
         """``loader``'s batches delivered on this replica's device (``start``: the index of its

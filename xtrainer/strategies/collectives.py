@@ -64,6 +64,12 @@ class Collectives:
         the values it rides along with), or a bool where the replicas agree on the host."""
         raise RuntimeError("The strategy has no device before setup_environment().")
 
+    def agree(self, flag: bool, first: torch.Tensor | None) -> tuple[torch.Tensor | bool, torch.Tensor | None]:
+        """``any_replica(flag)``, and the minimum of ``first`` (a ``(1,)`` int64 tensor, or None)
+        over the replicas: what a logging step's read agrees on (where each collective runs as it
+        is called, one reduction for both)."""
+        return self.any_replica(flag), None if first is None else self.reduce(first, "min")
+
     def all_gather_tensors(self, data: Any) -> Any:
         """Every replica's tensors in ``data``, stacked on a new first dimension, in the graph."""
         return apply_to_collection(data, torch.Tensor, lambda tensor: tensor.unsqueeze(0))

@@ -128,6 +128,14 @@ class ProcessGroup(Collectives):
     def any_replica(self, flag: bool) -> torch.Tensor | bool:
         return self.reduce(torch.tensor([1.0 if flag else 0.0], device=self.device), "max")
 
+    def agree(self, flag: bool, first: torch.Tensor | None) -> tuple[torch.Tensor | bool, torch.Tensor | None]:
+        """One all-reduce (min) of ``[-flag, first]``: the stop vote and the first bad step together."""
+        if self.world_size == 1:
+            return flag, first
+        vote = torch.tensor([-1 if flag else 0], dtype=torch.int64, device=self.device)
+        both = self.reduce(vote if first is None else torch.cat([vote, first.to(torch.int64)]), "min")
+        return -both[:1], None if first is None else both[1:]
+
     def all_gather_tensors(self, data: Any) -> Any:
         def gather(tensor: torch.Tensor) -> torch.Tensor:
             if self.world_size == 1:
@@ -404,6 +412,7 @@ class NativeSingle(Strategy):
         return torch_devices.memory_info(self.device)
 
     compiles_with_xla = False
+    lazy = False
 
     def local_device_count(self) -> int:
         return torch.accelerator.device_count() if torch.accelerator.is_available() else 1
