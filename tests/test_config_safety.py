@@ -431,7 +431,10 @@ def laughs(levels: int = 9) -> str:
 
 
 @pytest.mark.parametrize("text, message", [
-    ("model: " + "[" * 3000 + "]" * 3000 + "\n", "line 1, column 71: nested more than 64 levels deep"),
+    # Where it is refused depends on the YAML library: libyaml 0.2.6 stops at its own limit.
+    ("model: " + "[" * 3000 + "]" * 3000 + "\n", "line 1, column "),
+    ("model: " + "[" * 3000 + "]" * 3000 + "\n", "nested more than 64 levels deep"),
+    ("model: " + "[" * 70 + "]" * 70 + "\n", "line 1, column 71: nested more than 64 levels deep"),
     ("model:\n" + "".join("  " * (i + 1) + "a:\n" for i in range(3000)) + "  " * 3001 + "b: 1\n",
      "nested more than 64 levels deep"),
     ("model: {_target_: conftest.Regressor}\nseed: " + "9" * 5000 + "\n",

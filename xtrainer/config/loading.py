@@ -99,6 +99,7 @@ def _read_yaml(path: str) -> Any:
 #: would expand to more values than memory holds. Integers fit in 64 bits, as everything that
 #: reads them (torch, the Trainer's counters) needs.
 MAX_DEPTH = 64
+_TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep; a configuration is a few levels of mappings and lists."
 MAX_NODES = 100_000
 _INTEGER = re.compile(r"[-+]?(?:0x[0-9a-fA-F_]+|0o[0-7_]+|0b[01_]+|[0-9][0-9_]*)")
 
@@ -126,7 +127,8 @@ def check_yaml(text: str, source: str) -> Optional[str]:
         if open_nodes:
             open_nodes[-1][0] += size
 
-    for event in yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    def check(event: Any) -> None:
+        nonlocal depth, top
         if top is None and isinstance(event, yaml.NodeEvent):
             top = {yaml.MappingStartEvent: "mapping", yaml.SequenceStartEvent: "list"}.get(type(event), "value")
             if isinstance(event, yaml.ScalarEvent) and not event.style and event.value in ("", "~", "null"):
@@ -134,8 +136,7 @@ def check_yaml(text: str, source: str) -> Optional[str]:
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
             if depth > MAX_DEPTH:
-                raise refuse(event, f"nested more than {MAX_DEPTH} levels deep; a configuration is a few levels of "
-                                    "mappings and lists.")
+                raise refuse(event, _TOO_DEEP)
             add(1, event)  # the collection itself
             open_nodes.append([1, event.anchor])
         elif isinstance(event, yaml.CollectionEndEvent):
@@ -154,6 +155,17 @@ def check_yaml(text: str, source: str) -> Optional[str]:
             add(1, event)
         elif isinstance(event, yaml.AliasEvent):
             add(sizes.get(event.anchor, 1), event)
+
+    try:
+        for event in yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+            check(event)
+    except yaml.MarkedYAMLError as err:
+        # libyaml 0.2.6 (PyYAML 6.0.4) refuses more than 1000 open collections itself, while
+        # looking ahead, before the event that passes MAX_DEPTH arrives: the same refusal.
+        if "maximum nesting depth" not in str(err.problem) or err.problem_mark is None:
+            raise
+        mark = err.problem_mark
+        raise ConfigError(f"{source}, line {mark.line + 1}, column {mark.column + 1}: {_TOO_DEEP}") from None
     return top
 
 
