@@ -203,3 +203,36 @@ def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpo
         worker.join()
     assert answers > 0, (removed, first, second, last_error)
     assert not [p for p in folder.iterdir() if p.name.startswith(".tmp-")]  # no pin left behind
+
+
+
+def test_a_folder_replaced_under_its_name_while_it_is_pinned_is_pinned_whole(tmp_path, monkeypatch):
+    """A pin lists the folder just as a writer replaces it: the old folder, renamed away, is being
+    deleted, so the listing holds only part of it (here without its manifest), and the new folder
+    is in place under the name. The pin holds the whole new folder, never the part."""
+    import shutil
+
+    from xtrainer.checkpoint import storage
+
+    names = ["manifest.json", "shard-0.pt", "shard-1.pt", "trainer.pt"]
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    for name in names:
+        (spare / name).write_text(name)
+    target = str(tmp_path / "ckpts" / "epoch=0-step=2.ckpt")
+    shutil.copytree(spare, target)
+    listdir, replaced = os.listdir, []
+
+    def listdir_while_replaced(path="."):
+        listed = listdir(path)
+        if os.fspath(path) == target and not replaced:  # the writer, at this moment: remove, write again
+            replaced.append(True)
+            storage.remove(target)
+            shutil.copytree(spare, target)
+            return [name for name in listed if name != "manifest.json"]  # deleted before it was read
+        return listed
+
+    monkeypatch.setattr(os, "listdir", listdir_while_replaced)
+    with storage.pinned(target) as pin:
+        assert replaced and sorted(listdir(pin)) == names
+    assert listdir(tmp_path / "ckpts") == ["epoch=0-step=2.ckpt"]  # no pin left behind

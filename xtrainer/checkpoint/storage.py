@@ -471,7 +471,7 @@ def pinned(path: str) -> Iterator[str]:
     target = os.path.join(pin, os.path.basename(real))
     try:
         try:
-            _hard_link_tree(real, target)
+            _pin_into(real, target)
         except FileNotFoundError:
             raise UnreadableCheckpointError(
                 f"{path!r} was removed while it was being read (a running fit pruned or replaced it): read it "
@@ -488,6 +488,28 @@ def pinned(path: str) -> Iterator[str]:
     finally:
         with contextlib.suppress(OSError):
             remove(pin)
+
+
+def _pin_into(source: str, target: str, attempts: int = 3) -> None:
+    """Hard-link the checkpoint ``source`` to ``target``. A folder replaced while it is walked
+    (removed and written again under its name, as a fit prunes and saves) may have been listed
+    from the old folder as it was being deleted, so part of it: the walk counts only if
+    ``source`` is the same folder after it as before, and is made again otherwise.
+    ``FileNotFoundError`` when ``source`` is gone, or is replaced on every attempt."""
+    for _ in range(attempts):
+        before = _identity(source)
+        _hard_link_tree(source, target)
+        if _identity(source) == before:
+            return
+        shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+    raise FileNotFoundError(source)
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    """What tells a folder from another put in its place: its inode, and the time of its last
+    rename (its ctime; nothing is written into a checkpoint folder once it is in place)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def _hard_link_tree(source: str, target: str) -> None:

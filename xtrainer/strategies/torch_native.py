@@ -222,6 +222,9 @@ def _process_main(job: Callable[[], None]) -> None:
         sys.stderr.flush()
         os._exit(1)
     if dist.is_initialized():
+        # Every process past its last collective before any closes its connections: a process
+        # that closes them while a peer still reads its last message aborts that peer (gloo).
+        dist.barrier()
         dist.destroy_process_group()
 
 
