@@ -109,20 +109,18 @@ class XlaHealth(Callback):
 
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        shapes = _shapes(batch)
         if self._warming_last_step:  # the first step after the first epoch (and its validation)
             self._warming_last_step, self._warm = False, True
             self._compiles_seen, self._data_compiles_seen = self._step_compiles(trainer)
         if not self._warm:
-            self._first_epoch_shapes.add(shapes)
-        self._check(trainer, f"training batch {batch_idx}", shapes)
+            self._first_epoch_shapes.add(_shapes(batch))
+        self._check(trainer, f"training batch {batch_idx}", batch)
 
     def on_validation_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                                 batch_idx: int, *args: Any) -> None:
-        shapes = _shapes(batch)
         if not self._warm:
-            self._first_epoch_shapes.add(shapes)
-        self._check(trainer, f"validation batch {batch_idx}", shapes)
+            self._first_epoch_shapes.add(_shapes(batch))
+        self._check(trainer, f"validation batch {batch_idx}", batch)
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
         self._check(trainer, "the end of the epoch", None)
@@ -146,7 +144,9 @@ class XlaHealth(Callback):
             "with a host read (.item(), .cpu()) runs a graph of its own: batch the policy's calls, or keep the "
             "environment's policy on the CPU (see 'A dataset that runs the model' in docs/troubleshooting.md).")
 
-    def _check(self, trainer: "Trainer", where: str, shapes: tuple | None) -> None:
+    def _check(self, trainer: "Trainer", where: str, batch: Any) -> None:
+        """Report the graphs compiled since the last check, once warm; ``batch`` (None at an
+        epoch's end) is looked at only then, to say whether its shapes are new."""
         count, data = self._step_compiles(trainer)
         new_data, self._data_compiles_seen = data - self._data_compiles_seen, data
         if self._warm and new_data > 0:
@@ -157,6 +157,7 @@ class XlaHealth(Callback):
             self._compiles_seen = count
             return
         new, self._compiles_seen = count - self._compiles_seen, count
+        shapes = _shapes(batch) if batch is not None else None
         if shapes is not None and shapes not in self._first_epoch_shapes:
             seen = ", ".join(str(s) for s in sorted(self._first_epoch_shapes, key=str)[:4])
             why = f"this batch's shapes {shapes} never occurred in the first epoch (there: {seen})"

@@ -496,18 +496,22 @@ def _pin_into(source: str, target: str, attempts: int = 3) -> None:
     from the old folder as it was being deleted, so part of it: the walk counts only if
     ``source`` is the same folder after it as before, and is made again otherwise.
     ``FileNotFoundError`` when ``source`` is gone, or is replaced on every attempt."""
+    if not os.path.isdir(source):
+        os.link(source, target)  # one link: the file as it is
+        return
     for _ in range(attempts):
         before = _identity(source)
         _hard_link_tree(source, target)
         if _identity(source) == before:
             return
-        shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+        shutil.rmtree(target)
     raise FileNotFoundError(source)
 
 
 def _identity(path: str) -> tuple[int, int, int]:
     """What tells a folder from another put in its place: its inode, and the time of its last
-    rename (its ctime; nothing is written into a checkpoint folder once it is in place)."""
+    rename (its ctime, which linking its files leaves alone; nothing is written into a
+    checkpoint folder once it is in place)."""
     st = os.stat(path)
     return st.st_dev, st.st_ino, st.st_ctime_ns
 

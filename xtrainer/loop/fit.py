@@ -127,8 +127,9 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
     with strategy.no_backward_sync(trainer.model, enabled=not steps):
         outputs = trainer.model("train", batch, batch_idx)  # forward: the module's training_step
         loss = training_loss(outputs)
-        trainer._publisher.observe_loss(loss)  # the non-finite check, on the device
-        results.log_loss(LOSS_KEY, loss)
+        value = loss.detach()
+        trainer._publisher.observe_loss(value)  # the non-finite check, on the device
+        results.log_loss(LOSS_KEY, value)
         if trainer.accumulate_grad_batches > 1:
             loss = loss / trainer.accumulate_grad_batches
         trainer._call("on_before_backward", loss)

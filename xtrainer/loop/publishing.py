@@ -17,6 +17,7 @@ Nothing else calls a logger's ``log_metrics``.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -50,6 +51,7 @@ class NonFiniteWatch:
         self.reported = False
 
     def observe(self, loss: torch.Tensor) -> None:
+        """Watch one micro-batch's training loss (detached, 0-dim)."""
         raise NotImplementedError
 
     def stepped(self) -> None:
@@ -104,23 +106,28 @@ class InGraphWatch(NonFiniteWatch):
 
 
 class DeferredWatch(NonFiniteWatch):
-    """For ops that run as they are called: a step keeps a reference to its loss and notes the
-    global step on the host (no op at all); the losses kept are checked together, in a few ops,
-    when the watch is read, and folded into ``first`` (a device tensor), which the same ops keep
-    once it is set. A read happens every ``log_every_n_steps``; past ``FOLD_AFTER`` losses
-    without one they are folded without a read, so memory stays bounded."""
+    """For ops that run as they are called: a step keeps a reference to its (detached, 0-dim)
+    loss and notes the global step on the host (no op at all); the losses kept are checked
+    together when the watch is read. One replica reads whether they were all finite (three ops);
+    only when one was not are they read to the host to name the first bad step, as the fit stops
+    or warns then anyway. Several replicas reduce ``local_first`` (the first bad step worked out
+    on the device). A read happens every ``log_every_n_steps``; past ``FOLD_AFTER`` losses without
+    one they are folded into ``first`` (a device tensor, kept by the same ops once it is set)
+    without a read, so memory stays bounded."""
 
     FOLD_AFTER = 1024
+    _FINITE = "xtrainer/nonfinite_all_finite"
 
     def __init__(self, device: torch.device, global_step: int) -> None:
         super().__init__(device, global_step)
         self.step = global_step
         self.losses: list[torch.Tensor] = []
         self.steps: list[int] = []
-        self.first = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
+        self.first: torch.Tensor | None = None  # made at the first fold
+        self.first_bad = self.NEVER  # what the reads found so far
 
     def observe(self, loss: torch.Tensor) -> None:
-        self.losses.append(loss.detach())
+        self.losses.append(loss)
         self.steps.append(self.step)
         if len(self.losses) >= self.FOLD_AFTER:
             self.local_first()
@@ -129,14 +136,33 @@ class DeferredWatch(NonFiniteWatch):
         self.step += 1
 
     def local_first(self) -> torch.Tensor:
+        if self.first is None:
+            self.first = torch.tensor([self.NEVER], dtype=torch.int64).to(self.device)
         if self.losses:
-            losses = torch.stack([loss.reshape(()) for loss in self.losses])
             # The steps' numbers go to the device as data, once per read.
             steps = torch.tensor(self.steps, dtype=torch.int64).to(self.device, non_blocking=True)
-            bad = torch.where(torch.isfinite(losses), self.NEVER, steps).min().reshape(1)
+            bad = torch.where(torch.isfinite(torch.stack(self.losses)), self.NEVER, steps).min().reshape(1)
             self.first = torch.minimum(self.first, bad)
             self.losses, self.steps = [], []
         return self.first
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {self._FIRST: self.first} if self.first is not None else {}
+        if self.losses:
+            tensors[self._FINITE] = torch.isfinite(torch.stack(self.losses)).all()
+        return tensors
+
+    def first_step(self, values: dict[str, float]) -> float:
+        first = min(self.first_bad, values.pop(self._FIRST, self.NEVER))
+        finite = values.pop(self._FINITE, None)
+        if finite is not None:  # read over the losses kept
+            if not finite:
+                # host sync: the kept losses, read only because one of them was NaN or infinite
+                losses = torch.stack(self.losses).tolist()
+                first = min(first, next(step for step, loss in zip(self.steps, losses) if not math.isfinite(loss)))
+            self.losses, self.steps = [], []
+        self.first_bad = first
+        return first
 
 
 class Publisher:

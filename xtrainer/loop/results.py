@@ -98,7 +98,11 @@ class Results:
         entry = self.entries.get(name)
         if entry is None:
             entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, sync_dist, reduce_fx, logger)
-        value = value.detach().reshape(()).float()
+        value = value.detach()
+        if value.dim():
+            value = value.reshape(())
+        if value.dtype != torch.float32:
+            value = value.float()
         if on_step:
             entry.last = value
         if on_epoch:
@@ -115,14 +119,14 @@ class Results:
             entry.weight += weight
 
     def log_loss(self, name: str, loss: torch.Tensor) -> None:
-        """The loop's own per-step value of the training loss (a scalar tensor): ``log`` without
-        the checks a user's value needs, once its entry exists."""
+        """The loop's own per-step value of the training loss (a detached 0-dim tensor): ``log``
+        without the checks a user's value needs, once its entry exists."""
         entry = self.entries.get(name)
         if entry is None:
             self.log(name, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False, reduce_fx="mean",
                      batch_size=None)
         else:
-            entry.last = loss.detach().float()
+            entry.last = loss if loss.dtype == torch.float32 else loss.float()
 
     def _log_metric(self, name: str, metric: Any, on_step: bool | None, on_epoch: bool | None, prog_bar: bool,
                     logger: bool, add_dataloader_idx: bool) -> None:
@@ -275,6 +279,12 @@ def _sizes(batch: Any):
     that is not a tensor (a string, a number, any other object). Shape metadata only: no host sync."""
     if isinstance(batch, torch.Tensor):
         yield int(batch.shape[0]) if batch.dim() else 1
+    elif type(batch) in (tuple, list):  # the common batches first, ahead of the checks by protocol
+        for item in batch:
+            yield from _sizes(item)
+    elif type(batch) is dict:
+        for value in batch.values():
+            yield from _sizes(value)
     elif isinstance(batch, (str, bytes)) or hasattr(batch, "__array__"):
         yield None  # a leaf: a NumPy array is not walked element by element either
     elif isinstance(batch, Mapping):
