@@ -106,7 +106,7 @@ class Goodput(Callback):
         self._replicas = replicas_in_process(trainer)
         first = _last_fit_ended_at == 0.0
         self._since = self.process_started_at if first else _last_fit_ended_at
-        self._compile_seconds = lambda: trainer.strategy.device_counters()["compile_s"]
+        self._compile_seconds = trainer.strategy.compile_seconds
         self._compiled = 0.0 if first else self._compile_seconds() / self._replicas
         self._phase, self._active = "startup", True
         self._folder, self._root = trainer.log_dir, trainer._runs_root

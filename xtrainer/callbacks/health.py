@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from xtrainer import compile_cache, flops
@@ -98,11 +99,11 @@ class XlaHealth(Callback):
         """Graphs compiled by the steps (a checkpoint's and the data loading's left out), and by
         the data loading, in this process so far."""
         data = _data_counters(trainer)["data_compiles"]
-        return trainer.strategy.device_counters()["compiles"] - trainer.checkpoint_compilations - data, data
+        return trainer.strategy.compile_count() - trainer.checkpoint_compilations - data, data
 
     # ---- every batch: recompilations (host counters only) ------------------------------------
     def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
-        samples = batch_size(batch) * trainer.world_size  # counted before the step's values are read
+        samples = batch_size(batch) * self._work.replicas_in_batch  # counted before the step's values are read
         self._samples += samples
         self._interval_samples += samples
         self._work.batch(trainer, module, batch, batch_idx)
@@ -112,14 +113,10 @@ class XlaHealth(Callback):
         if self._warming_last_step:  # the first step after the first epoch (and its validation)
             self._warming_last_step, self._warm = False, True
             self._compiles_seen, self._data_compiles_seen = self._step_compiles(trainer)
-        if not self._warm:
-            self._first_epoch_shapes.add(_shapes(batch))
         self._check(trainer, f"training batch {batch_idx}", batch)
 
     def on_validation_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                                 batch_idx: int, *args: Any) -> None:
-        if not self._warm:
-            self._first_epoch_shapes.add(_shapes(batch))
         self._check(trainer, f"validation batch {batch_idx}", batch)
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
@@ -145,22 +142,28 @@ class XlaHealth(Callback):
             "environment's policy on the CPU (see 'A dataset that runs the model' in docs/troubleshooting.md).")
 
     def _check(self, trainer: "Trainer", where: str, batch: Any) -> None:
-        """Report the graphs compiled since the last check, once warm; ``batch`` (None at an
-        epoch's end) is looked at only then, to say whether its shapes are new."""
+        """Report the graphs compiled since the last check, once warm. ``batch`` (None at an
+        epoch's end) is looked at only when graphs were compiled: in the first epoch its shapes
+        join those graphs were compiled for (XLA compiles for every new shape; torch.compile with
+        dynamic shapes may run one on a graph compiled for another), after it they tell whether
+        the shapes are new."""
         count, data = self._step_compiles(trainer)
         new_data, self._data_compiles_seen = data - self._data_compiles_seen, data
         if self._warm and new_data > 0:
             self._report(trainer, f"{where}, while loading data", new_data,
                          "the dataset ran ops on the device while it was loaded, and one of its graphs differed from "
                          "those of the first epoch (a shape, a Python number, or a host read at a new place)")
-        if not self._warm or count == self._compiles_seen:
-            self._compiles_seen = count
+        if count == self._compiles_seen:
             return
         new, self._compiles_seen = count - self._compiles_seen, count
         shapes = _shapes(batch) if batch is not None else None
+        if not self._warm:
+            if shapes is not None:
+                self._first_epoch_shapes.add(shapes)
+            return
         if shapes is not None and shapes not in self._first_epoch_shapes:
             seen = ", ".join(str(s) for s in sorted(self._first_epoch_shapes, key=str)[:4])
-            why = f"this batch's shapes {shapes} never occurred in the first epoch (there: {seen})"
+            why = f"this batch's shapes {shapes} had no graph compiled for them in the first epoch (there: {seen})"
         else:
             why = ("the inputs' shapes are as in the first epoch, so something inside the step changed (a Python "
                    "number that varies between steps, a branch taken for the first time, a .item() in the step)")
@@ -280,6 +283,7 @@ class _Work:
         # MPMD: every replica runs the counted step on its own batch; SPMD: one program whose
         # batch and module are the global ones, spread over every device.
         self.replicas = 1 if spmd else max(1, trainer.world_size)
+        self.replicas_in_batch = max(1, trainer.world_size)  # the samples a batch stands for: per replica
         self.chips = _xla.spmd_device_count() if spmd else max(1, trainer.world_size)
         self.chip = _xla.chip_name() if xla else None
         self.on_cpu = _xla.requested_device_type() == "CPU" if xla else str(trainer.strategy.device).startswith("cpu")
@@ -403,5 +407,10 @@ def _tensors(batch: Any) -> list[Any]:
 
 
 def _shapes(batch: Any) -> tuple:
-    """The batch's tensor shapes (host metadata: no device access)."""
+    """The batch's tensor shapes, as tuples (host metadata: no device access). Once per batch in
+    the first epoch: a batch of tensors, or a tuple or list of them, takes the short way."""
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape),)
+    if type(batch) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in batch):
+        return tuple(tuple(t.shape) for t in batch)
     return tuple(tuple(t.shape) for t in _tensors(batch))

@@ -93,7 +93,8 @@ class Optimization:
             optimizer.zero_grad(set_to_none=True)
         trainer.loop.global_step += 1
         trainer._publisher.stepped()
-        self.step_schedulers(trainer, "step")
+        if self.schedulers:
+            self.step_schedulers(trainer, "step")
 
     def _before_step(self, trainer: "Trainer") -> None:
         trainer._call("on_before_optimizer_step", self.optimizers[0])

@@ -307,6 +307,10 @@ def batch_size(batch: Any, strict: bool = False) -> int:
     not a tensor) disagrees, the batch is ambiguous: the first length is kept, with a warning once.
     Without any tensor: 1, or with ``strict`` (a size is needed to weight a mean) a ValueError.
     Reads shapes only: no host sync."""
+    if not strict:  # the first tensor's length is the answer: the usual batches take the short way
+        first = batch[0] if type(batch) in (tuple, list) and batch else batch
+        if isinstance(first, torch.Tensor):
+            return int(first.shape[0]) if first.dim() else 1
     size = None
     ambiguous = False
     try:

@@ -278,8 +278,17 @@ class Strategy(abc.ABC):
         and goodput: always ``compiles`` (graphs compiled) and ``compile_s`` (their seconds); and
         those this strategy's compiler keeps among ``executions`` (graphs run), ``transfers``
         (device-to-host transfers) and ``graph_breaks``. XLA's: compilations, executions, transfers."""
-        return {"compiles": _xla.compile_count(), "compile_s": _xla.compile_seconds(),
+        return {"compiles": self.compile_count(), "compile_s": self.compile_seconds(),
                 "executions": _xla.execute_count(), "transfers": _xla.transfer_from_device_count()}
+
+    # The two counters read at every step (by XlaHealth and goodput), each on its own.
+    def compile_count(self) -> int:
+        """``device_counters()["compiles"]``."""
+        return _xla.compile_count()
+
+    def compile_seconds(self) -> float:
+        """``device_counters()["compile_s"]``."""
+        return _xla.compile_seconds()
 
     #: How ``XlaHealth`` names this strategy's compiler: the prefix of its logged figures
     #: (``xla/compilations``...), the compiler in its messages, and how to see the compiler's own

@@ -411,6 +411,12 @@ class NativeSingle(Strategy):
             return {"compiles": 0, "compile_s": 0.0}
         return torch_compile_counters()
 
+    def compile_count(self) -> int:
+        return int(torch_compile_counters()["compiles"]) if self.compile else 0
+
+    def compile_seconds(self) -> float:
+        return torch_compile_counters()["compile_s"] if self.compile else 0.0
+
     def memory_info(self) -> dict[str, int] | None:
         return torch_devices.memory_info(self.device)
 
