@@ -197,3 +197,55 @@ def test_batch_size_is_dim_0_of_the_first_tensor_found():
     with pytest.raises(ValueError, match="no tensor in it"):
         batch_size(["no tensors"], strict=True)
     assert math.isinf(float(Results("train", True)._constant(-math.inf, torch.device("cpu"))))
+
+
+def _epoch_value(replicas: list[Results], name: str) -> float:
+    """The epoch value rank 0 logs, its reduction across ``replicas`` made as the collectives would."""
+    totals = [r.entries[name].total for r in replicas]
+    ops = {"sum": lambda: torch.stack(totals).sum(), "max": lambda: torch.stack(totals).max(),
+           "min": lambda: torch.stack(totals).min()}
+    return floats(replicas[0].epoch_tensors(lambda t, op: ops[op](), len(replicas)))[name]
+
+
+def _log_batches(replicas: list[Results], values: list[float], fx: str, sync: bool) -> None:
+    """``values`` dealt to the replicas in turn, one batch of two rows each."""
+    for i, value in enumerate(values):
+        r = replicas[i % len(replicas)]
+        r.begin_batch(torch.zeros(2))
+        r.log("m", torch.tensor(value), on_step=False, on_epoch=True, prog_bar=False, sync_dist=sync,
+              reduce_fx=fx, batch_size=None)
+        r.in_step = False
+
+
+@pytest.mark.parametrize("fx", REDUCE_FXS)
+@pytest.mark.parametrize("resumed_by", [1, 2, 4])
+def test_an_epoch_resumed_by_another_number_of_replicas_keeps_the_values_logged_before(fx, resumed_by):
+    """Two replicas log synced epoch values over 8 batches, a checkpoint is written, and the epoch
+    goes on over 8 more on ``resumed_by`` replicas: the epoch value is that of the 16 batches."""
+    from xtrainer.loop.results import epoch_results_of_replica
+
+    before, after = [float(v) for v in (3, -1, 4, 1, -5, 9, 2, 6)], [float(v) for v in (5, 3, -2, 8, 7, 7, 6, 3)]
+    saving = [Results("train", default_on_step=True) for _ in range(2)]
+    _log_batches(saving, before, fx, sync=True)
+    saved = [r.state_dict(lambda t: t) for r in saving]
+    resumed = [Results("train", default_on_step=True) for _ in range(resumed_by)]
+    for rank, r in enumerate(resumed):
+        r.load_state_dict(epoch_results_of_replica(saved, rank, resumed_by), torch.device("cpu"))
+    _log_batches(resumed, after, fx, sync=True)
+    every = torch.tensor(before + after)
+    expected = {"mean": every.mean(), "sum": every.sum(), "max": every.max(),
+                "min": every.min()}[fx]
+    assert _epoch_value(resumed, "m") == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_an_epoch_resumed_by_another_number_of_replicas_goes_on_from_the_average_share_without_sync():
+    from xtrainer.loop.results import epoch_results_of_replica
+
+    saving = [Results("train", default_on_step=True) for _ in range(2)]
+    _log_batches(saving, [1.0, 3.0, 1.0, 3.0], "mean", sync=False)  # rank 0 saw 1s, rank 1 3s
+    saved = [r.state_dict(lambda t: t) for r in saving]
+    alone = Results("train", default_on_step=True)
+    alone.load_state_dict(epoch_results_of_replica(saved, 0, 1), torch.device("cpu"))
+    assert floats(alone.epoch_tensors(no_reduce, 1))["m"] == 2.0  # both replicas' values, not rank 0's alone
+    assert epoch_results_of_replica(saved, 1, 2) is saved[1]  # as many replicas: each its own
+    assert epoch_results_of_replica(None, 0, 1) is None and epoch_results_of_replica([], 0, 2) is None

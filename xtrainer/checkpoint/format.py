@@ -18,6 +18,7 @@ key                    what it holds
                        epoch's scheduler step), ``callback_metrics`` (the logged values, floats)
 ``rng_states``         Python, NumPy, torch CPU generators; each replica's XLA generator
 ``epoch_results``      per replica: the epoch accumulators of values logged with ``on_epoch``
+                       (combined when another number of replicas resumes them)
 ``data_state``         per replica: the states, at the epoch's start, of the user's generators
                        that order the training data
 ``callbacks``          ``{callback.state_key: callback.state_dict()}``

@@ -26,6 +26,7 @@ from xtrainer.checkpoint.whole import WholeFile
 from xtrainer.checkpoint.format import CheckpointError
 from xtrainer.launch import interrupts
 from xtrainer.loop.optimizers import keeping_foreach, step_schedulers
+from xtrainer.loop.results import epoch_results_of_replica
 
 try:
     import numpy as _numpy
@@ -216,8 +217,8 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
             step_schedulers(trainer.lr_scheduler_configs, "epoch", loops["epoch"] + 1, metrics)
         if not loops["epoch_finished"]:  # inside an epoch: its accumulated values and its data order go on
             rank, size = trainer.global_rank, trainer.world_size
-            trainer._train_results.load_state_dict(of_this_replica(checkpoint.get("epoch_results"), rank, size),
-                                                   trainer.strategy.device)
+            saved = epoch_results_of_replica(checkpoint.get("epoch_results"), rank, size)
+            trainer._train_results.load_state_dict(saved, trainer.strategy.device)
             trainer._restored_data_state = of_this_replica(checkpoint.get("data_state"), rank, size)
         for cb in trainer.callbacks:
             if cb.state_key in checkpoint.get("callbacks", {}):

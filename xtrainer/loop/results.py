@@ -263,6 +263,36 @@ def _combine(reduce_fx: str, total: torch.Tensor, value: torch.Tensor) -> torch.
     return torch.minimum(total, value)
 
 
+def epoch_results_of_replica(saved: Any, rank: int, world_size: int) -> dict[str, Any] | None:
+    """Replica ``rank``'s epoch accumulators from a checkpoint's ``epoch_results`` (one state per
+    saving replica). Saved by as many replicas: its own. By another number: each entry's totals of
+    every saving replica combined and dealt out evenly, so that what the replicas reduce at the
+    epoch's end is what the saving replicas held: a sum or a weighted mean split into equal shares
+    (its totals and weights divided by ``world_size``), a max or min given to each. An entry logged
+    without ``sync_dist`` is each replica's own value, which a change of replicas leaves without
+    an exact meaning: it goes on from the saving replicas' average share. None: nothing saved."""
+    if not isinstance(saved, list) or not saved or not all(isinstance(state, dict) for state in saved):
+        return None
+    if len(saved) == world_size:
+        return saved[rank]
+    merged: dict[str, Any] = {}
+    for name in saved[0]:
+        parts = [state.get(name) for state in saved]
+        if not all(isinstance(p, dict) and isinstance(p.get("total"), torch.Tensor) for p in parts) \
+                or len({p.get("reduce_fx") for p in parts}) != 1 or parts[0]["reduce_fx"] not in REDUCE_FXS:
+            continue  # not of this format, or not logged alike by every replica: starts afresh
+        fx = parts[0]["reduce_fx"]
+        totals = torch.stack([p["total"].reshape(()) for p in parts])
+        if fx in ("sum", "mean"):
+            total = totals.sum() / world_size
+            weight = sum(float(p["weight"]) for p in parts) / world_size
+        else:
+            total = totals.max() if fx == "max" else totals.min()
+            weight = max(float(p["weight"]) for p in parts)
+        merged[name] = {**parts[0], "total": total, "weight": weight}
+    return merged
+
+
 def to_floats(tensors: dict[str, torch.Tensor], to_cpu: Callable[[Any], Any]) -> dict[str, float]:
     """Device scalars to Python floats in one batched transfer (``to_cpu``: the strategy's). Syncs the host."""
     host = to_cpu(tensors)  # host sync: one transfer for every value
