@@ -38,7 +38,11 @@ def one_process(tmp_path_factory):
     """One process, whole global batches of 8: the reference."""
     trainer, model = native_run.fit("native", 1, str(tmp_path_factory.mktemp("one")), STEPS, 8)
     assert trainer.global_step == STEPS
+    _EPOCH_LOSS["one"] = float(trainer.callback_metrics["train_loss_epoch"])
     return _weights(model)
+
+
+_EPOCH_LOSS: dict[str, float] = {}  # the one-process run's train_loss_epoch, beside its weights
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +103,8 @@ def test_fsdp_checkpoint_of_one_world_size_resumes_exactly_at_another(tmp_path, 
     assert trainer.global_step == STEPS and trainer.world_size == then
     assert trainer.ckpt_path.endswith("epoch=0-step=2.ckpt")
     _assert_bitwise(_weights(model), one_process)
+    # The epoch's value covers the batches trained before the checkpoint too (by the other count of processes).
+    assert float(trainer.callback_metrics["train_loss_epoch"]) == pytest.approx(_EPOCH_LOSS["one"], rel=1e-5)
 
 
 def _two_nodes(root, endpoint: str, rdzv_id: str, *args: str) -> list[subprocess.Popen]:

@@ -407,8 +407,8 @@ def _tensors(batch: Any) -> list[Any]:
 
 
 def _shapes(batch: Any) -> tuple:
-    """The batch's tensor shapes, as tuples (host metadata: no device access). Once per batch in
-    the first epoch: a batch of tensors, or a tuple or list of them, takes the short way."""
+    """The batch's tensor shapes, as tuples (host metadata: no device access); a tensor, or a
+    tuple or list of them, the short way."""
     if isinstance(batch, torch.Tensor):
         return (tuple(batch.shape),)
     if type(batch) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in batch):
