@@ -74,6 +74,7 @@ class XlaHealth(Callback):
         self._first_epoch_shapes: set[tuple] = set()
         self._cache_counts: dict[str, int] = {}
         self._data_compiles_seen, self._data_warned = 0, False
+        self._compiles_seen = 0  # graphs compiled by the steps at the last check (a fit starts it afresh)
 
     def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         # From the replica's start: restoring a checkpoint compiles too (cache lookups included).
