@@ -205,7 +205,6 @@ def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpo
     assert not [p for p in folder.iterdir() if p.name.startswith(".tmp-")]  # no pin left behind
 
 
-
 def test_a_folder_replaced_under_its_name_while_it_is_pinned_is_pinned_whole(tmp_path, monkeypatch):
     """A pin lists the folder just as a writer replaces it: the old folder, renamed away, is being
     deleted, so the listing holds only part of it (here without its manifest), and the new folder

@@ -233,8 +233,7 @@ def test_an_epoch_resumed_by_another_number_of_replicas_keeps_the_values_logged_
         r.load_state_dict(epoch_results_of_replica(saved, rank, resumed_by), torch.device("cpu"))
     _log_batches(resumed, after, fx, sync=True)
     every = torch.tensor(before + after)
-    expected = {"mean": every.mean(), "sum": every.sum(), "max": every.max(),
-                "min": every.min()}[fx]
+    expected = {"mean": every.mean(), "sum": every.sum(), "max": every.max(), "min": every.min()}[fx]
     assert _epoch_value(resumed, "m") == pytest.approx(float(expected), rel=1e-6)
 
 

@@ -157,8 +157,7 @@ class DeferredWatch(NonFiniteWatch):
         finite = values.pop(self._FINITE, None)
         if finite is not None:  # read over the losses kept
             if not finite:
-                # host sync: the kept losses, read only because one of them was NaN or infinite
-                losses = torch.stack(self.losses).tolist()
+                losses = torch.stack(self.losses).tolist()  # host sync: only because one was NaN or infinite
                 first = min(first, next(step for step, loss in zip(self.steps, losses) if not math.isfinite(loss)))
             self.losses, self.steps = [], []
         self.first_bad = first
