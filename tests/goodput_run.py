@@ -5,7 +5,8 @@
 ``JSON_OPTIONS`` holds Trainer arguments plus: ``devices``, ``steps`` (max_steps), ``ckpt_path``,
 ``sleep_at`` / ``sleep_s`` (a callback sleeps that long in ``on_train_batch_start`` of that
 global step), ``term_at`` / ``kill_at`` (the process sends itself SIGTERM / SIGKILL after that global step),
-``ckpt_every`` (a ``ModelCheckpoint`` saving every that many steps), ``die_writing`` (SIGKILL
+``ckpt_every`` (a ``ModelCheckpoint`` saving every that many steps), ``goodput_write_every``
+(``Goodput(write_every=...)``), ``die_writing`` (SIGKILL
 in the middle of writing the checkpoint file whose name holds that text, printing the global step
 the loop had reached; ``slow_write_s`` slows every write down), ``out`` (where to save the final
 weights). The
@@ -23,6 +24,7 @@ from conftest import Regressor, make_loader
 
 from xtrainer import Trainer
 from xtrainer.callbacks import Callback, ModelCheckpoint
+from xtrainer.goodput import Goodput
 
 
 class SleepInStep(Callback):
@@ -88,6 +90,8 @@ def main():
         callbacks.append(SignalAfter(options.pop("term_at"), signal.SIGTERM))
     if "kill_at" in options:
         callbacks.append(SignalAfter(options.pop("kill_at"), signal.SIGKILL))
+    if "goodput_write_every" in options:
+        callbacks.append(Goodput(write_every=options.pop("goodput_write_every")))
     if "ckpt_every" in options:
         callbacks.append(ModelCheckpoint(every_n_train_steps=options.pop("ckpt_every"), save_top_k=-1))
     steps, ckpt = options.pop("steps", 8), options.pop("ckpt_path", None)

@@ -189,9 +189,9 @@ def account(folder):
 
 
 def test_goodput_across_a_kill_and_a_graceful_stop_counts_restarts_and_the_steps_lost(tmp_path):
-    # Run 1 saves every 4 steps, logs every step, and is killed (SIGKILL) after step 7: its last
-    # account says step 7; the newest checkpoint is step 4.
-    killed = run_fit(tmp_path, ckpt_every=4, log_every_n_steps=1, kill_at=7, steps=12)
+    # Run 1 saves every 4 steps, logs every step (writing its account each time), and is killed
+    # (SIGKILL) after step 7: its last account says step 7; the newest checkpoint is step 4.
+    killed = run_fit(tmp_path, ckpt_every=4, log_every_n_steps=1, kill_at=7, steps=12, goodput_write_every=0)
     assert killed.returncode == -9
     first = account(tmp_path / "version_0")
     assert first["status"] == "running" and first["last_step"] == 7 and first["resumed_from_step"] is None
@@ -243,6 +243,58 @@ def test_time_spent_waiting_for_data_is_counted_as_such(tmp_path):
     # The slow half (1.9 s of loading, part of it read ahead while the first step compiled) is
     # waited for between steps, which take far less.
     assert seconds["data"] >= 0.5 and seconds["data"] > 3 * seconds["training"]
+
+
+@pytest.mark.parametrize("write_every", [0, 3600])
+def test_the_account_is_written_at_logging_steps_once_every_write_every_seconds(tmp_path, write_every):
+    from xtrainer.goodput import Goodput
+
+    class Versions(Callback):
+        """The time of goodput.json's last write, after each step."""
+
+        def __init__(self):
+            self.written = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.written.append(account(trainer.log_dir)["updated_at"])
+
+    versions = Versions()
+    trainer = Trainer(max_steps=6, log_every_n_steps=1, default_root_dir=str(tmp_path), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      callbacks=[Goodput(write_every=write_every), versions])
+    trainer.fit(Regressor(), make_loader(64, 8))
+    # Written at the first logging step; then at each one, or not again before the end.
+    assert len(set(versions.written)) == (6 if write_every == 0 else 1)
+    assert account(tmp_path / "version_0")["status"] == "finished"
+    with pytest.raises(ValueError, match="write_every"):
+        Goodput(write_every=-1)
+
+
+def test_compilations_after_the_first_step_are_counted_as_compiling_and_the_account_adds_up(tmp_path):
+    from xtrainer import goodput
+    from xtrainer.goodput import Goodput
+
+    class CompileClock(Callback):
+        def on_fit_start(self, trainer, module):
+            self.at_start = trainer.strategy.compile_seconds()
+
+        def on_fit_end(self, trainer, module):
+            self.at_end = trainer.strategy.compile_seconds()
+
+    account_of, clock = Goodput(), CompileClock()
+    since = goodput._last_fit_ended_at  # where this fit's startup is counted from (0: the process's start)
+    # 20 samples in batches of 8: the last batch of 4 compiles graphs of its own in the first
+    # epoch; the first validation compiles the evaluation graphs.
+    Trainer(max_epochs=2, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, num_sanity_val_steps=0, log_every_n_steps=1,
+            callbacks=[clock, account_of]).fit(Regressor(), make_loader(20, 8), make_loader(8, 8))
+    record = account_of.record
+    seconds = record["seconds"]
+    compiled = clock.at_end - clock.at_start
+    assert seconds["compiling"] > 0 and seconds["validating"] > 0 and seconds["training"] > 0
+    assert record["startup_compiling"] + seconds["compiling"] == pytest.approx(compiled, abs=1e-6)
+    began = since or record["process_started_at"]
+    assert sum(seconds.values()) == pytest.approx(record["ended_at"] - began, abs=0.01)  # every second, once
 
 
 # ---- xtrainer doctor -------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ the host clock, to one of:
 - ``validating``: validation during the fit;
 - ``training``: the rest, the steps themselves.
 
-Each run writes ``goodput.json`` in its run folder (rank 0; replaced atomically at every logging
-step and at the end, so a killed run leaves its last state). At the end of ``fit`` one line sums
+Each run writes ``goodput.json`` in its run folder (rank 0; replaced atomically and synced at a
+logging step once every ``write_every`` seconds at most, and at the end: a killed run leaves its
+state of at most that long before). At the end of ``fit`` one line sums
 this run, and one the lineage: every ``version_*/goodput.json`` under the same runs root (the
 runs a restart loop makes), with the **steps lost to preemption**: for each resumed run, the
-global step the run before it had reached (at its interrupt, or its last logging step when it
-was killed) minus the step of the checkpoint it resumed from.
+global step the run before it had reached (at its interrupt; when it was killed, as of its last
+write) minus the step of the checkpoint it resumed from.
 
 Only host clock readings and torch_xla's host counters: no host sync, nothing added to a step.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
 import os
 import time
 from typing import TYPE_CHECKING, Any, Iterator
@@ -63,10 +65,17 @@ def process_started_at() -> float:
 class Goodput(Callback):
     """Accounts the fit's wall time (module docstring). ``record`` is this run's account;
     ``summary=False`` keeps the end-of-fit lines to ``summary`` (the Trainer prints them when
-    ``enable_xla_health`` is on, with the other summary lines)."""
+    ``enable_xla_health`` is on, with the other summary lines). ``write_every``: seconds at
+    least between two writes of ``goodput.json`` during the fit (a synced write costs about a
+    millisecond of the training thread; 0 writes at every logging step)."""
 
-    def __init__(self, summary: bool = True) -> None:
+    _phase = "idle"  # until a fit starts, and after it
+
+    def __init__(self, summary: bool = True, write_every: float = 10.0) -> None:
+        if not isinstance(write_every, (int, float)) or isinstance(write_every, bool) or write_every < 0:
+            raise ValueError(f"Goodput(write_every={write_every!r}): give seconds, 0 or more.")
         self.print_summary = summary  # the two lines at the end of fit (rank 0)
+        self.write_every = float(write_every)
         self.process_started_at = process_started_at()  # the calling process: the one restarted
         self.record: dict[str, Any] = {}
         self.summary = ""
@@ -74,7 +83,8 @@ class Goodput(Callback):
 
     # ---- the clock ------------------------------------------------------------------------------
     def _switch(self, phase: str) -> None:
-        """Close the current phase (its compile seconds go to ``compiling``) and open ``phase``."""
+        """Close the current phase (the compile seconds since the last switch go to
+        ``compiling``) and open ``phase``."""
         now, compiled = time.time(), self._compile_seconds() / self._replicas
         wall, compile_s = now - self._since, compiled - self._compiled
         seconds = self.record["seconds"]
@@ -83,7 +93,16 @@ class Goodput(Callback):
             self.record["startup_compiling"] += compile_s
         else:
             seconds["compiling"] += compile_s
-            seconds[self._phase] += max(0.0, wall - compile_s)
+            if self._phase in self._steps:
+                self._steps[self._phase] += wall
+                # The steps compile, the loader does not: their compile seconds come out of training.
+                training = self._steps["training"] - compile_s
+                self._steps["training"], data = max(0.0, training), self._steps["data"] + min(0.0, training)
+                seconds["training"] += self._steps["training"]
+                seconds["data"] += max(0.0, data)
+                self._steps = {"data": 0.0, "training": 0.0}
+            else:
+                seconds[self._phase] += max(0.0, wall - compile_s)
         self._since, self._compiled, self._phase = now, compiled, phase
 
     @contextlib.contextmanager
@@ -109,6 +128,10 @@ class Goodput(Callback):
         self._compile_seconds = trainer.strategy.compile_seconds
         self._compiled = 0.0 if first else self._compile_seconds() / self._replicas
         self._phase, self._active = "startup", True
+        # Wall seconds of the batches' waits and steps since the last _switch, which splits out
+        # their compile seconds: read there, not on every batch.
+        self._steps = {"data": 0.0, "training": 0.0}
+        self._written_at = -math.inf  # the first logging step writes
         self._folder, self._root = trainer.log_dir, trainer._runs_root
         self._write = trainer.is_global_zero
         self.record = {"run": os.path.basename(trainer.log_dir), "process_started_at": self.process_started_at,
@@ -117,14 +140,22 @@ class Goodput(Callback):
                        "startup_compiling": 0.0, "seconds": dict.fromkeys(BUCKETS, 0.0)}
 
     def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
-        if self._active and self._phase != "startup":
+        if self._phase == "data":  # between a batch's wait and its step: a clock reading only (see _steps)
+            now = time.time()
+            self._steps["data"] += now - self._since
+            self._since, self._phase = now, "training"
+        elif self._active and self._phase != "startup":
             self._switch("training")
 
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._active:
-            self._switch("data")  # from here to the next batch: the other hooks, then the loader
-            self.record["last_step"] = trainer.global_step
+        # From here to the next batch: the other hooks, then the loader.
+        if self._phase == "training":
+            now = time.time()
+            self._steps["training"] += now - self._since
+            self._since, self._phase = now, "data"
+        elif self._active:
+            self._switch("data")  # the first step's end closes the startup
 
     def on_validation_start(self, trainer: "Trainer", module: "XModule") -> None:
         if self._active and trainer.state == "fit" and not trainer.sanity_checking and self._phase != "startup":
@@ -138,7 +169,11 @@ class Goodput(Callback):
     def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
         if self._active and trainer.state == "fit":
             self.record["last_step"] = max(self.record["last_step"], trainer.global_step)
-            self._save()
+            now = time.monotonic()
+            if now - self._written_at >= self.write_every:
+                self._written_at = now
+                self._switch(self._phase)  # the account so far, compile seconds split out
+                self._save()
 
     def on_exception(self, trainer: "Trainer", module: "XModule", exception: BaseException) -> None:
         if self._active:
@@ -159,7 +194,7 @@ class Goodput(Callback):
     def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         if self._active and self.record["status"] != "finished":
             self._finish()  # interrupted or failed: the account so far, for the next run's summary
-        self._active = False
+        self._active, self._phase = False, "idle"
 
     # ---- the record -----------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -185,7 +220,8 @@ class Goodput(Callback):
             pass  # accounting must never stop training
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k in ("process_started_at", "record", "summary", "_active", "print_summary")}
+        return {k: v for k, v in self.__dict__.items()
+                if k in ("process_started_at", "record", "summary", "_active", "print_summary", "write_every")}
 
 
 @contextlib.contextmanager

@@ -316,7 +316,8 @@ class XModule(HyperparametersMixin, nn.Module):
         if sync_dist_group is not None:
             raise ValueError(f"self.log({name!r}, sync_dist_group=...) is not supported: sync_dist reduces over "
                              "every replica.")
-        self.trainer._results.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
+        trainer = self._trainer if self._trainer is not None else self.trainer  # (the property says what is wrong)
+        trainer._results.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
                                   sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, logger=logger,
                                   add_dataloader_idx=add_dataloader_idx)
 

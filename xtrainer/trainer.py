@@ -23,6 +23,7 @@ from xtrainer.launch import stages
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
 from xtrainer.loop import checkpoints, loaders, replica
 from xtrainer.loop.checkpoints import seed_everything
+from xtrainer.loop.hooks import HookTable
 from xtrainer.loop.metric_values import MetricValues
 from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.optimizers import SchedulerConfig
@@ -177,6 +178,7 @@ class Trainer:
         self._log_dir: str | None = None  # claimed on first use (log_dir)
 
         self.callbacks: list[Callback] = arguments.with_defaults(settings, callbacks)
+        self._hooks = HookTable()  # who overrides which hook (Trainer._call)
         if logger is True:
             # <default_root_dir>/version_N (Lightning's logger=True adds a lightning_logs/ level)
             logger = TensorBoardLogger(name="")
@@ -517,11 +519,16 @@ class Trainer:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> Any:
-        """Call ``hook`` on the module, then on every callback, in order; the module's answer."""
-        module = self.module
-        answer = getattr(module, hook)(*args)
-        for cb in self.callbacks:
-            getattr(cb, hook)(self, module, *args)
+        """Call ``hook`` on the module, then on every callback, in order; the module's answer.
+        Only those that override the no-op are called (``xtrainer/loop/hooks.py``)."""
+        module, hooks, everyone = self._module, self._hooks, self.callbacks
+        entry = hooks.table.get(hook)
+        if entry is None or module is not hooks.module or everyone is not hooks.callbacks or len(everyone) != hooks.count:
+            entry = hooks.build(hook, self.module, everyone)  # the first call, or the callbacks changed
+        own, callbacks = entry
+        answer = own(*args) if own is not None else None
+        for fn in callbacks:
+            fn(self, module, *args)
         return answer
 
     def _num_batches(self, data: Any, stage: str) -> float:
@@ -529,6 +536,6 @@ class Trainer:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_module=None, _wrapped=None, _optim=Optimization())
+        state.update(_module=None, _wrapped=None, _optim=Optimization(), _hooks=HookTable())
         return state
 

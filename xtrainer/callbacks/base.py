@@ -49,6 +49,10 @@ class Callback:
     ``validate``/``test``/``predict`` run the evaluation loop alone, with their own names.
     A callback stops training by setting ``trainer.should_stop = True``. A callback with state
     returns it from ``state_dict`` so that resuming from a checkpoint restores it.
+
+    Only the hooks a callback overrides (in its class, or set on the instance before the run)
+    are called: the Trainer looks them up when a hook is first called in a run, and again when
+    ``trainer.callbacks`` changes (``xtrainer/loop/hooks.py``).
     """
 
     @property

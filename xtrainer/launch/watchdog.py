@@ -56,13 +56,22 @@ class HangWatchdog(Callback):
         self.fired: list[str] = []
 
     # ---- the replica's side: host clock readings only ---------------------------------------
+    _watch: "_Watch | None" = None  # this replica's record while it is watched
+
     def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
         self._folder = trainer.log_dir
-        _monitor.join(self)
+        self._watch = _monitor.join(self)
 
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        _monitor.beat(self, step=True)
+        watch = self._watch  # a clock reading per step, written where the monitor's thread reads it
+        if watch is not None:
+            now = time.monotonic()
+            if watch.last_step is not None:
+                watch.intervals.append(now - watch.last_step)
+            watch.last = watch.last_step = now
+            watch.steps += 1
+            watch.fired = False
 
     def on_validation_batch_end(self, trainer: "Trainer", module: "XModule", *args: Any) -> None:
         _monitor.beat(self)
@@ -75,6 +84,7 @@ class HangWatchdog(Callback):
 
     def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         _monitor.leave(self)
+        self._watch = None
 
     # ---- the limit --------------------------------------------------------------------------
     def limit(self, intervals: list[float], steps: int) -> float:
@@ -86,7 +96,7 @@ class HangWatchdog(Callback):
         return max(FLOOR, STEP_MULTIPLE * statistics.median(intervals))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_folder"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_folder", "_watch")}
 
 
 class _Watch:
@@ -109,13 +119,15 @@ class _Monitor:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def join(self, owner: HangWatchdog) -> None:
+    def join(self, owner: HangWatchdog) -> _Watch:
         with self._lock:
-            self._watches[id(owner)] = (owner, _Watch())
+            watch = _Watch()
+            self._watches[id(owner)] = (owner, watch)
             if self._thread is None or not self._thread.is_alive():
                 self._stop.clear()
                 self._thread = threading.Thread(target=self._run, name="xtrainer-hang-watchdog", daemon=True)
                 self._thread.start()
+            return watch
 
     def leave(self, owner: HangWatchdog) -> None:
         with self._lock:
@@ -124,17 +136,11 @@ class _Monitor:
                 self._stop.set()
                 self._thread = None
 
-    def beat(self, owner: HangWatchdog, step: bool = False) -> None:
+    def beat(self, owner: HangWatchdog) -> None:
+        """Progress that is not a training step (a validation batch, a save)."""
         entry = self._watches.get(id(owner))
-        if entry is None:
-            return
-        watch, now = entry[1], time.monotonic()
-        if step:
-            if watch.last_step is not None:
-                watch.intervals.append(now - watch.last_step)
-            watch.last_step = now
-            watch.steps += 1
-        watch.last, watch.fired = now, False
+        if entry is not None:
+            entry[1].last, entry[1].fired = time.monotonic(), False
 
     def _run(self) -> None:
         stop = self._stop

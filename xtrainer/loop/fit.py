@@ -65,20 +65,23 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         # the original run never drained its loader either, and draining torch_xla's device loader
         # cuts the graph, which advances the XLA generator.
         batches = train.resume_at(skip) if skip < trainer.num_training_batches else ()
+        validate_every = validation_every(trainer) if val else None
+        last, max_steps, publisher = trainer.num_training_batches, trainer.max_steps, trainer._publisher
+        step = manual_training_step if not trainer._optim.automatic else training_step
         for batch_idx, batch in batches:
             if trainer._call("on_train_batch_start", batch, batch_idx) == -1:
                 break  # Lightning's meaning: the rest of this epoch is skipped
-            loop.validation_pending = bool(val) and validation_due(trainer, batch_idx)
-            training_step(trainer, batch, batch_idx)
+            loop.validation_pending = validate_every is not None and (batch_idx + 1) % validate_every == 0
+            step(trainer, batch, batch_idx)
             if loop.validation_pending:
                 evaluation.validate_during_fit(trainer, val)
             note_stop_requests(trainer)
-            if batch_idx + 1 >= trainer.num_training_batches:
+            if batch_idx + 1 >= last:
                 break
             # A stop waits for the optimizer step: between micro-batches the accumulated gradients
             # would be lost, and the resumed run would differ.
-            if (stopping(trainer) and loop.stepped) or (trainer.max_steps != -1
-                                                        and loop.global_step >= trainer.max_steps):
+            asked = trainer.should_stop or publisher.stop_agreed  # stopping() can say yes only then
+            if (asked and stopping(trainer) and loop.stepped) or (max_steps != -1 and loop.global_step >= max_steps):
                 finished = False
                 break
         signum = interrupts.requested()
@@ -121,31 +124,45 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
         manual_training_step(trainer, batch, batch_idx)
         return
     loop, strategy = trainer.loop, trainer.strategy
-    steps = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or batch_idx + 1 == trainer.num_training_batches
-    results = trainer._results
-    results.begin_batch(batch)
-    with strategy.no_backward_sync(trainer.model, enabled=not steps):
-        outputs = trainer.model("train", batch, batch_idx)  # forward: the module's training_step
-        loss = training_loss(outputs)
-        value = loss.detach()
-        trainer._publisher.observe_loss(value)  # the non-finite check, on the device
-        results.log_loss(LOSS_KEY, value)
-        if trainer.accumulate_grad_batches > 1:
-            loss = loss / trainer.accumulate_grad_batches
-        trainer._call("on_before_backward", loss)
-        strategy.backward(loss)
-        trainer._call("on_after_backward")
-    results.in_step = False
+    accumulate = trainer.accumulate_grad_batches
+    steps = accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == trainer.num_training_batches
+    trainer._results.begin_batch(batch)
+    if steps:  # gradients are reduced as usual: no context to enter
+        outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate)
+    else:
+        with strategy.no_backward_sync(trainer._wrapped, enabled=True):
+            outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate)
     loop.stepped = steps
     if steps:
         trainer._optim.step(trainer, batch_idx, loss)  # clip, step, zero_grad, global_step, schedulers
-    if steps and loop.global_step % trainer.log_every_n_steps == 0:
-        # Read once the step's graph is launched, as torch_xla's step closures run: the values are
-        # this step's outputs, and reading them is the interval's one host sync.
-        strategy.add_step_closure(lambda: publish_step_values(trainer))
+        if loop.global_step % trainer.log_every_n_steps == 0:
+            # Read once the step's graph is launched, as torch_xla's step closures run: the values
+            # are this step's outputs, and reading them is the interval's one host sync.
+            strategy.add_step_closure(lambda: publish_step_values(trainer))
     strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
     loop.batches_in_epoch = batch_idx + 1
     trainer._call("on_train_batch_end", outputs, batch, batch_idx)
+
+
+def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate: int) -> tuple[Any, torch.Tensor]:
+    """The module's ``training_step`` (through the strategy's wrapper), the loss kept for the
+    non-finite watch and the log, and backward: what ``training_step`` returned, and the loss."""
+    outputs = trainer._wrapped("train", batch, batch_idx)  # forward: the module's training_step
+    loss = outputs if type(outputs) is torch.Tensor and outputs.dim() == 0 and outputs.requires_grad \
+        else training_loss(outputs)  # the checks and the message for anything else
+    value = loss.detach()
+    watch = trainer._publisher.watch
+    if watch is not None:
+        watch.observe(value, trainer.loop.global_step)  # the non-finite check, on the device
+    results = trainer._results
+    results.log_loss(LOSS_KEY, value)
+    if accumulate > 1:
+        loss = loss / accumulate
+    trainer._call("on_before_backward", loss)
+    trainer.strategy.backward(loss)
+    trainer._call("on_after_backward")
+    results.in_step = False
+    return outputs, loss
 
 
 def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
@@ -159,7 +176,7 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         loss = loss.detach().reshape(())
-        trainer._publisher.observe_loss(loss)
+        trainer._publisher.observe_loss(loss, loop.global_step)
         results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
                     reduce_fx="mean", batch_size=None)
     results.in_step = False
@@ -184,10 +201,11 @@ def publish_step_values(trainer: "Trainer") -> None:
 def note_stop_requests(trainer: "Trainer") -> None:
     """After each batch: a signal, the platform's preemption notice or ``max_time`` asks to stop,
     as ``should_stop`` does (every replica stops at one step)."""
-    if interrupts.requested() is None and trainer.strategy.preempted(trainer.loop.global_step):
+    asked = interrupts.requested() is not None
+    if not asked and trainer.strategy.preempted(trainer.loop.global_step):
         interrupts.request(signal.SIGTERM)  # the preemption notice: every process stops at this step
-        trainer._publisher.stop_agreed = True
-    if interrupts.requested() is not None:
+        trainer._publisher.stop_agreed = asked = True
+    if asked:
         trainer.should_stop = True
     elif trainer.max_time is not None and time.monotonic() - trainer._started_at >= trainer.max_time:
         trainer.should_stop = True  # host clock, no device sync; replicas agree as for any stop
@@ -198,7 +216,8 @@ def stopping(trainer: "Trainer") -> bool:
     at the next logging step or epoch end (riding on the values read there), and all stop
     together; stopping on one alone would leave the others waiting in a collective. Before
     ``min_epochs``/``min_steps`` only a signal stops the fit."""
-    asked = trainer._publisher.stop_agreed if trainer.world_size > 1 else trainer.should_stop
+    publisher = trainer._publisher
+    asked = publisher.stop_agreed if publisher.several else trainer.should_stop
     if asked and interrupts.requested() is None and not minimum_done(trainer):
         return False
     return asked
@@ -222,9 +241,10 @@ def validation_epoch(trainer: "Trainer") -> bool:
     return every is None or (trainer.loop.current_epoch + 1) % every == 0
 
 
-def validation_due(trainer: "Trainer", batch_idx: int) -> bool:
+def validation_every(trainer: "Trainer") -> int | None:
+    """Every how many batches of this epoch validation runs (None: not inside this epoch)."""
     if not validation_epoch(trainer):
-        return False
+        return None
     n = trainer.num_training_batches
     interval = trainer.val_check_interval
     if isinstance(interval, float):
@@ -232,11 +252,9 @@ def validation_due(trainer: "Trainer", batch_idx: int) -> bool:
             if interval != 1.0:
                 raise ValueError("val_check_interval as a fraction needs a training loader with a length; "
                                  "give an int (a number of batches) instead.")
-            return False  # validated when the epoch ends
-        every = max(1, int(n * interval))
-    else:
-        every = interval
-    return (batch_idx + 1) % every == 0
+            return None  # validated when the epoch ends
+        return max(1, int(n * interval))
+    return interval
 
 
 def print_summary(trainer: "Trainer") -> None:

@@ -92,7 +92,8 @@ class Optimization:
             trainer._call("on_before_zero_grad", optimizer)
             optimizer.zero_grad(set_to_none=True)
         trainer.loop.global_step += 1
-        trainer._publisher.stepped()
+        if trainer._publisher.counts_steps:
+            trainer._publisher.stepped()
         if self.schedulers:
             self.step_schedulers(trainer, "step")
 

@@ -50,8 +50,11 @@ class NonFiniteWatch:
         self.device, self.start_step = device, global_step
         self.reported = False
 
-    def observe(self, loss: torch.Tensor) -> None:
-        """Watch one micro-batch's training loss (detached, 0-dim)."""
+    #: Whether ``stepped`` must be told of every optimizer step.
+    counts_steps = True
+
+    def observe(self, loss: torch.Tensor, step: int) -> None:
+        """Watch one micro-batch's training loss (detached, 0-dim), of global step ``step``."""
         raise NotImplementedError
 
     def stepped(self) -> None:
@@ -86,7 +89,7 @@ class InGraphWatch(NonFiniteWatch):
         self.start = torch.tensor([global_step], dtype=torch.int64).to(device)
         self.never = torch.tensor([self.NEVER], dtype=torch.int64).to(device)
 
-    def observe(self, loss: torch.Tensor) -> None:
+    def observe(self, loss: torch.Tensor, step: int) -> None:
         self.ok.logical_and_(torch.isfinite(loss))  # a bool result: nothing for autograd to record
 
     def stepped(self) -> None:
@@ -117,23 +120,20 @@ class DeferredWatch(NonFiniteWatch):
 
     FOLD_AFTER = 1024
     _FINITE = "xtrainer/nonfinite_all_finite"
+    counts_steps = False  # each loss comes with its step
 
     def __init__(self, device: torch.device, global_step: int) -> None:
         super().__init__(device, global_step)
-        self.step = global_step
         self.losses: list[torch.Tensor] = []
         self.steps: list[int] = []
         self.first: torch.Tensor | None = None  # made at the first fold
         self.first_bad = self.NEVER  # what the reads found so far
 
-    def observe(self, loss: torch.Tensor) -> None:
+    def observe(self, loss: torch.Tensor, step: int) -> None:
         self.losses.append(loss)
-        self.steps.append(self.step)
+        self.steps.append(step)
         if len(self.losses) >= self.FOLD_AFTER:
             self.local_first()
-
-    def stepped(self) -> None:
-        self.step += 1
 
     def local_first(self) -> torch.Tensor:
         if self.first is None:
@@ -171,13 +171,17 @@ class Publisher:
         self.detect_nonfinite = detect_nonfinite
         self.watch: NonFiniteWatch | None = None
         self.stop_agreed = False
+        self.several = False  # the fit has more than one replica (set at its start)
+        self.counts_steps = False  # the watch must be told of each optimizer step
         self._checked_step, self._first_bad = -1, NonFiniteWatch.NEVER
 
     # ---- a fit's beginning and end ---------------------------------------------------------
     def start_fit(self, trainer: "Trainer") -> None:
         watch = InGraphWatch if trainer.strategy.lazy else DeferredWatch
         self.watch = watch(trainer.strategy.device, trainer.global_step) if self.detect_nonfinite != "off" else None
+        self.counts_steps = self.watch is not None and self.watch.counts_steps
         self._checked_step = -1
+        self.several = trainer.world_size > 1
         if trainer.is_global_zero and trainer.module._log_hyperparams:
             for logger in trainer.loggers:
                 logger.log_hyperparams(trainer.hyperparameters())
@@ -195,12 +199,13 @@ class Publisher:
             logger.finalize("failed" if failed else "success")
 
     # ---- the step ------------------------------------------------------------------------------
-    def observe_loss(self, loss: torch.Tensor) -> None:
+    def observe_loss(self, loss: torch.Tensor, step: int) -> None:
         if self.watch is not None:
-            self.watch.observe(loss)
+            self.watch.observe(loss, step)
 
     def stepped(self) -> None:
-        if self.watch is not None:
+        """An optimizer step, for a watch that ``counts_steps``."""
+        if self.counts_steps:
             self.watch.stepped()
 
     # ---- reading and handing out -------------------------------------------------------------

@@ -70,18 +70,18 @@ class Results:
     def log(self, name: str, value: Any, on_step: bool | None, on_epoch: bool | None,
             prog_bar: bool, sync_dist: bool, reduce_fx: Any, batch_size: int | None, logger: bool = True,
             add_dataloader_idx: bool = True) -> None:
-        if _is_metric(value):
-            self._log_metric(name, value, on_step, on_epoch, prog_bar, logger, add_dataloader_idx)
-            return
-        reduce_fx = _REDUCE_CALLABLES.get(reduce_fx, reduce_fx) if not isinstance(reduce_fx, str) else reduce_fx
-        if reduce_fx not in REDUCE_FXS:
-            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS} "
-                             "(or torch.mean, torch.sum, torch.max, torch.min).")
         if not isinstance(value, torch.Tensor):
+            if _is_metric(value):
+                self._log_metric(name, value, on_step, on_epoch, prog_bar, logger, add_dataloader_idx)
+                return
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"self.log({name!r}, ...) takes a scalar tensor or a number, "
                                 f"not {type(value).__name__}.")
             value = torch.tensor(float(value))
+        reduce_fx = _REDUCE_CALLABLES.get(reduce_fx, reduce_fx) if not isinstance(reduce_fx, str) else reduce_fx
+        if reduce_fx not in REDUCE_FXS:
+            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {REDUCE_FXS} "
+                             "(or torch.mean, torch.sum, torch.max, torch.min).")
         if value.numel() != 1:
             raise ValueError(f"self.log({name!r}, ...) takes a scalar, got a tensor of shape "
                              f"{tuple(value.shape)}; reduce it (e.g. .mean()) first.")

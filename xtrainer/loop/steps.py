@@ -30,14 +30,27 @@ class StepDispatcher(nn.Module):
         super().__init__()
         self.module = module
         self.precision = precision
-        # How many of (batch_idx, dataloader_idx) each step method takes: Lightning lets
-        # training_step(self, batch) leave batch_idx out.
-        self._arity = {stage: positional_count(getattr(module, name)) for stage, name in STEP_METHODS.items()}
+        # How many of (batch_idx, dataloader_idx) each step method takes beyond the batch:
+        # Lightning lets training_step(self, batch) leave batch_idx out.
+        self._extra = {stage: max(0, positional_count(getattr(module, name)) - 1)
+                       for stage, name in STEP_METHODS.items()}
+        self.__dict__["_user"] = module  # read on every step without nn.Module's attribute lookup
+        self._plain = precision.name == "32"  # nothing to cast, no autocast
 
     def forward(self, stage: str, batch: Any, *args: Any) -> Any:
-        args = args[:max(0, self._arity[stage] - 1)]
+        step = getattr(self._user, STEP_METHODS[stage])
+        if self._plain:
+            return step(batch, *args[:self._extra[stage]])
         with self.precision.step_context():
-            return getattr(self.module, STEP_METHODS[stage])(self.precision.convert_input(batch), *args)
+            return step(self.precision.convert_input(batch), *args[:self._extra[stage]])
+
+    def __call__(self, stage: str, batch: Any, *args: Any) -> Any:
+        """``forward`` straight away when nothing sits on this module (a wrapper's hooks, FSDP2's,
+        or a compilation): ``nn.Module.__call__``'s checks cost more than the rest of the call."""
+        if (self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
+                or self._compiled_call_impl is not None or not self._plain):
+            return super().__call__(stage, batch, *args)
+        return getattr(self._user, STEP_METHODS[stage])(batch, *args[:self._extra[stage]])
 
 
 def check_module(model: Any, stage: str) -> None:

@@ -1,0 +1,63 @@
+"""Trainer._call calls only the hooks that are overridden (xtrainer/loop/hooks.py)."""
+
+import dis
+
+import pytest
+from conftest import Regressor, make_loader
+
+from xtrainer import Trainer, XModule
+from xtrainer.callbacks import Callback
+from xtrainer.module import MODULE_HOOKS
+
+
+def _no_op(self, *args, **kwargs):
+    ...
+
+
+def _body(fn):
+    """What a function does, by instruction (a docstring does nothing)."""
+    return [(i.opname, i.argval) for i in dis.get_instructions(fn)]
+
+
+@pytest.mark.parametrize("base", [Callback, XModule])
+def test_every_hook_a_run_may_skip_is_a_no_op_in_its_base_class(base):
+    names = [n for n in vars(base) if n.startswith("on_") and callable(vars(base)[n])]
+    assert len(names) > 30
+    if base is XModule:
+        assert set(names) == set(MODULE_HOOKS)
+    for name in names:
+        assert _body(vars(base)[name]) == _body(_no_op), f"{base.__name__}.{name} does something"
+
+
+class Counting(Callback):
+    def __init__(self):
+        self.calls = {}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.calls["on_train_batch_end"] = self.calls.get("on_train_batch_end", 0) + 1
+
+
+class Joining(Callback):
+    """Adds a callback to the Trainer's list at the start of training, as some projects do."""
+
+    def __init__(self, late):
+        self.late = late
+
+    def on_train_start(self, trainer, module):
+        trainer.callbacks.append(self.late)
+
+
+def test_overrides_by_class_by_instance_and_callbacks_added_during_the_fit_are_all_called(tmp_path):
+    seen = []
+    counting, late = Counting(), Counting()
+    by_instance = Callback()
+    by_instance.on_before_zero_grad = lambda trainer, module, optimizer: seen.append(("callback", trainer.global_step))
+    module = Regressor()
+    module.on_after_backward = lambda: seen.append(("module", None))
+    trainer = Trainer(max_steps=4, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, callbacks=[counting, by_instance, Joining(late)])
+    trainer.fit(module, make_loader(64, 8))
+    assert counting.calls == {"on_train_batch_end": 4}
+    assert late.calls == {"on_train_batch_end": 4}  # joined before the first batch
+    assert seen.count(("module", None)) == 4
+    assert [step for who, step in seen if who == "callback"] == [0, 1, 2, 3]
