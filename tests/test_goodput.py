@@ -112,6 +112,23 @@ def test_the_automatic_limit_waits_for_compilations_then_follows_the_median_step
         Trainer(hang_timeout=-1)
 
 
+def test_the_watchdog_reads_progress_from_the_loop_counter_and_estimates_the_time_between_batches():
+    from types import SimpleNamespace
+
+    from xtrainer.launch.watchdog import _Watch
+
+    loop = SimpleNamespace(batches_done=5)
+    watch = _Watch(loop)
+    start = watch.last
+    watch.read(start + 1.0)
+    assert (watch.steps, watch.last, list(watch.intervals)) == (0, start, [])  # nothing finished: idle since the start
+    loop.batches_done = 15
+    watch.fired = True
+    watch.read(start + 3.0)
+    assert (watch.steps, watch.last, watch.fired) == (10, start + 3.0, False)
+    assert list(watch.intervals) == [pytest.approx(0.3)]  # 10 batches in the 3 s since the watch began
+
+
 # ---- MFU and tokens per second ----------------------------------------------------------------
 class Recorder(Callback):
     """Collects the values handed to the loggers (``on_metrics``)."""

@@ -13,10 +13,12 @@ The limit (``Trainer(hang_timeout=...)``): seconds, or ``"auto"`` (default): unt
 have finished (the first ones compile), ``STARTUP_LIMIT``; then ``STEP_MULTIPLE`` times the
 median time between finished steps, never less than ``FLOOR``. ``None`` switches it off.
 
-A step "finishes" for the watchdog when its ``on_train_batch_end`` runs on the host; validation
-batches and checkpoint saves count as progress too. The step records a host clock reading, nothing
-else: the watchdog adds no host sync. A device that stops answering shows as a host thread stuck
-in the next read of logged values, which is where the stacks will point.
+A training batch "finishes" for the watchdog when the loop counts it done on the host
+(``LoopState.batches_done``), which the watchdog's thread reads each time it wakes (every
+``limit / 8`` seconds, 5 at most): nothing is added to a step, and the watchdog adds no host
+sync. Validation batches and checkpoint saves count as progress too. The median time between
+finished batches is estimated from those readings. A device that stops answering shows as a
+host thread stuck in the next read of logged values, which is where the stacks will point.
 """
 
 from __future__ import annotations
@@ -56,22 +58,9 @@ class HangWatchdog(Callback):
         self.fired: list[str] = []
 
     # ---- the replica's side: host clock readings only ---------------------------------------
-    _watch: "_Watch | None" = None  # this replica's record while it is watched
-
     def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
         self._folder = trainer.log_dir
-        self._watch = _monitor.join(self)
-
-    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        watch = self._watch  # a clock reading per step, written where the monitor's thread reads it
-        if watch is not None:
-            now = time.monotonic()
-            if watch.last_step is not None:
-                watch.intervals.append(now - watch.last_step)
-            watch.last = watch.last_step = now
-            watch.steps += 1
-            watch.fired = False
+        _monitor.join(self, trainer.loop)
 
     def on_validation_batch_end(self, trainer: "Trainer", module: "XModule", *args: Any) -> None:
         _monitor.beat(self)
@@ -84,7 +73,6 @@ class HangWatchdog(Callback):
 
     def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         _monitor.leave(self)
-        self._watch = None
 
     # ---- the limit --------------------------------------------------------------------------
     def limit(self, intervals: list[float], steps: int) -> float:
@@ -96,18 +84,31 @@ class HangWatchdog(Callback):
         return max(FLOOR, STEP_MULTIPLE * statistics.median(intervals))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_folder", "_watch")}
+        return {k: v for k, v in self.__dict__.items() if k != "_folder"}
 
 
 class _Watch:
-    """One replica's record, kept by the process's monitor."""
+    """One replica's record, kept by the process's monitor: ``loop`` is the replica's
+    ``LoopState``, whose ``batches_done`` the monitor reads."""
 
-    def __init__(self) -> None:
-        self.last = time.monotonic()
-        self.last_step: float | None = None
-        self.steps = 0
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self.last = time.monotonic()  # the last progress seen
+        self.done, self.seen_at = loop.batches_done, self.last  # batches finished, when last read
+        self.steps = 0  # batches finished since the watch began
         self.intervals: collections.deque[float] = collections.deque(maxlen=200)
         self.fired = False
+
+    def read(self, now: float) -> None:
+        """The batches finished since the last reading: progress, and one estimate of the time
+        between two of them (the mean over the readings' interval)."""
+        done = self.loop.batches_done
+        if done != self.done:
+            if done > self.done:
+                self.intervals.append((now - self.seen_at) / (done - self.done))
+                self.steps += done - self.done
+            self.done, self.seen_at = done, now
+            self.last, self.fired = now, False
 
 
 class _Monitor:
@@ -119,15 +120,13 @@ class _Monitor:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def join(self, owner: HangWatchdog) -> _Watch:
+    def join(self, owner: HangWatchdog, loop: Any) -> None:
         with self._lock:
-            watch = _Watch()
-            self._watches[id(owner)] = (owner, watch)
+            self._watches[id(owner)] = (owner, _Watch(loop))
             if self._thread is None or not self._thread.is_alive():
                 self._stop.clear()
                 self._thread = threading.Thread(target=self._run, name="xtrainer-hang-watchdog", daemon=True)
                 self._thread.start()
-            return watch
 
     def leave(self, owner: HangWatchdog) -> None:
         with self._lock:
@@ -149,6 +148,7 @@ class _Monitor:
                 entries = list(self._watches.values())
             period = 5.0
             for owner, watch in entries:
+                watch.read(time.monotonic())
                 limit = owner.limit(list(watch.intervals), watch.steps)
                 period = min(period, max(limit / 8, 0.05))
                 idle = time.monotonic() - watch.last

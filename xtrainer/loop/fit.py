@@ -67,15 +67,19 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         batches = train.resume_at(skip) if skip < trainer.num_training_batches else ()
         validate_every = validation_every(trainer) if val else None
         last, max_steps, publisher = trainer.num_training_batches, trainer.max_steps, trainer._publisher
+        # What can ask to stop after a batch besides a signal: the platform's notice, max_time.
+        watch_stops = trainer.strategy.reads_preemption_notice or trainer.max_time is not None
         step = manual_training_step if not trainer._optim.automatic else training_step
         for batch_idx, batch in batches:
             if trainer._call("on_train_batch_start", batch, batch_idx) == -1:
                 break  # Lightning's meaning: the rest of this epoch is skipped
             loop.validation_pending = validate_every is not None and (batch_idx + 1) % validate_every == 0
             step(trainer, batch, batch_idx)
+            loop.batches_done += 1
             if loop.validation_pending:
                 evaluation.validate_during_fit(trainer, val)
-            note_stop_requests(trainer)
+            if watch_stops or interrupts.requested() is not None:
+                note_stop_requests(trainer)
             if batch_idx + 1 >= last:
                 break
             # A stop waits for the optimizer step: between micro-batches the accumulated gradients

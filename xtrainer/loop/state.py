@@ -20,7 +20,9 @@ class LoopState:
     ``epoch_schedulers_due``: between an epoch's end and its schedulers' epoch step (where epoch-end
     checkpoints are written). ``stepped``: the last training batch ended with an optimizer step
     (a stop waits for one). ``skip_batches``: batches of the resumed epoch already trained.
-    ``seed``: the run's seed (data order, each replica's device generator).
+    ``seed``: the run's seed (data order, each replica's device generator). ``batches_done``:
+    training batches finished by this process's fits, counted on the host (not saved: the hang
+    watchdog's thread reads it to see progress).
     """
 
     global_step: int = 0
@@ -32,6 +34,7 @@ class LoopState:
     stepped: bool = True
     skip_batches: int = 0
     seed: int = 0
+    batches_done: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's ``"loops"`` entry (names as ``xtrainer.checkpoint.format`` documents)."""

@@ -329,6 +329,9 @@ class Strategy(abc.ABC):
         return None
 
     # ---- stopping ---------------------------------------------------------------------------
+    #: Whether ``preempted`` can say yes (the loop asks it after every batch only then).
+    reads_preemption_notice = False
+
     def preempted(self, step: int) -> bool:
         """Whether the platform's preemption notice stops the fit at ``step``, agreed by every
         replica (only strategies that use XLA's preemption sync say so)."""
