@@ -203,8 +203,8 @@ def publish_step_values(trainer: "Trainer") -> None:
 
 # ---- when to stop, when to validate ----------------------------------------------------------
 def note_stop_requests(trainer: "Trainer") -> None:
-    """After each batch: a signal, the platform's preemption notice or ``max_time`` asks to stop,
-    as ``should_stop`` does (every replica stops at one step)."""
+    """After a batch (where one of them can ask): a signal, the platform's preemption notice or
+    ``max_time`` asks to stop, as ``should_stop`` does (every replica stops at one step)."""
     asked = interrupts.requested() is not None
     if not asked and trainer.strategy.preempted(trainer.loop.global_step):
         interrupts.request(signal.SIGTERM)  # the preemption notice: every process stops at this step
