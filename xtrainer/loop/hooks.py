@@ -16,6 +16,7 @@ from typing import Any, Callable
 from xtrainer.callbacks.base import Callback
 from xtrainer.module import XModule
 
+
 class HookTable:
     """Per hook: the module's method if it overrides ``XModule``'s, and the callbacks' methods
     that override ``Callback``'s, in order. ``Trainer._call`` reads ``table`` while it is valid for
