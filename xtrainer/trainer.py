@@ -521,11 +521,8 @@ class Trainer:
     def _call(self, hook: str, *args: Any) -> Any:
         """Call ``hook`` on the module, then on every callback, in order; the module's answer.
         Only those that override the no-op are called (``xtrainer/loop/hooks.py``)."""
-        module, hooks, everyone = self._module, self._hooks, self.callbacks
-        entry = hooks.table.get(hook)
-        if entry is None or module is not hooks.module or everyone is not hooks.callbacks or len(everyone) != hooks.count:
-            entry = hooks.build(hook, self.module, everyone)  # the first call, or the callbacks changed
-        own, callbacks = entry
+        module = self.module
+        own, callbacks = self._hooks.entry(hook, module, self.callbacks)
         answer = own(*args) if own is not None else None
         for fn in callbacks:
             fn(self, module, *args)

@@ -19,8 +19,8 @@ from xtrainer.module import XModule
 
 class HookTable:
     """Per hook: the module's method if it overrides ``XModule``'s, and the callbacks' methods
-    that override ``Callback``'s, in order. ``Trainer._call`` reads ``table`` while it is valid for
-    the module and callbacks it calls (``module``, ``callbacks``, ``count``)."""
+    that override ``Callback``'s, in order (``entry``), for the module and callbacks it was built
+    for."""
 
     def __init__(self) -> None:
         self.module: Any = None
@@ -28,14 +28,17 @@ class HookTable:
         self.count = -1
         self.table: dict[str, tuple[Callable[..., Any] | None, tuple[Callable[..., Any], ...]]] = {}
 
-    def build(self, hook: str, module: XModule, callbacks: list[Any]
+    def entry(self, hook: str, module: XModule, callbacks: list[Any]
               ) -> tuple[Callable[..., Any] | None, tuple[Callable[..., Any], ...]]:
-        """``hook``'s entry, the table started again first if the module or callbacks changed."""
+        """Who implements ``hook``: the module's method (or None) and the callbacks' methods. The
+        table starts again when the module or the callbacks are not those it was built for."""
         if module is not self.module or callbacks is not self.callbacks or len(callbacks) != self.count:
             self.module, self.callbacks, self.count, self.table = module, callbacks, len(callbacks), {}
-        entry = self.table[hook] = (_overriding(module, XModule, hook),
-                                    tuple(fn for fn in (_overriding(cb, Callback, hook) for cb in callbacks)
-                                          if fn is not None))
+        entry = self.table.get(hook)
+        if entry is None:
+            entry = self.table[hook] = (_overriding(module, XModule, hook),
+                                        tuple(fn for fn in (_overriding(cb, Callback, hook) for cb in callbacks)
+                                              if fn is not None))
         return entry
 
 

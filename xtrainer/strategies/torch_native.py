@@ -338,14 +338,6 @@ class NativeSingle(Strategy):
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         loss.backward(*args, **kwargs)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer,
-                       before_step: Callable[[], None] | None = None) -> None:
-        """Gradients are equal on every replica once backward ends (DDP reduces them there, FSDP2
-        reduce-scatters them): clip (``before_step``), then step."""
-        if before_step is not None:
-            before_step()
-        optimizer.step()
-
     def clip_gradients(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, value: float,
                        algorithm: str) -> None:
         """Clip the reduced gradients of ``optimizer``: by the norm of the whole gradient, or each
