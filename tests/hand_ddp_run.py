@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 
 import torch
@@ -72,9 +73,16 @@ def train(rank: int, world_size: int, port: int, steps: int, global_batch: int, 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (one the kernel picked itself could be handed
+    to another test's store before rank 0 binds it)."""
+    for port in random.SystemRandom().sample(range(20000, 29000), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29000")
 
 
 def main() -> None:

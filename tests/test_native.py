@@ -204,6 +204,23 @@ def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
+def test_free_ports_are_drawn_below_the_kernels_ephemeral_range_and_bind():
+    """A rendezvous port is one the kernel never hands out by itself: a port it picked (bind to
+    port 0) was handed to another test's store before torchrun bound it, both "nodes" joined that
+    store as clients, and its exit broke the rendezvous mid-fit (RendezvousConnectionError)."""
+    import socket
+
+    from xtrainer.strategies.process import _ephemeral_ports_start, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= port < _ephemeral_ports_start() and not 29400 <= port < 29600 for port in ports), ports
+    assert len(ports) > 10  # drawn at random, not counted up from one place
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("", port))
+            sock.listen()
+
+
 @pytest.mark.multi_device
 def test_two_torchrun_nodes_on_one_rendezvous_make_one_run(tmp_path, one_process):
     """Two torchrun commands ("nodes" on localhost, one process each) meet at a c10d rendezvous:
@@ -217,9 +234,8 @@ def test_two_torchrun_nodes_on_one_rendezvous_make_one_run(tmp_path, one_process
                                         f"--rdzv-endpoint={endpoint}", "--rdzv-id=native-test", *script),
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
-    for node in nodes:
-        _, err = node.communicate(timeout=240)
-        assert node.returncode == 0, err[-3000:]
+    errs = [node.communicate(timeout=240)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], (errs[0][-3000:], errs[1][-3000:])
     out = torch.load(tmp_path / "out.pt")
     assert out["world_size"] == 2 and out["global_step"] == STEPS
     _assert_bitwise(out["weights"], one_process)

@@ -154,9 +154,8 @@ def test_two_torchrun_nodes_of_two_stop_at_one_step_on_sigterm_and_resume_bitwis
     for path in glob.glob(str(root / "rank-*")):
         os.remove(path)
     nodes = _two_nodes(root, f"127.0.0.1:{free_port()}", "scale-resume", *common, "--ckpt", "last")
-    for node in nodes:
-        _, err = node.communicate(timeout=400)
-        assert node.returncode == 0, err[-3000:]
+    errs = [node.communicate(timeout=400)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], (errs[0][-3000:], errs[1][-3000:])
     assert sorted(open(p).read() for p in glob.glob(str(root / "rank-*.exit"))) == ["0"] * 4
     a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
     assert a["global_step"] == b["global_step"] == int(steps) and b["world_size"] == 4

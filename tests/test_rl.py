@@ -163,7 +163,9 @@ def test_two_replicas_playing_their_policy_compile_a_bounded_number_of_graphs(tm
     assert loading[0] > 0 and set(loading[8:]) == {loading[8]} and loading[8] <= loading[0] + 2, loading
     assert compiled[-1] == compiled[8], compiled
     assert record["recompilations"] == []
-    assert 1 <= record["totals"]["data_loading_compilations"] <= 4, record["totals"]
+    # The fit's total is that process-wide window halved (two replicas): each replica's loading
+    # compiles up to 4 graphs, and up to 2 of the other's step graphs can fall into its window.
+    assert 1 <= record["totals"]["data_loading_compilations"] <= 6, record["totals"]
     with open(tmp_path / "rank-1.json") as f:
         assert len(json.load(f)["after_step"]) == 24
 

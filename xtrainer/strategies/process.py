@@ -160,9 +160,48 @@ def _child_main(target: Callable[..., None], args: tuple, parent: int) -> None:
         target(*args)
 
 
+#: Where ``free_port`` looks: above the registered services most hosts run, below the kernel's
+#: ephemeral range (Linux starts it at 32768 by default, macOS and Windows at 49152).
+_PORTS_FROM = 20000
+#: torch's default rendezvous (torchrun) and master ports: a job started by hand takes them unasked.
+_TORCH_DEFAULT_PORTS = range(29400, 29600)
+
+
+def _ephemeral_ports_start() -> int:
+    """The lowest port the kernel hands out by itself (Linux's ``ip_local_port_range``; 32768,
+    the lowest default of the common kernels, where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A TCP port free on this host now, for a server that a process about to start will open
+    (a rendezvous store, a profiler).
+
+    Drawn at random below the kernel's ephemeral range, and checked by binding it. A port the
+    kernel picks itself (``bind(("", 0))``) is free only until it hands the same port to the next
+    program asking for any port, such as another launcher's store: the processes started here
+    would then join that store as clients and fail when it goes. Below that range only a program
+    asking for that very port takes it. Where the range starts too low to leave room, the kernel
+    picks."""
+    import random
     import socket
 
+    start = _ephemeral_ports_start()
+    draw = random.SystemRandom()
+    for _ in range(100 if start - _PORTS_FROM >= 1000 else 0):
+        port = draw.randrange(_PORTS_FROM, start)
+        if port in _TORCH_DEFAULT_PORTS:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))  # where a store listens: every interface
+            except OSError:  # in use, or closing (TIME_WAIT)
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
