@@ -338,6 +338,29 @@ def test_a_nan_loss_is_reported_with_its_step_without_a_host_sync_per_step(tmp_p
     assert len([w for w in record if "training goes on" in str(w.message)]) == 1
 
 
+def test_the_deferred_watch_tells_a_nan_or_infinite_loss_from_finite_losses_whose_sum_overflows():
+    """The losses kept between two reads are checked by their sum: an overflowing sum of finite
+    losses is not a non-finite loss, and a NaN or an infinity is found at its own step."""
+    from xtrainer.loop.publishing import DeferredWatch
+    from xtrainer.loop.results import to_floats
+
+    def first_bad(losses, dtype=torch.float32):
+        watch = DeferredWatch(torch.device("cpu"), 0)
+        for step, loss in enumerate(losses, start=1):
+            watch.observe(torch.tensor(loss, dtype=dtype), step)
+        found = watch.first_step(to_floats(watch.local_tensors(), lambda values: values))
+        assert watch.losses == [] and watch.steps == []  # read: the next interval starts afresh
+        return found
+
+    huge = 3e38  # finite in float32; two of them sum to infinity
+    assert first_bad([1.0, huge, huge, 2.0]) == DeferredWatch.NEVER
+    assert first_bad([60000.0] * 4, dtype=torch.float16) == DeferredWatch.NEVER  # summed in float32
+    assert first_bad([1.0, huge, float("inf"), float("nan")]) == 3
+    assert first_bad([1.0, 2.0, float("nan")]) == 3
+    assert first_bad([float("-inf"), 1.0]) == 1
+    assert first_bad([1.0, 2.0]) == DeferredWatch.NEVER
+
+
 def native_run_strategy(name: str, **kwargs):
     from xtrainer.strategies import STRATEGIES
 

@@ -521,7 +521,7 @@ class Trainer:
     def _call(self, hook: str, *args: Any) -> Any:
         """Call ``hook`` on the module, then on every callback, in order; the module's answer.
         Only those that override the no-op are called (``xtrainer/loop/hooks.py``)."""
-        module = self.module
+        module = self._module if self._module is not None else self.module  # (the property says what is wrong)
         own, callbacks = self._hooks.entry(hook, module, self.callbacks)
         answer = own(*args) if own is not None else None
         for fn in callbacks:

@@ -4,7 +4,8 @@ formats), whatever the writer puts in (the values read from the device arrive as
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 

@@ -111,15 +111,15 @@ class InGraphWatch(NonFiniteWatch):
 class DeferredWatch(NonFiniteWatch):
     """For ops that run as they are called: a step keeps a reference to its (detached, 0-dim)
     loss and notes the global step on the host (no op at all); the losses kept are checked
-    together when the watch is read. One replica reads whether they were all finite (three ops);
-    only when one was not are they read to the host to name the first bad step, as the fit stops
-    or warns then anyway. Several replicas reduce ``local_first`` (the first bad step worked out
+    together when the watch is read. One replica reads their sum (two ops), finite unless one of
+    them is not; only when it is not are they read to the host to name the first bad step (as the
+    fit stops or warns then anyway; a sum that overflowed finds none, and all were finite). Several replicas reduce ``local_first`` (the first bad step worked out
     on the device). A read happens every ``log_every_n_steps``; past ``FOLD_AFTER`` losses without
     one they are folded into ``first`` (a device tensor, kept by the same ops once it is set)
     without a read, so memory stays bounded."""
 
     FOLD_AFTER = 1024
-    _FINITE = "xtrainer/nonfinite_all_finite"
+    _SUM = "xtrainer/nonfinite_loss_sum"
     counts_steps = False  # each loss comes with its step
 
     def __init__(self, device: torch.device, global_step: int) -> None:
@@ -149,16 +149,17 @@ class DeferredWatch(NonFiniteWatch):
     def local_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {self._FIRST: self.first} if self.first is not None else {}
         if self.losses:
-            tensors[self._FINITE] = torch.isfinite(torch.stack(self.losses)).all()
+            tensors[self._SUM] = torch.stack(self.losses).sum(dtype=torch.float32)
         return tensors
 
     def first_step(self, values: dict[str, float]) -> float:
         first = min(self.first_bad, values.pop(self._FIRST, self.NEVER))
-        finite = values.pop(self._FINITE, None)
-        if finite is not None:  # read over the losses kept
-            if not finite:
+        total = values.pop(self._SUM, None)
+        if total is not None:  # read over the losses kept
+            if not math.isfinite(total):
                 losses = torch.stack(self.losses).tolist()  # host sync: only because one was NaN or infinite
-                first = min(first, next(step for step, loss in zip(self.steps, losses) if not math.isfinite(loss)))
+                first = min(first, next((step for step, loss in zip(self.steps, losses) if not math.isfinite(loss)),
+                                        self.NEVER))  # none: the sum of finite losses overflowed
             self.losses, self.steps = [], []
         self.first_bad = first
         return first
