@@ -185,6 +185,36 @@ def test_ddp_on_thread_replicas_starts_through_their_rendezvous_and_names_a_repl
         trainer.fit(Regressor(), make_loader())
 
 
+class IntegerCollective(Callback):
+    """Reduces an integer tensor through the process group, as DDP's reducer reduces its map of
+    the parameters each replica used, then reads it as the reducer does (from C++)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_start(self, trainer, module):
+        import torch.distributed as dist
+
+        counts = torch.full((3,), trainer.global_rank + 1, dtype=torch.int32).to(trainer.strategy.device)
+        dist.all_reduce(counts)
+        computed = _xla.is_computed(counts)
+        with open(os.path.join(self.folder, f"rank-{trainer.global_rank}.txt"), "w") as f:
+            f.write(f"{computed} {counts.cpu().tolist()}")
+
+
+def test_integer_collectives_of_the_process_group_are_computed_before_torch_reads_them_from_cpp(tmp_path,
+                                                                                                trainer_kwargs):
+    # Read from C++ (a Tensor.cpu() no Python patch sees), a pending result ran its graph outside
+    # the serialised cut in both replicas at once: with find_unused_parameters=True, DDP's reducer
+    # did so at every backward, and the replicas' process aborted in one CI run of several.
+    trainer = Trainer(strategy="xla_ddp", devices=2, max_steps=1, callbacks=[IntegerCollective(str(tmp_path))],
+                      **trainer_kwargs)
+    trainer.fit(Regressor(), make_loader())
+    for rank in (0, 1):
+        with open(tmp_path / f"rank-{rank}.txt") as f:
+            assert f.read() == "True [3, 3, 3]"
+
+
 class StopOnRankOne(Callback):
     """Asks to stop on replica 1 only, after ``step`` optimizer steps."""
 

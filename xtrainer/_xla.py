@@ -746,6 +746,37 @@ def replace_collectives(all_reduce_fn: Callable[..., Any], all_gather_fn: Callab
     xm.all_reduce, xm.all_gather, xm.reduce_scatter = all_reduce_fn, all_gather_fn, reduce_scatter_fn
 
 
+def after_integer_collectives(after: Callable[[list[torch.Tensor]], None]) -> None:
+    """Call ``after(tensors)`` each time the ``xla`` process group's ``allreduce`` or
+    ``broadcast`` has recorded a collective over integer tensors: torch reads those from C++
+    right after (DistributedDataParallel's map of the parameters each replica used, with
+    ``find_unused_parameters=True``; its bucket order), where no Python read passes."""
+    from torch_xla.distributed.xla_backend import ProcessGroupXla
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def collective(self: Any, tensors: list[torch.Tensor], opts: Any) -> Any:
+            work = original(self, tensors, opts)
+            integers = [t for t in tensors if not (t.is_floating_point() or t.is_complex())]
+            if integers:
+                after(integers)
+            return work
+        return collective
+
+    ProcessGroupXla.allreduce = wrap(ProcessGroupXla.allreduce)
+    ProcessGroupXla.broadcast = wrap(ProcessGroupXla.broadcast)
+
+
+def is_computed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s value exists on its device (no pending graph computes it)."""
+    ops = [line for line in torch_xla._XLAC._get_xla_tensors_text([tensor]).splitlines() if "%" in line]
+    return len(ops) == 1 and "xla::device_data" in ops[0]
+
+
+def launch_graph_of(tensors: list[torch.Tensor]) -> None:
+    """Launch the execution of the pending graph that computes ``tensors``, without waiting."""
+    torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=False)
+
+
 def replace_rendezvous(rendezvous_fn: Callable[..., list[bytes]]) -> None:
     """Replace ``xm.xla_rendezvous``, through which every host-side rendezvous passes."""
     xm.xla_rendezvous = rendezvous_fn
