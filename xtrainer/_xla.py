@@ -746,19 +746,21 @@ def replace_collectives(all_reduce_fn: Callable[..., Any], all_gather_fn: Callab
     xm.all_reduce, xm.all_gather, xm.reduce_scatter = all_reduce_fn, all_gather_fn, reduce_scatter_fn
 
 
-def after_integer_collectives(after: Callable[[list[torch.Tensor]], None]) -> None:
+def after_int32_collectives(after: Callable[[list[torch.Tensor]], None]) -> None:
     """Call ``after(tensors)`` each time the ``xla`` process group's ``allreduce`` or
-    ``broadcast`` has recorded a collective over integer tensors: torch reads those from C++
-    right after (DistributedDataParallel's map of the parameters each replica used, with
-    ``find_unused_parameters=True``; its bucket order), where no Python read passes."""
+    ``broadcast`` has recorded a collective over int32 tensors: DistributedDataParallel's reducer
+    reads its own right after, from C++, where no Python read passes (its map of the parameters
+    each replica used, with ``find_unused_parameters=True``; its bucket order). A module's
+    integer buffers (int64), which DDP broadcasts at every forward without reading them, are
+    left to the step's graph."""
     from torch_xla.distributed.xla_backend import ProcessGroupXla
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         def collective(self: Any, tensors: list[torch.Tensor], opts: Any) -> Any:
             work = original(self, tensors, opts)
-            integers = [t for t in tensors if not (t.is_floating_point() or t.is_complex())]
-            if integers:
-                after(integers)
+            read = [t for t in tensors if t.dtype == torch.int32]
+            if read:
+                after(read)
             return work
         return collective
 

@@ -113,10 +113,11 @@ class DeferredWatch(NonFiniteWatch):
     loss and notes the global step on the host (no op at all); the losses kept are checked
     together when the watch is read. One replica reads their sum (two ops), finite unless one of
     them is not; only when it is not are they read to the host to name the first bad step (as the
-    fit stops or warns then anyway; a sum that overflowed finds none, and all were finite). Several replicas reduce ``local_first`` (the first bad step worked out
-    on the device). A read happens every ``log_every_n_steps``; past ``FOLD_AFTER`` losses without
-    one they are folded into ``first`` (a device tensor, kept by the same ops once it is set)
-    without a read, so memory stays bounded."""
+    fit stops or warns then anyway; a sum that overflowed finds none, and all were finite).
+    Several replicas reduce ``local_first`` (the first bad step worked out on the device). A read
+    happens every ``log_every_n_steps``; past ``FOLD_AFTER`` losses without one they are folded
+    into ``first`` (a device tensor, kept by the same ops once it is set) without a read, so
+    memory stays bounded."""
 
     FOLD_AFTER = 1024
     _SUM = "xtrainer/nonfinite_loss_sum"

@@ -113,10 +113,10 @@ class ThreadReplicas(shared_process.SharedProcess):
         _xla.end_step()
 
     def compute_for_native_read(self, tensors: list[torch.Tensor]) -> None:
-        """Integer results of the process group's collectives, which torch reads from C++ right
-        after (DDP's map of the parameters each replica used, with ``find_unused_parameters=True``;
-        its bucket order): computed now through the serialised cut, so that the read only
-        transfers. Read as they were, two replicas compiled and ran graphs at once outside the
+        """The int32 results of the process group's collectives, which DDP's reducer reads from
+        C++ right after (its map of the parameters each replica used, with
+        ``find_unused_parameters=True``; its bucket order): computed now through the serialised
+        cut, so that the read only transfers. Read as they were, two replicas compiled and ran graphs at once outside the
         cut, and the process aborted in one run of several (``free(): invalid next size``)."""
         with self.cut_lock:
             _xla.launch_graph_of(tensors)
@@ -214,7 +214,7 @@ def install(devices: int) -> ThreadReplicas:
     # Collectives with channel ids; installed before any FSDP module binds xm.all_gather.
     _xla.replace_collectives(collectives.all_reduce, collectives.all_gather, collectives.reduce_scatter)
     _xla.replace_rendezvous(run.rendezvous)
-    _xla.after_integer_collectives(run.compute_for_native_read)
+    _xla.after_int32_collectives(run.compute_for_native_read)
     # One torch.distributed world per thread (private torch API, as in torch's own threaded tests).
     import torch.distributed as dist
     from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
