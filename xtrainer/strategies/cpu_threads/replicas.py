@@ -116,8 +116,8 @@ class ThreadReplicas(shared_process.SharedProcess):
         """The int32 results of the process group's collectives, which DDP's reducer reads from
         C++ right after (its map of the parameters each replica used, with
         ``find_unused_parameters=True``; its bucket order): computed now through the serialised
-        cut, so that the read only transfers. Read as they were, two replicas compiled and ran graphs at once outside the
-        cut, and the process aborted in one run of several (``free(): invalid next size``)."""
+        cut, so that the read only transfers: read as they were, each replica compiled and ran a
+        graph outside the cut, as every replica did at once."""
         with self.cut_lock:
             _xla.launch_graph_of(tensors)
         for device in sorted({str(t.device) for t in tensors}):
