@@ -206,7 +206,7 @@ def test_integer_collectives_of_the_process_group_are_computed_before_torch_read
                                                                                                 trainer_kwargs):
     # Read from C++ (a Tensor.cpu() no Python patch sees), a pending result ran its graph outside
     # the serialised cut in both replicas at once: with find_unused_parameters=True, DDP's reducer
-    # did so at every backward, and the replicas' process aborted in one CI run of several.
+    # did so at every backward.
     trainer = Trainer(strategy="xla_ddp", devices=2, max_steps=1, callbacks=[IntegerCollective(str(tmp_path))],
                       **trainer_kwargs)
     trainer.fit(Regressor(), make_loader())
