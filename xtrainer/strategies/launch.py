@@ -23,7 +23,6 @@ import os
 import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import traceback
@@ -36,7 +35,7 @@ from xtrainer._lazy_xla import xla as _xla
 from xtrainer.launch import interrupts
 from xtrainer.launch.interrupts import TrainingInterrupted
 from xtrainer.strategies import cpu_threads, shared_process
-from xtrainer.strategies.process import run_in_new_process
+from xtrainer.strategies.process import end_now, run_in_new_process
 
 
 class Launcher(abc.ABC):
@@ -340,9 +339,7 @@ def _replica_main(index: int, job: _ReplicaJob) -> None:
         with interrupts.graceful(announce=index == 0):
             job()
     except BaseException:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        end_now(1)
 
 
 def _spmd_main(job: Callable[[], None]) -> None:
@@ -358,6 +355,4 @@ def _spmd_main(job: Callable[[], None]) -> None:
     try:
         job()
     except BaseException:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # the error is in the job's error file; the caller raises it
+        end_now(1)  # the error is in the job's error file; the caller raises it

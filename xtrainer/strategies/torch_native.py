@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import sys
 import warnings
 from typing import Any, Callable, ClassVar, Iterable, Iterator
 
@@ -41,7 +40,7 @@ from xtrainer.launch import interrupts
 from xtrainer.strategies import launch, torch_devices
 from xtrainer.strategies.base import CompilerNames, Strategy, check_wrapper_kwargs
 from xtrainer.strategies.collectives import Collectives
-from xtrainer.strategies.process import free_port, run_in_new_processes
+from xtrainer.strategies.process import end_now, free_port, run_in_new_processes
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -217,9 +216,7 @@ def _process_main(job: Callable[[], None]) -> None:
     try:
         job()
     except BaseException:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        end_now(1)
     if dist.is_initialized():
         # Every process past its last collective before any closes its connections: a process
         # that closes them while a peer still reads its last message aborts that peer (gloo).
@@ -229,9 +226,7 @@ def _process_main(job: Callable[[], None]) -> None:
     # interpreter's teardown of torch's C++ objects, where a process whose peers had already ended
     # aborted now and then ("terminate called without an active exception", exit -6) after a fit
     # that had gone well (torch 2.13, 4 processes, under load).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_now(0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import functools
-import os
 import pickle
-import sys
 import threading
 from typing import Any, Callable
 
@@ -24,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.strategies import shared_process
+from xtrainer.strategies.process import end_now
 from xtrainer.strategies.cpu_threads import collectives
 
 #: Seconds the first failing replica gives the others to stop at a graph cut or barrier (and
@@ -174,9 +173,7 @@ class ThreadReplicas(shared_process.SharedProcess):
         self.meeting.abort()
         with self.state:
             self.state.wait_for(lambda: self.running == 0, timeout=PEER_STOP_GRACE_SECONDS)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        end_now(1)
 
 
 class _ThreadRank(threading.local):
