@@ -61,3 +61,55 @@ def test_overrides_by_class_by_instance_and_callbacks_added_during_the_fit_are_a
     assert late.calls == {"on_train_batch_end": 4}  # joined before the first batch
     assert seen.count(("module", None)) == 4
     assert [step for who, step in seen if who == "callback"] == [0, 1, 2, 3]
+
+
+class Recording(Callback):
+    """Records each batch hook it is called with, as (name, global step)."""
+
+    def __init__(self, name, seen):
+        self.name, self.seen = name, seen
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.seen.append((self.name, "start", batch_idx))
+
+    def on_before_backward(self, trainer, module, loss):
+        self.seen.append((self.name, "before_backward", trainer.global_step))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.seen.append((self.name, "end", batch_idx))
+
+
+class Skipping(Regressor):
+    """Lightning's meaning of -1 from on_train_batch_start: the rest of the epoch is skipped."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.seen.append(("module", "start", batch_idx))
+        return -1 if batch_idx == 2 else None
+
+
+def test_batch_hooks_run_module_then_callbacks_in_order_and_a_callback_added_in_a_batch_joins_at_the_next(tmp_path):
+    seen = []
+    late = Recording("late", seen)
+
+    class Adding(Recording):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            super().on_train_batch_start(trainer, module, batch, batch_idx)
+            if batch_idx == 0:
+                trainer.callbacks.append(late)
+
+    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, callbacks=[Adding("a", seen), Recording("b", seen)])
+    trainer.fit(Skipping(seen), make_loader(64, 8))
+    assert trainer.global_step == 2  # batch 2's start said -1: batches 2 to 7 skipped
+    assert seen == [
+        ("module", "start", 0), ("a", "start", 0), ("b", "start", 0),
+        ("a", "before_backward", 0), ("b", "before_backward", 0), ("a", "end", 0), ("b", "end", 0),
+        ("module", "start", 1), ("a", "start", 1), ("b", "start", 1), ("late", "start", 1),
+        ("a", "before_backward", 1), ("b", "before_backward", 1), ("late", "before_backward", 1),
+        ("a", "end", 1), ("b", "end", 1), ("late", "end", 1),
+        ("module", "start", 2), ("a", "start", 2), ("b", "start", 2), ("late", "start", 2),
+    ]

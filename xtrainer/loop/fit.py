@@ -21,6 +21,7 @@ import torch
 from xtrainer.launch import interrupts
 from xtrainer.loop import loaders
 from xtrainer.loop import checkpoints, evaluation
+from xtrainer.loop.hooks import BatchHooks
 from xtrainer.loop.publishing import LOSS_KEY, end_epoch
 from xtrainer.loop.steps import training_loss
 
@@ -70,11 +71,14 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         # What can ask to stop after a batch besides a signal: the platform's notice, max_time.
         watch_stops = trainer.strategy.reads_preemption_notice or trainer.max_time is not None
         step = manual_training_step if not trainer._optim.automatic else training_step
+        table = trainer._hooks
         for batch_idx, batch in batches:
-            if trainer._call("on_train_batch_start", batch, batch_idx) == -1:
+            hooks = table.batch(trainer, trainer._module, trainer.callbacks)
+            start = hooks.on_train_batch_start
+            if start is not None and start(batch, batch_idx) == -1:
                 break  # Lightning's meaning: the rest of this epoch is skipped
             loop.validation_pending = validate_every is not None and (batch_idx + 1) % validate_every == 0
-            step(trainer, batch, batch_idx)
+            step(trainer, batch, batch_idx, hooks)
             loop.batches_done += 1
             if loop.validation_pending:
                 evaluation.validate_during_fit(trainer, val)
@@ -120,35 +124,34 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
     trainer._publisher.end_fit(trainer)
 
 
-def training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
+def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHooks) -> None:
     """One training batch under automatic optimization: forward, backward, every
     ``accumulate_grad_batches``-th batch the optimizer step (the strategy reduces and clips the
     gradients), the periodic read of logged values, and the graph cut."""
-    if not trainer._optim.automatic:
-        manual_training_step(trainer, batch, batch_idx)
-        return
     loop, strategy = trainer.loop, trainer.strategy
     accumulate = trainer.accumulate_grad_batches
     steps = accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == trainer.num_training_batches
     trainer._results.begin_batch(batch)
     if steps:  # gradients are reduced as usual: no context to enter
-        outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate)
+        outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate, hooks)
     else:
         with strategy.no_backward_sync(trainer._wrapped, enabled=True):
-            outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate)
+            outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate, hooks)
     loop.stepped = steps
     if steps:
-        trainer._optim.step(trainer, batch_idx, loss)  # clip, step, zero_grad, global_step, schedulers
+        trainer._optim.step(trainer, batch_idx, loss, hooks)  # clip, step, zero_grad, global_step, schedulers
         if loop.global_step % trainer.log_every_n_steps == 0:
             # Read once the step's graph is launched, as torch_xla's step closures run: the values
             # are this step's outputs, and reading them is the interval's one host sync.
             strategy.add_step_closure(lambda: publish_step_values(trainer))
     strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
     loop.batches_in_epoch = batch_idx + 1
-    trainer._call("on_train_batch_end", outputs, batch, batch_idx)
+    if hooks.on_train_batch_end is not None:
+        hooks.on_train_batch_end(outputs, batch, batch_idx)
 
 
-def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate: int) -> tuple[Any, torch.Tensor]:
+def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate: int, hooks: BatchHooks
+                     ) -> tuple[Any, torch.Tensor]:
     """The module's ``training_step`` (through the strategy's wrapper), the loss kept for the
     non-finite watch and the log, and backward: what ``training_step`` returned, and the loss."""
     outputs = trainer._wrapped("train", batch, batch_idx)  # forward: the module's training_step
@@ -162,14 +165,16 @@ def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate:
     results.log_loss(LOSS_KEY, value)
     if accumulate > 1:
         loss = loss / accumulate
-    trainer._call("on_before_backward", loss)
+    if hooks.on_before_backward is not None:
+        hooks.on_before_backward(loss)
     trainer.strategy.backward(loss)
-    trainer._call("on_after_backward")
+    if hooks.on_after_backward is not None:
+        hooks.on_after_backward()
     results.in_step = False
     return outputs, loss
 
 
-def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
+def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHooks) -> None:
     """Manual optimization: ``training_step`` runs backward and steps the optimizers itself
     (``self.manual_backward``, ``self.optimizers()``); the graph is still cut once per call."""
     loop = trainer.loop
@@ -191,7 +196,8 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None
         trainer.strategy.add_step_closure(lambda: publish_step_values(trainer))
     trainer.strategy.sync()  # the graph cut: one execution per training_step call
     loop.batches_in_epoch = batch_idx + 1
-    trainer._call("on_train_batch_end", outputs, batch, batch_idx)
+    if hooks.on_train_batch_end is not None:
+        hooks.on_train_batch_end(outputs, batch, batch_idx)
 
 
 def publish_step_values(trainer: "Trainer") -> None:

@@ -7,14 +7,34 @@ a call per object per hook for nothing; the table looks up once which of them ov
 module or the list of callbacks changes (another list, or one grown or shrunk); a method set on a
 module or callback after a hook was first called in a run is not seen. An object with its own
 ``__getattribute__`` is asked for the hook on every call.
+
+The five hooks of every training batch are looked up once per batch (``HookTable.batch``): each
+is None where nothing overrides it, so the loop skips it without a call. A callback added during
+a batch is called from the next batch on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.module import XModule
+
+if TYPE_CHECKING:
+    from xtrainer.trainer import Trainer
+
+
+class BatchHooks(NamedTuple):
+    """The hooks a training batch calls, each None where neither the module nor a callback
+    overrides it, else one callable of the hook's arguments that calls them in order and returns
+    the module's answer (as ``Trainer._call``)."""
+
+    on_train_batch_start: Callable[..., Any] | None
+    on_before_backward: Callable[..., Any] | None
+    on_after_backward: Callable[..., Any] | None
+    on_before_zero_grad: Callable[..., Any] | None
+    on_train_batch_end: Callable[..., Any] | None
 
 
 class HookTable:
@@ -27,6 +47,7 @@ class HookTable:
         self.callbacks: list[Any] | None = None
         self.count = -1
         self.table: dict[str, tuple[Callable[..., Any] | None, tuple[Callable[..., Any], ...]]] = {}
+        self._batch: BatchHooks | None = None
 
     def entry(self, hook: str, module: XModule, callbacks: list[Any]
               ) -> tuple[Callable[..., Any] | None, tuple[Callable[..., Any], ...]]:
@@ -34,12 +55,40 @@ class HookTable:
         table starts again when the module or the callbacks are not those it was built for."""
         if module is not self.module or callbacks is not self.callbacks or len(callbacks) != self.count:
             self.module, self.callbacks, self.count, self.table = module, callbacks, len(callbacks), {}
+            self._batch = None
         entry = self.table.get(hook)
         if entry is None:
             entry = self.table[hook] = (_overriding(module, XModule, hook),
                                         tuple(fn for fn in (_overriding(cb, Callback, hook) for cb in callbacks)
                                               if fn is not None))
         return entry
+
+    def batch(self, trainer: "Trainer", module: XModule, callbacks: list[Any]) -> BatchHooks:
+        """The hooks of a training batch, for ``module`` and ``callbacks``: built again only when
+        they are not those the table was built for."""
+        hooks = self._batch
+        if hooks is None or module is not self.module or callbacks is not self.callbacks or len(callbacks) != self.count:
+            hooks = BatchHooks(*(self._caller(trainer, hook, module, callbacks) for hook in BatchHooks._fields))
+            self._batch = hooks  # after the entries, which start the table again if it was stale
+        return hooks
+
+    def _caller(self, trainer: "Trainer", hook: str, module: XModule, callbacks: list[Any]
+                ) -> Callable[..., Any] | None:
+        own, overriding = self.entry(hook, module, callbacks)
+        if own is None and not overriding:
+            return None
+        bound = tuple(functools.partial(fn, trainer, module) for fn in overriding)
+        if own is None and len(bound) == 1:  # one callback: called straight away
+            return bound[0]
+        return functools.partial(_in_order, own, bound)
+
+
+def _in_order(own: Callable[..., Any] | None, callbacks: tuple[Callable[..., Any], ...], *args: Any) -> Any:
+    """The module's hook, then the callbacks' (bound to the trainer and module); the module's answer."""
+    answer = own(*args) if own is not None else None
+    for fn in callbacks:
+        fn(*args)
+    return answer
 
 
 def _overriding(obj: Any, base: type, hook: str) -> Callable[..., Any] | None:

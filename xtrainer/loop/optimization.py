@@ -14,6 +14,7 @@ from xtrainer.loop.optimizers import SchedulerConfig, StrategyOptimizer, parse_o
 from xtrainer.module import XModule
 
 if TYPE_CHECKING:
+    from xtrainer.loop.hooks import BatchHooks
     from xtrainer.trainer import Trainer
 
 
@@ -77,7 +78,7 @@ class Optimization:
                 rebuild(trainer, trainer.module)
 
     # ---- automatic optimization --------------------------------------------------------------
-    def step(self, trainer: "Trainer", batch_idx: int, loss: torch.Tensor) -> None:
+    def step(self, trainer: "Trainer", batch_idx: int, loss: torch.Tensor, hooks: "BatchHooks") -> None:
         """The optimizer step (reduce, clip, step: the strategy's), zero_grad, the step count and
         the schedulers stepped per step; the module's ``optimizer_step`` if it overrides it."""
         optimizer = self.optimizers[0]
@@ -85,11 +86,13 @@ class Optimization:
         if self._custom_step:  # the module overrides optimizer_step or optimizer_zero_grad
             wrapper = StrategyOptimizer(optimizer, trainer.strategy, before_step)
             trainer.module.optimizer_step(trainer.current_epoch, batch_idx, wrapper, lambda: loss)
-            trainer._call("on_before_zero_grad", optimizer)
+            if hooks.on_before_zero_grad is not None:
+                hooks.on_before_zero_grad(optimizer)
             trainer.module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
         else:
             trainer.strategy.optimizer_step(optimizer, before_step)
-            trainer._call("on_before_zero_grad", optimizer)
+            if hooks.on_before_zero_grad is not None:
+                hooks.on_before_zero_grad(optimizer)
             optimizer.zero_grad(set_to_none=True)
         trainer.loop.global_step += 1
         if trainer._publisher.counts_steps:
