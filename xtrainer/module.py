@@ -317,9 +317,8 @@ class XModule(HyperparametersMixin, nn.Module):
             raise ValueError(f"self.log({name!r}, sync_dist_group=...) is not supported: sync_dist reduces over "
                              "every replica.")
         trainer = self._trainer if self._trainer is not None else self.trainer  # (the property says what is wrong)
-        trainer._results.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
-                                  sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, logger=logger,
-                                  add_dataloader_idx=add_dataloader_idx)
+        trainer._results.log(name, value, on_step, on_epoch, prog_bar, sync_dist, reduce_fx, batch_size, logger,
+                             add_dataloader_idx)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in values.items():
