@@ -253,7 +253,8 @@ def test_manual_optimization_under_fsdp_resumes_exactly(tmp_path, manual_one_pro
 @pytest.mark.multi_device
 def test_a_nan_loss_on_one_process_stops_both_at_the_step_it_happened(tmp_path):
     # Two processes, batches of 4 each: sample 21 is rank 1's (every other sample), in its batch
-    # 2, so in global step 2; rank 0's losses are all finite. Both learn of it at the read of
-    # step 4, from one all-reduce that also carries the stop vote.
-    with pytest.raises(FloatingPointError, match=r"NaN or infinite at global step 2 .*step 4 now"):
+    # 2, so in global step 2; rank 0's losses are all finite. The read of step 4 starts one
+    # all-reduce that also carries the stop vote; both learn of it when it is settled, after the
+    # next batch (step 5).
+    with pytest.raises(FloatingPointError, match=r"NaN or infinite at global step 2 .*step 5 now"):
         native_run.fit("native_ddp", 2, str(tmp_path), 8, 8, nan_at=21, log_every_n_steps=4, every_n_train_steps=100)

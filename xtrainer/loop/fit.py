@@ -80,6 +80,8 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
             loop.validation_pending = validate_every is not None and (batch_idx + 1) % validate_every == 0
             step(trainer, batch, batch_idx, hooks)
             loop.batches_done += 1
+            if loop.batches_done == publisher.vote_due:  # the replicas' agreement started a batch ago
+                publisher.settle_vote(trainer)
             if loop.validation_pending:
                 evaluation.validate_during_fit(trainer, val)
             if watch_stops or interrupts.requested() is not None:

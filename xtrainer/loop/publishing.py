@@ -9,6 +9,12 @@ batched transfer (the interval's one host sync), together with two numbers that 
 - the global step of the first non-finite training loss (``NonFiniteWatch``), tracked inside each
   step's graph, so that ``detect_nonfinite`` costs no extra host sync.
 
+Where collectives run as they are called (the native strategies on several processes), a logging
+step only starts the replicas' agreement on those two (``agree_later``), and the loop settles it
+after the next batch (``settle_vote``), when it has long arrived: the host never waits for the
+slowest replica there. A stop asked for is then taken one batch later, by every replica at the
+same batch, and a non-finite loss is reported one batch later too.
+
 Then it hands the values out: ``trainer.callback_metrics``, ``progress_bar_metrics`` and
 ``logged_metrics``; the ``on_metrics`` hook of every callback (the progress bar and ``XlaHealth``
 listen there; a listener may add host-side figures of its own); and last the loggers, on rank 0.
@@ -176,6 +182,10 @@ class Publisher:
         self.several = False  # the fit has more than one replica (set at its start)
         self.counts_steps = False  # the watch must be told of each optimizer step
         self._checked_step, self._first_bad = -1, NonFiniteWatch.NEVER
+        # The replicas' agreement started at a logging step: what finishes it, and the count of
+        # batches done after which the loop settles it (-1: none under way).
+        self._vote: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self.vote_due = -1
 
     # ---- a fit's beginning and end ---------------------------------------------------------
     def start_fit(self, trainer: "Trainer") -> None:
@@ -183,6 +193,7 @@ class Publisher:
         self.watch = watch(trainer.strategy.device, trainer.global_step) if self.detect_nonfinite != "off" else None
         self.counts_steps = self.watch is not None and self.watch.counts_steps
         self._checked_step = -1
+        self._vote, self.vote_due = None, -1
         self.several = trainer.world_size > 1
         if trainer.is_global_zero and trainer.module._log_hyperparams:
             for logger in trainer.loggers:
@@ -213,7 +224,11 @@ class Publisher:
     # ---- reading and handing out -------------------------------------------------------------
     def publish(self, trainer: "Trainer", tensors: dict[str, torch.Tensor], check_loss: bool = False
                 ) -> dict[str, float]:
-        """Read ``tensors`` (and what rides along) in one transfer; hand the values out."""
+        """Read ``tensors`` (and what rides along) in one transfer; hand the values out. At a
+        logging step (``check_loss``), replicas whose collectives run as called only start their
+        agreement here (see the module's docstring)."""
+        if self._vote is not None:  # any read settles the agreement under way first
+            self.settle_vote(trainer)
         several = trainer.world_size > 1
         shares_stop = several and trainer.state == "fit"
         watched = check_loss and self.watch is not None
@@ -222,10 +237,16 @@ class Publisher:
         stop: torch.Tensor | bool = False
         if shares_stop or (watched and several):  # the replicas agree on both in one reduction
             first = self.watch.local_first() if watched else None
-            stop, first = trainer.strategy.collectives.agree(trainer.should_stop and shares_stop, first)
-            stop = stop if shares_stop else False
-            if first is not None:
-                tensors = {**tensors, NonFiniteWatch._FIRST: first}
+            flag = trainer.should_stop and shares_stop
+            finish = trainer.strategy.collectives.agree_later(flag, first) if check_loss else None
+            if finish is not None:
+                self._vote, self.vote_due = finish, trainer.loop.batches_done + 2  # after the next batch
+                watched = False
+            else:
+                stop, first = trainer.strategy.collectives.agree(flag, first)
+                stop = stop if shares_stop else False
+                if first is not None:
+                    tensors = {**tensors, NonFiniteWatch._FIRST: first}
         if isinstance(stop, torch.Tensor):  # rides along with the values read
             tensors = {**tensors, _STOP_KEY: stop}
         values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the only place logged values reach the host
@@ -243,6 +264,18 @@ class Publisher:
         if public and trainer.state != "predict" and not trainer.sanity_checking:
             self._hand_out(trainer, dict(public))
         return public
+
+    def settle_vote(self, trainer: "Trainer") -> None:
+        """Finish the agreement a logging step started: stop with the others if any replica
+        asked to, report a non-finite loss any of them saw."""
+        finish, self._vote, self.vote_due = self._vote, None, -1
+        stop, first = finish()
+        tensors = {_STOP_KEY: stop} if first is None else {_STOP_KEY: stop, NonFiniteWatch._FIRST: first}
+        values = to_floats(tensors, trainer.strategy.to_cpu)  # host sync: of a reduction started a batch ago
+        if values.pop(_STOP_KEY) > 0 and trainer.state == "fit":
+            trainer.should_stop = self.stop_agreed = True
+        if first is not None:
+            self._report_nonfinite(trainer, self.watch.first_step(values))
 
     def _hand_out(self, trainer: "Trainer", logged: dict[str, float]) -> None:
         if trainer.state == "fit":  # the epoch and every param group's learning rate ride along

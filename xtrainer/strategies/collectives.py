@@ -11,7 +11,7 @@ Every member is a collective: all replicas must enter it, or they hang.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,14 @@ class Collectives:
         over the replicas: what a logging step's read agrees on (where each collective runs as it
         is called, one reduction for both)."""
         return self.any_replica(flag), None if first is None else self.reduce(first, "min")
+
+    def agree_later(self, flag: bool, first: torch.Tensor | None
+                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None:
+        """``agree`` started now and finished by calling what this returns, for collectives that
+        run as they are called: the host does not wait for the other replicas where it starts.
+        None where collectives are recorded in the graph (``agree`` rides along with the read)."""
+        del flag, first
+        return None
 
     def all_gather_tensors(self, data: Any) -> Any:
         """Every replica's tensors in ``data``, stacked on a new first dimension, in the graph."""

@@ -136,6 +136,23 @@ class ProcessGroup(Collectives):
         both = self.reduce(vote if first is None else torch.cat([vote, first.to(torch.int64)]), "min")
         return -both[:1], None if first is None else both[1:]
 
+    def agree_later(self, flag: bool, first: torch.Tensor | None
+                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None:
+        """The all-reduce of ``agree``, started without waiting (``async_op``): a blocking one
+        waits for the slowest replica and, on gloo, costs the host about as much as a few steps'
+        worth of the loop. What this returns waits for it."""
+        if self.world_size == 1:
+            return None
+        vote = torch.tensor([-1 if flag else 0], dtype=torch.int64, device=self.device)
+        both = vote if first is None else torch.cat([vote, first.to(torch.int64)])
+        work = dist.all_reduce(both, op=dist.ReduceOp.MIN, async_op=True)
+
+        def finish() -> tuple[torch.Tensor, torch.Tensor | None]:
+            work.wait()
+            return -both[:1], None if first is None else both[1:]
+
+        return finish
+
     def all_gather_tensors(self, data: Any) -> Any:
         def gather(tensor: torch.Tensor) -> torch.Tensor:
             if self.world_size == 1:
