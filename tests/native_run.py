@@ -79,6 +79,37 @@ class ExactNet(XModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.5)
 
 
+class AheadNet(ExactNet):
+    """Rank 1 waits, just before its read of logging step ``at``, until rank 0 has finished that
+    step (a file in ``folder``): only a logging step that does not wait for the other process
+    lets rank 0 get there. Logs without ``sync_dist`` (a value synced on request waits for all).
+    Rank 1 alone sets ``should_stop`` after step ``stop_at``."""
+
+    def __init__(self, folder: str, at: int, stop_at: int) -> None:
+        super().__init__()
+        self.folder, self.at, self.stop_at = folder, at, stop_at
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self(x) - y) ** 2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_zero_grad(self, optimizer):
+        if self.trainer.global_rank == 1 and self.trainer.global_step + 1 == self.at:  # before the step count
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.path.join(self.folder, "rank0-passed")):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0 did not get past logging step {self.at}: it waited for rank 1")
+                time.sleep(0.01)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.trainer.global_rank == 0 and self.trainer.global_step == self.at:
+            open(os.path.join(self.folder, "rank0-passed"), "w").close()
+        if self.trainer.global_rank == 1 and self.trainer.global_step == self.stop_at:
+            self.trainer.should_stop = True
+
+
 class ManualNet(ExactNet):
     """``ExactNet`` under manual optimization: two optimizers (the weight, with momentum; the
     bias), two forward and backward passes per batch, the weight's gradient clipped by value

@@ -251,6 +251,18 @@ def test_manual_optimization_under_fsdp_resumes_exactly(tmp_path, manual_one_pro
 
 
 @pytest.mark.multi_device
+def test_a_logging_step_does_not_wait_for_the_other_process_and_a_stop_is_still_taken_together(tmp_path):
+    """Rank 1 holds back its read of logging step 2 until rank 0 has finished step 2: with the
+    stop vote as a blocking all-reduce, rank 0 would wait there for rank 1 and neither would go
+    on. Then rank 1 alone sets should_stop after step 5: the next logging step (6) starts the
+    vote, settled after the next batch, so both stop after step 7 (one stopping alone would leave
+    the other waiting in DDP's all-reduce)."""
+    model = native_run.AheadNet(str(tmp_path), at=2, stop_at=5)
+    trainer, _ = native_run.fit("native_ddp", 2, str(tmp_path / "run"), 16, 8, model=model, every_n_train_steps=100)
+    assert trainer.global_step == 7
+
+
+@pytest.mark.multi_device
 def test_a_nan_loss_on_one_process_stops_both_at_the_step_it_happened(tmp_path):
     # Two processes, batches of 4 each: sample 21 is rank 1's (every other sample), in its batch
     # 2, so in global step 2; rank 0's losses are all finite. The read of step 4 starts one
