@@ -382,14 +382,6 @@ class NativeSingle(Strategy):
             torch._foreach_mul_(group, coefficient.to(device=device, dtype=dtype))
 
     # ---- the step -------------------------------------------------------------------------
-    def optimizer_step(self, optimizer: torch.optim.Optimizer,
-                       before_step: Callable[[], None] | None = None) -> None:
-        """Backward reduced the gradients already (DDP's buckets, FSDP2's reduce-scatter) or there
-        is one process: ``before_step`` (clipping), then the step."""
-        if before_step is not None:
-            before_step()
-        optimizer.step()
-
     def sync(self) -> None:
         """No lazy graph to cut: the step ran as it was called. Closures added during the step
         (the logging step's read of its values) run here."""
