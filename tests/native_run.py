@@ -140,6 +140,30 @@ class ManualNet(ExactNet):
                 torch.optim.SGD([self.block.linear.bias], lr=self.lr)]
 
 
+class ToggledNet(ManualNet):
+    """``ManualNet`` with Lightning's GAN recipe: each pass between ``toggle_optimizer`` and
+    ``untoggle_optimizer`` of its optimizer, so the other optimizer's parameter takes no gradient
+    in it. The weight steps first; the bias then on the second pass's gradient only."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_weight, opt_bias = self.optimizers()
+        self.toggle_optimizer(opt_weight)
+        loss = ((self(x) - y) ** 2).mean()
+        self.manual_backward(loss)
+        self.clip_gradients(opt_weight, gradient_clip_val=1 / 8, gradient_clip_algorithm="value")
+        opt_weight.step()
+        opt_weight.zero_grad()
+        self.untoggle_optimizer(opt_weight)
+        self.toggle_optimizer(opt_bias)
+        again = ((self(x) - y) ** 2).mean()
+        self.manual_backward(again)
+        opt_bias.step()
+        opt_bias.zero_grad()
+        self.untoggle_optimizer(opt_bias)
+        self.log("train_loss", again, sync_dist=True)
+
+
 class AdamNet(ExactNet):
     """``ExactNet`` with Adam: optimizer state with a scalar per parameter (``step``) beside the
     tensors shaped like it. Not exact after its first step (square roots)."""

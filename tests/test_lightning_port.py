@@ -348,3 +348,86 @@ def test_reload_dataloaders_every_n_epochs_asks_the_hook_again(tmp_path):
     trainer.fit(LitRegressor(), datamodule=dm)
     assert dm.calls.count("train_dataloader") == 2  # at the start, then for epoch 2
     assert trainer.global_step == 2 * 2 + 2 * 4  # epochs 0-1: 16 samples, epochs 2-3: 32
+
+
+class _ManualWithEpochScheduler(LightningModule):
+    """Lightning's manual-optimization recipe: step the scheduler on the epoch's last batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Linear(8, 1)
+        self.seen: list[tuple] = []
+
+    def training_step(self, batch, batch_idx):
+        opt, sch = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        t = self.trainer
+        self.seen.append(("train", batch_idx, t.is_last_batch, t.training, t.validating, t.sanity_checking))
+        if self.trainer.is_last_batch:
+            sch.step()
+
+    def validation_step(self, batch, batch_idx):
+        t = self.trainer
+        self.seen.append(("val", batch_idx, t.training, t.validating, t.sanity_checking, t.testing))
+
+    def test_step(self, batch, batch_idx):
+        t = self.trainer
+        self.seen.append(("test", batch_idx, t.testing, t.training, t.validating, t.num_test_batches))
+
+    def predict_step(self, batch, batch_idx):
+        self.seen.append(("predict", batch_idx, self.trainer.predicting, self.trainer.num_predict_batches))
+        return batch[0].sum()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+
+def test_lightning_trainer_attributes_read_inside_a_module(tmp_path):
+    """What a Lightning module reads off ``self.trainer``: ``is_last_batch`` (its manual
+    optimization recipe steps the scheduler there), the stage flags, the loaders and batch counts
+    and the limits; Lightning's spellings of ``devices`` and ``max_epochs=-1``."""
+    from conftest import make_loader
+
+    model = _ManualWithEpochScheduler()
+    train, val = make_loader(40, 8), make_loader(16, 8)
+    trainer = Trainer(accelerator="cpu", devices="1", max_epochs=-1, max_steps=10, num_sanity_val_steps=1,
+                      limit_val_batches=2, log_every_n_steps=2, **quiet(tmp_path))
+    trainer.fit(model, train, val)
+    assert trainer.max_epochs is None and trainer.global_step == 10 and not trainer.interrupted
+    # 5 batches per epoch: the last of each is the one the scheduler steps on (twice: lr 0.1 -> 0.025)
+    lasts = [(i, last) for kind, i, last, *_ in model.seen if kind == "train"]
+    assert lasts == [(i, i == 4) for i in range(5)] * 2
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
+    assert all(tuple(flags) == (True, False, False) for kind, _, _, *flags in model.seen if kind == "train")
+    vals = [entry[2:] for entry in model.seen if entry[0] == "val"]
+    assert vals[0] == (False, False, True, False)  # the sanity check: one batch
+    assert vals[1:] == [(False, True, False, False)] * 4  # two epochs' validation, two batches each
+    assert trainer.num_sanity_val_batches == [1] and trainer.num_val_batches == [2]
+    assert trainer.limit_val_batches == 2 and trainer.limit_train_batches == 1.0
+    assert trainer.train_dataloader.dataset is train.dataset and trainer.val_dataloaders.dataset is val.dataset
+    assert trainer.enable_validation and not trainer.received_sigterm
+
+    model.seen.clear()
+    trainer.test(model, make_loader(24, 8), verbose=False)
+    assert [entry[2:] for entry in model.seen] == [(True, False, False, [3])] * 3
+    assert trainer.test_dataloaders.dataset is not None and not trainer.testing  # over once test() returns
+    model.seen.clear()
+    trainer.predict(model, [make_loader(16, 8), make_loader(8, 8)])
+    assert [entry[2:] for entry in model.seen] == [(True, [2, 1])] * 3
+    assert len(trainer.predict_dataloaders) == 2
+
+
+@pytest.mark.parametrize("devices, count", [("2", 2), ([0, 1], 2), ("0,1", 2), ((0,), 1), (-1, None), ("-1", None)])
+def test_lightnings_spellings_of_devices(devices, count):
+    from xtrainer.config.settings import TrainerSettings, lightning_devices
+
+    assert lightning_devices(devices) == (count if count is not None else "auto")
+    assert TrainerSettings(devices=devices).check().devices == (count if count is not None else "auto")
+    with pytest.raises(ValueError, match=r"devices=\[1, 3\]: xtrainer uses the first devices .*CUDA_VISIBLE_DEVICES=1,3"):
+        lightning_devices([1, 3])

@@ -239,6 +239,21 @@ def test_adam_state_moves_between_native_strategies(tmp_path, first, then):
 
 
 @pytest.mark.multi_device
+@pytest.mark.parametrize("strategy", ["native_fsdp", "units"])
+def test_toggled_optimizers_under_fsdp_on_two_processes_equal_one(tmp_path, strategy):
+    """Lightning's GAN recipe (each optimizer's pass between toggle_optimizer and
+    untoggle_optimizer) under FSDP2 on two processes: as one process. The root's parameters are
+    gathered again after each step, while the other optimizer's are still switched off: the
+    toggle must reach the gathered copies."""
+    _, one = native_run.fit("native", 1, str(tmp_path / "one"), 2 * STEPS, 8, model=native_run.ToggledNet())
+    trainer, model = native_run.fit(_fsdp_units() if strategy == "units" else strategy, 2, str(tmp_path / "two"),
+                                    2 * STEPS, 8, model=native_run.ToggledNet())
+    assert trainer.global_step == 2 * STEPS
+    _assert_bitwise(_weights(model), _weights(one))
+    assert all(p.requires_grad for p in model.parameters())  # untoggled
+
+
+@pytest.mark.multi_device
 def test_manual_optimization_under_fsdp_resumes_exactly(tmp_path, manual_one_process):
     """The checkpoint of a manual fit under native_fsdp (written while the root's parameters are
     gathered after the step) resumes on two processes and ends as one process does."""
@@ -270,3 +285,40 @@ def test_a_nan_loss_on_one_process_stops_both_at_the_step_it_happened(tmp_path):
     # next batch (step 5).
     with pytest.raises(FloatingPointError, match=r"NaN or infinite at global step 2 .*step 5 now"):
         native_run.fit("native_ddp", 2, str(tmp_path), 8, 8, nan_at=21, log_every_n_steps=4, every_n_train_steps=100)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random ops in the step.
+# ---------------------------------------------------------------------------------------------
+class _DropoutNet(native_run.ExactNet):
+    """Dropout before the layer: on the CPU it draws from torch's global generator, the one the
+    loader drew its workers' base seed from when the epoch's iterator started."""
+
+    def forward(self, x):
+        return super().forward(torch.nn.functional.dropout(x, 0.5, self.training))
+
+
+@pytest.mark.parametrize("strategy, devices", [("native", 1), pytest.param("native_ddp", 2, marks=pytest.mark.multi_device)])
+def test_a_run_with_dropout_resumed_inside_a_shuffled_epoch_is_bitwise(tmp_path, strategy, devices):
+    """A shuffled loader (the strategy puts its own sampler in) and dropout in the step: resumed
+    from a checkpoint inside the epoch, the run ends with the weights of an uninterrupted one,
+    bitwise. Starting the resumed epoch's iterator must not draw from the generator dropout uses."""
+    from torch.utils.data import DataLoader
+
+    from xtrainer import Trainer, seed_everything
+
+    def fit(root: str, steps: int, ckpt_path: str | None = None):
+        seed_everything(7)
+        model = _DropoutNet()
+        trainer = Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=steps, max_epochs=-1,
+                          default_root_dir=root, enable_progress_bar=False, enable_model_summary=False,
+                          log_every_n_steps=2, logger=False)
+        loader = DataLoader(native_run.make_data(64), batch_size=8 // devices, shuffle=True)
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return trainer, _weights(model)
+
+    _, reference = fit(str(tmp_path / "ref"), 6)
+    fit(str(tmp_path / "run"), 3)  # stops inside the first epoch of 8 batches, with a checkpoint
+    trainer, resumed = fit(str(tmp_path / "run"), 6, ckpt_path="last")
+    assert trainer.global_step == 6
+    _assert_bitwise(resumed, reference)

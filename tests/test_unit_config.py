@@ -243,6 +243,16 @@ def test_check_run_builds_xtrainers_own_classes_and_refuses_what_they_refuse(ite
         check_run(run(*items))
 
 
+def test_max_epochs_minus_one_means_no_limit_as_in_lightning():
+    from xtrainer.config.settings import TrainerSettings
+
+    assert TrainerSettings(max_epochs=-1, max_steps=50).check().max_epochs is None
+    assert TrainerSettings(max_epochs=-1).check().max_epochs is None  # max_steps or max_time ends it
+    assert TrainerSettings().check().max_epochs == 1000
+    with pytest.raises(ValueError, match="max_epochs=0 must be a positive int"):
+        TrainerSettings(max_epochs=0).check()
+
+
 def test_a_zero_batch_limit_of_the_stage_is_refused():
     with expect("trainer.limit_val_batches", r"trainer.limit_val_batches=0 leaves no batches to validate"):
         plan(run("trainer.limit_val_batches=0"), "validate")

@@ -279,11 +279,13 @@ class XModule(HyperparametersMixin, nn.Module):
                     if id(param) not in mine and param not in saved:
                         saved[param] = param.requires_grad
                         param.requires_grad = False
+        self.trainer.strategy.requires_grad_changed(self.trainer.model)
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
         del optimizer
         for param, requires_grad in self.__dict__.pop("_toggled", {}).items():
             param.requires_grad = requires_grad
+        self.trainer.strategy.requires_grad_changed(self.trainer.model)
 
     def freeze(self) -> None:
         """No gradients for any parameter, and evaluation mode."""

@@ -7,6 +7,7 @@ import functools
 import inspect
 import math
 import os
+import signal
 from typing import Any, Sequence
 
 import torch
@@ -19,7 +20,7 @@ from xtrainer.config import arguments
 from xtrainer.config.redaction import redact
 from xtrainer.config.settings import TrainerSettings
 from xtrainer.datamodule import XDataModule
-from xtrainer.launch import stages
+from xtrainer.launch import interrupts, stages
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
 from xtrainer.loop import checkpoints, loaders, replica
 from xtrainer.loop.checkpoints import seed_everything
@@ -46,7 +47,8 @@ class Trainer:
             (``xtrainer.strategies.STRATEGIES``) or a ``Strategy`` instance.
         devices: replicas to run: an int, or ``"auto"`` (every local device; 1 on the CPU runtime,
             where ``devices=N`` runs N replicas on N virtual devices).
-        max_epochs: stop after this many epochs (default 1000 when ``max_steps`` is not set).
+        max_epochs: stop after this many epochs (default 1000 when ``max_steps`` is not set; -1:
+            no limit, as in Lightning).
         max_steps: stop after this many optimizer steps (-1: no limit).
         limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches: batches
             per epoch: a fraction of the loader (float) or a count (int).
@@ -207,6 +209,11 @@ class Trainer:
         self.logged_metrics = {}
         self.state = "idle"  # "fit", "validate", "test" or "predict" while one runs
         self.num_training_batches: float = 0
+        #: The training batch running is the epoch's last (as Lightning's; False for a loader without a length).
+        self.is_last_batch = False
+        #: The last run stopped on a signal (``TrainingInterrupted``) or Ctrl-C.
+        self.interrupted = False
+        self._stage_data: dict[str, list[Any]] = {}  # a run's loaders, as the strategy delivers them
         # Set inside a run (per replica).
         self._module: XModule | None = None
         self._wrapped: nn.Module | None = None
@@ -364,6 +371,90 @@ class Trainer:
     @property
     def num_val_batches(self) -> list[float]:
         return list(self._num_val_batches)
+
+    @property
+    def num_sanity_val_batches(self) -> list[float]:
+        steps = self.num_sanity_val_steps
+        return [n if steps == -1 else min(steps, n) for n in self._num_val_batches]
+
+    @property
+    def num_test_batches(self) -> list[float]:
+        return [self._num_batches(data, "test") for data in self._stage_data.get("test", [])]
+
+    @property
+    def num_predict_batches(self) -> list[float]:
+        return [self._num_batches(data, "predict") for data in self._stage_data.get("predict", [])]
+
+    # ---- Lightning's names for where a run is and what it reads ------------------------------
+    @property
+    def training(self) -> bool:
+        """Fit's training batches are running (not its validation or sanity check)."""
+        return self.state == "fit" and self._results is self._train_results
+
+    @property
+    def validating(self) -> bool:
+        """``validate()`` runs, or fit's validation (not the sanity check: ``sanity_checking``)."""
+        return not self.sanity_checking and (
+            self.state == "validate" or (self.state == "fit" and self._results.stage == "validate"))
+
+    @property
+    def testing(self) -> bool:
+        return self.state == "test"
+
+    @property
+    def predicting(self) -> bool:
+        return self.state == "predict"
+
+    @property
+    def received_sigterm(self) -> bool:
+        """SIGTERM asked this run to stop (it stops gracefully after the step)."""
+        return interrupts.requested() == signal.SIGTERM
+
+    @property
+    def enable_validation(self) -> bool:
+        """The fit validates: it has validation data, the module a ``validation_step``, and
+        ``limit_val_batches`` leaves batches."""
+        module = self._module if self._module is not None else self._fitted_model
+        return (bool(self._stage_data.get("validate")) and self.limits["validate"] != 0
+                and module is not None and type(module).validation_step is not XModule.validation_step)
+
+    @property
+    def limit_train_batches(self) -> int | float:
+        return self.limits["train"]
+
+    @property
+    def limit_val_batches(self) -> int | float:
+        return self.limits["validate"]
+
+    @property
+    def limit_test_batches(self) -> int | float:
+        return self.limits["test"]
+
+    @property
+    def limit_predict_batches(self) -> int | float:
+        return self.limits["predict"]
+
+    @property
+    def train_dataloader(self) -> Any:
+        """The fit's training loader, as the strategy feeds it (with the sampler it put in)."""
+        return self._train_data.loader if self._train_data is not None else None
+
+    @property
+    def val_dataloaders(self) -> Any:
+        """The validation loader (a list where there are several; None: none)."""
+        return self._loaders_of("validate")
+
+    @property
+    def test_dataloaders(self) -> Any:
+        return self._loaders_of("test")
+
+    @property
+    def predict_dataloaders(self) -> Any:
+        return self._loaders_of("predict")
+
+    def _loaders_of(self, stage: str) -> Any:
+        found = [getattr(data, "loader", data) for data in self._stage_data.get(stage, [])]
+        return None if not found else found[0] if len(found) == 1 else found
 
     @property
     def module(self) -> XModule:

@@ -67,7 +67,10 @@ class TrainerSettings:
             self.fast_dev_run = bool(self.fast_dev_run)
         elif not isinstance(self.fast_dev_run, int) or self.fast_dev_run < 0:
             raise ValueError(f"fast_dev_run={self.fast_dev_run!r}: give True, False or a number of batches.")
-        if self.max_epochs is None and self.max_steps == -1:
+        self.devices = lightning_devices(self.devices)
+        if self.max_epochs == -1 and type(self.max_epochs) is int:  # Lightning's "no limit on epochs"
+            self.max_epochs = None
+        elif self.max_epochs is None and self.max_steps == -1:
             self.max_epochs = 1000
         _check_positive("max_epochs", self.max_epochs, allow_none=True)
         if self.max_steps != -1:
@@ -107,6 +110,34 @@ class TrainerSettings:
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def lightning_devices(devices: Any) -> Any:
+    """Lightning's spellings of ``devices`` as xtrainer's (a count or ``"auto"``): ``-1`` and
+    ``"-1"`` (every device) are ``"auto"``; ``"2"`` is 2; a list of indices (``[0, 1]``,
+    ``"0,1"``) is their count when they are the first ones. Other indices are refused: the
+    strategies take the first devices the process sees. Anything else passes unchanged, for the
+    strategy to check."""
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "-1":
+            return "auto"
+        if text.lstrip("-").isdigit():
+            return int(text)
+        if "," in text:
+            parts = [part.strip() for part in text.split(",") if part.strip()]
+            if not all(part.isdigit() for part in parts):
+                return devices
+            devices = [int(part) for part in parts]
+    if devices == -1 and type(devices) is int:
+        return "auto"
+    if isinstance(devices, (list, tuple)) and devices and all(type(i) is int for i in devices):
+        if sorted(devices) != list(range(len(devices))):
+            raise ValueError(f"devices={devices!r}: xtrainer uses the first devices this process sees, not chosen "
+                             f"ones. Make the ones you want visible (CUDA_VISIBLE_DEVICES={','.join(map(str, devices))}, "
+                             f"or your platform's equivalent) and pass devices={len(devices)}.")
+        return len(devices)
+    return devices
 
 
 def _check_goodput(settings: TrainerSettings) -> None:

@@ -77,10 +77,13 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
     # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the
     # epoch) and each replica's XLA random generator (with its rank).
     trainer.loop.seed = torch.initial_seed() % 2**31
+    trainer.interrupted = False
     try:
         result = trainer.strategy.launcher.launch(functools.partial(replica.run, trainer), stage, model, sources,
                                                   resolved)
-    except BaseException:
+    except BaseException as err:
+        # (where the replicas ran in other processes, the caller's Trainer learns it here)
+        trainer.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
         remove_if_empty(trainer.log_dir)  # a run that failed before writing anything leaves no folder
         raise
     if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home

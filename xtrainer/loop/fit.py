@@ -73,6 +73,7 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         step = manual_training_step if not trainer._optim.automatic else training_step
         table = trainer._hooks
         for batch_idx, batch in batches:
+            is_last = trainer.is_last_batch = batch_idx + 1 >= last
             hooks = table.batch(trainer, trainer._module, trainer.callbacks)
             start = hooks.on_train_batch_start
             if start is not None and start(batch, batch_idx) == -1:
@@ -86,7 +87,7 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
                 evaluation.validate_during_fit(trainer, val)
             if watch_stops or interrupts.requested() is not None:
                 note_stop_requests(trainer)
-            if batch_idx + 1 >= last:
+            if is_last:
                 break
             # A stop waits for the optimizer step: between micro-batches the accumulated gradients
             # would be lost, and the resumed run would differ.

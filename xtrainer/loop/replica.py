@@ -43,6 +43,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
             remove_if_empty(own)
     trainer.strategy.set_rng_state(trainer.loop.seed + trainer.global_rank)
     trainer.state, trainer.should_stop, trainer._publisher.stop_agreed = stage, False, False
+    trainer.interrupted = False
     module.trainer = trainer
     trainer._module = module
     in_process, error = trainer.strategy.launcher.runs_in_caller, None
@@ -56,7 +57,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         # datasets in setup), in every replica.
         sources = loaders.in_replica(trainer, module, sources)
         trainer._wrapped = trainer.strategy.setup_module(StepDispatcher(module, trainer.precision))
-        data = {name: [trainer._device_data(dl) for dl in dls] for name, dls in sources.items()}
+        data = trainer._stage_data = {name: [trainer._device_data(dl) for dl in dls] for name, dls in sources.items()}
         if stage == "fit":
             trainer._train_results = trainer._results = Results("train", default_on_step=True)
             trainer._train_data, trainer._restored_data_state = data["train"][0], None
@@ -84,6 +85,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         return result
     except BaseException as err:
         error = err
+        trainer.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
         if not isinstance(err, interrupts.TrainingInterrupted):  # that one called the hook already
             trainer._call_on_exception(err)
         raise

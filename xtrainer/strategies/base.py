@@ -232,6 +232,12 @@ class Strategy(abc.ABC):
     def check_manual_optimization(self) -> None:
         """Refuse manual optimization where this strategy cannot do it (all but FSDP can)."""
 
+    def requires_grad_changed(self, wrapped: nn.Module) -> None:
+        """The module's ``toggle_optimizer``/``untoggle_optimizer`` switched ``requires_grad`` of
+        the optimizers' parameters: a wrapper that computes with copies of them (gathered
+        shards) takes the change here. Nothing to do where the optimizers' parameters are the
+        ones the forward uses."""
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer,
                        before_step: Callable[[], None] | None = None) -> None:
         """Reduce gradients, run ``before_step`` (clipping) on the reduced ones, then step."""

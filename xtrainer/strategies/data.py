@@ -26,6 +26,12 @@ class DeviceData:
     the loader has none, or the user's, whose state at the epoch's start a checkpoint keeps
     (``state_dict``). Either way a run resumed inside an epoch draws that epoch's order again.
 
+    A loader without a generator of its own would draw its workers' base seed from torch's
+    global generator each time an epoch's iterator starts (a ``DataLoader`` does so even without
+    workers): on the CPU that is the generator of the step's random ops (dropout), which a
+    checkpoint saves after that draw, so the resumed epoch's start would draw again and shift
+    them. Every loader therefore gets a generator of the epoch's own where it has none.
+
     ``on_device(loader, start=0)`` delivers a host loader's batches on the device (the strategy's
     ``batches_on_device``).
     """
@@ -51,7 +57,7 @@ class DeviceData:
         batch_sampler = getattr(self.loader, "batch_sampler", None)
         if hasattr(getattr(batch_sampler, "sampler", None), "set_epoch"):
             batch_sampler.sampler.set_epoch(epoch)
-        if seed is not None and not self.owns_sampler:
+        if seed is not None:
             self._epoch_seed = _mix(seed, epoch)
             self._seed_generators(self._epoch_seed)
 

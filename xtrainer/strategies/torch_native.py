@@ -615,6 +615,21 @@ class NativeFSDP(NativeSingle):
         self.backward(loss, *args, **kwargs)
         wrapped.unshard()  # an all-gather of the root's parameters, on the device
 
+    def requires_grad_changed(self, wrapped: nn.Module) -> None:
+        """FSDP2 gives its gathered parameters the ``requires_grad`` of their shards only when it
+        gathers them. Under manual optimization the root's parameters stay gathered for the rest
+        of ``training_step`` (regathered after each backward and step), so a toggle between a
+        step and the next forward would not reach them: it is copied to every parameter that is
+        gathered now. Uses FSDP2's private per-parameter records (``_fsdp_param_group``), where
+        torch has them; without them the next gathering copies it, as FSDP2 does."""
+        for module in wrapped.modules():
+            group = getattr(_fsdp_state(module), "_fsdp_param_group", None)
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                gathered = getattr(fsdp_param, "_unsharded_param", None)
+                wanted = fsdp_param.sharded_param.requires_grad
+                if gathered is not None and gathered.requires_grad != wanted:
+                    gathered.requires_grad_(wanted)
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer,
                        before_step: Callable[[], None] | None = None) -> None:
         """Under manual optimization the step runs inside ``training_step``: the root's
