@@ -239,6 +239,61 @@ def test_adam_state_moves_between_native_strategies(tmp_path, first, then):
 
 
 @pytest.mark.multi_device
+def test_a_replica_killed_by_sigkill_is_named_and_the_run_resumes(tmp_path):
+    """SIGKILL to replica 1's process (what the out-of-memory killer sends): the error names that
+    replica and the signal, not the lost connection replica 0 then met; the run resumes from its
+    last checkpoint and ends as an uninterrupted one, bitwise."""
+    steps = 16
+    common = ["--strategy", "native_ddp", "--devices", "2", "--steps", str(steps)]
+    reference = _script(*common, "--root", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    root, ready = tmp_path / "run", tmp_path / "ready"
+    process = subprocess.Popen([sys.executable, os.path.join(HERE, "native_run.py"), *common, "--root", str(root),
+                                "--out", str(tmp_path / "out.pt"), "--pause", "0.3", "--ready", str(ready)],
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank1 = tmp_path / "ready-1"
+    deadline = time.monotonic() + 180
+    while not rank1.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rank1.exists(), process.communicate()[1][-3000:]
+    time.sleep(0.2)
+    os.kill(int(rank1.read_text()), signal.SIGKILL)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 1, err[-3000:]
+    assert "RuntimeError: Replica 1's process was ended by SIGKILL (signal 9): SIGKILL comes from outside the " \
+           "process: most often the kernel's out-of-memory killer" in err, err[-3000:]
+    resumed = _script(*common, "--root", str(root), "--out", str(tmp_path / "out.pt"), "--ckpt", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
+    assert a["global_step"] == b["global_step"] == steps
+    _assert_bitwise(a["weights"], b["weights"])
+
+
+@pytest.mark.multi_device
+def test_a_module_class_the_new_processes_cannot_import_is_named_with_what_to_do(tmp_path):
+    """A class defined under ``if __name__ == "__main__":`` cannot be rebuilt in the replicas'
+    processes (they import the script as a module): the error says so, with unpickling's own words."""
+    script = tmp_path / "guarded.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.utils.data import DataLoader\n"
+        "import native_run\n"
+        "from xtrainer import Trainer\n"
+        "if __name__ == '__main__':\n"
+        "    class Local(native_run.ExactNet):\n"
+        "        pass\n"
+        "    trainer = Trainer(strategy='native_ddp', devices=2, accelerator='cpu', max_steps=2, logger=False,\n"
+        f"                      default_root_dir={str(tmp_path)!r}, enable_progress_bar=False)\n"
+        "    trainer.fit(Local(), DataLoader(native_run.make_data(16), batch_size=4))\n")
+    done = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert ("RuntimeError: Trainer(devices=2): a new process could not rebuild what it was sent (the trainer, the "
+            "module, the callbacks and the dataloaders, pickled): AttributeError: Can't get attribute 'Local'") \
+        in done.stderr, done.stderr[-3000:]
+    assert "without reporting an error" not in done.stderr
+
+
+@pytest.mark.multi_device
 @pytest.mark.parametrize("strategy", ["native_fsdp", "units"])
 def test_toggled_optimizers_under_fsdp_on_two_processes_equal_one(tmp_path, strategy):
     """Lightning's GAN recipe (each optimizer's pass between toggle_optimizer and

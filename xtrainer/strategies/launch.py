@@ -104,6 +104,13 @@ class _StartedReplicas(Launcher):
             except BaseException as err:
                 job.raise_failure(cause=err)
                 raise
+            killed = self.killed_replica()
+            if killed is not None:  # the others' errors (a lost connection) followed from it
+                try:
+                    job.raise_failure()
+                except BaseException as consequence:
+                    raise _killed_error(*killed) from consequence
+                raise _killed_error(*killed)
             job.raise_failure()
             signum = interrupts.requested()
             if exitcode != 0 and signum is not None:  # stopped before it could stop gracefully
@@ -124,10 +131,24 @@ class _StartedReplicas(Launcher):
         del exitcode
         return ""
 
+    def killed_replica(self) -> tuple[int, int] | None:
+        """(rank, signal) of a replica whose own process a signal ended from outside or a crash,
+        where replicas have processes of their own (else None)."""
+        return None
+
     @abc.abstractmethod
     def start(self, job: Callable[[], None]) -> int:
         """Run ``job()`` in every replica; returns the exit code of the replicas' process (0 when
         the replicas return normally)."""
+
+
+def _killed_error(rank: int, signum: int) -> RuntimeError:
+    name = signal.Signals(signum).name if signum in signal.valid_signals() else f"signal {signum}"
+    why = ("SIGKILL comes from outside the process: most often the kernel's out-of-memory killer (`dmesg` says so), "
+           "or a scheduler or a person ending it" if signum == signal.SIGKILL else
+           "a crash in native code; its output above (Python stacks of every thread) may say where")
+    return RuntimeError(f"Replica {rank}'s process was ended by {name} (signal {signum}): {why}. The other replicas "
+                        "were stopped; checkpoints written before are intact: resume with fit(..., ckpt_path='last').")
 
 
 class XlaLaunch(_StartedReplicas):

@@ -10,6 +10,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import threading
@@ -53,9 +54,12 @@ def run_in_new_process(target: Callable[..., None], args: tuple, env: dict[str, 
     return run_in_new_processes(target, args, [env], what)
 
 
-def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[dict[str, str]], what: str) -> int:
+def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[dict[str, str]], what: str,
+                         codes: list[int] | None = None) -> int:
     """``target(*args)`` in one new (spawned) process per item of ``envs``, each started with its
-    environment; the first non-zero exit code among them (0 if all end well).
+    environment; the first non-zero exit code among them (0 if all end well). ``codes``, if
+    given, receives every process's exit code, in the order of ``envs`` (None for one this
+    function ended itself, after another had failed).
 
     When one process ends with an error, the others are ended too (they may be waiting for it in
     a collective). Stop signals the caller receives are forwarded to every process.
@@ -68,8 +72,9 @@ def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[di
     # processes would all train the same weights, the caller's own tensors would be moved into shared
     # memory, and a tensor made only while pickling (a torch.Generator's state, from its __reduce__)
     # is freed in the caller before a process can map it ("unable to resize file" there).
+    unpickling = marker + ".unpickling"  # where a process that cannot rebuild the job says why
     try:
-        child_args: tuple = (_unpickled_main, (pickle.dumps((target, args)),), os.getpid())
+        child_args: tuple = (_unpickled_main, (pickle.dumps((target, args)), unpickling), os.getpid())
     except (pickle.PicklingError, AttributeError, TypeError) as err:
         raise TypeError(_unpicklable(what, err)) from err
     processes: list = []
@@ -100,9 +105,21 @@ def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[di
     except BaseException:  # a second Ctrl-C: do not leave the replicas running
         _end(processes)
         raise
+    if codes is not None:
+        codes[:] = [None if getattr(process, "ended_by_caller", False) else process.exitcode
+                    for process in processes]
     if os.path.exists(marker):
         os.remove(marker)
         raise RuntimeError(_UNGUARDED_MESSAGE)
+    if os.path.exists(unpickling):
+        with open(unpickling) as f:
+            why = f.read()
+        os.remove(unpickling)
+        raise RuntimeError(f"{what}: a new process could not rebuild what it was sent (the trainer, the module, the "
+                           f"callbacks and the dataloaders, pickled): {why}. The new process imports the script "
+                           "again as a module, without running what is under `if __name__ == '__main__':`; define "
+                           "the classes and functions the run uses above it, at the top level of a file (not in "
+                           "standard input or a notebook cell), or in a module of their own.")
     return exitcode
 
 
@@ -113,9 +130,15 @@ def _unpicklable(what: str, err: BaseException) -> str:
             "under `if __name__ == '__main__':`.")
 
 
-def _unpickled_main(payload: bytes) -> None:
-    """In a started process: the target and its arguments, pickled by the caller, then run."""
-    target, args = pickle.loads(payload)  # the caller's own job, handed over by multiprocessing
+def _unpickled_main(payload: bytes, unpickling: str) -> None:
+    """In a started process: the target and its arguments, pickled by the caller, then run. If
+    they cannot be rebuilt here, the error goes to the file ``unpickling`` for the caller to raise."""
+    try:
+        target, args = pickle.loads(payload)  # the caller's own job, handed over by multiprocessing
+    except Exception as err:  # noqa: BLE001 - told to the caller, which raises it with what to do
+        with contextlib.suppress(OSError), open(unpickling, "x") as f:
+            f.write(f"{type(err).__name__}: {err}")
+        raise
     target(*args)
 
 
@@ -145,12 +168,24 @@ def _end(processes: list, grace: float = 0.0) -> None:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
     for process in processes:
         if process.is_alive():
+            process.ended_by_caller = True
             process.terminate()
     for process in processes:
         process.join(timeout=10)
         if process.is_alive():
             process.kill()
             process.join()
+
+
+def killed_by_signal(codes: list[int | None]) -> tuple[int, int] | None:
+    """The first process (its index and the signal) that a signal ended which neither the
+    caller's ending of the others nor a stop forwarded to them sends (SIGTERM, SIGINT): killed
+    from outside (SIGKILL: the out-of-memory killer, a scheduler) or crashed (SIGSEGV, SIGABRT).
+    None if there is none."""
+    for index, code in enumerate(codes):
+        if code is not None and code < 0 and -code not in (signal.SIGTERM, signal.SIGINT):
+            return index, -code
+    return None
 
 
 def end_now(code: int) -> None:

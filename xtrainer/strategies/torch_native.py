@@ -40,7 +40,7 @@ from xtrainer.launch import interrupts
 from xtrainer.strategies import launch, torch_devices
 from xtrainer.strategies.base import CompilerNames, Strategy, check_wrapper_kwargs
 from xtrainer.strategies.collectives import Collectives
-from xtrainer.strategies.process import end_now, free_port, run_in_new_processes
+from xtrainer.strategies.process import end_now, free_port, killed_by_signal, run_in_new_processes
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -221,7 +221,11 @@ class NativeProcesses(launch._StartedReplicas):
         envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
                  "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, _REPLICA_OF_CALLER: "1"}
                 for rank in range(n)]
-        return run_in_new_processes(_process_main, (job,), envs, f"Trainer(devices={n})")
+        self._codes: list[int | None] = []
+        return run_in_new_processes(_process_main, (job,), envs, f"Trainer(devices={n})", self._codes)
+
+    def killed_replica(self) -> tuple[int, int] | None:
+        return killed_by_signal(getattr(self, "_codes", []))
 
 
 def _process_main(job: Callable[[], None]) -> None:
