@@ -44,6 +44,34 @@ def _script(*args: str, timeout: float = 240, env: dict[str, str | None] | None 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _paused_run(tmp_path, common: list[str], wait_for: str = "ready", pause: str = "0.2"
+                ) -> tuple[subprocess.Popen, "os.PathLike[str]"]:
+    """``native_run.py`` with ``common`` in the background, each step slowed down by ``pause``
+    seconds, writing under ``tmp_path/run``; returned once ``tmp_path/wait_for`` exists (``ready``:
+    rank 0 is past step 3; ``ready-R``: rank R is, the file holding its pid), with that file."""
+    process = subprocess.Popen([sys.executable, os.path.join(HERE, "native_run.py"), *common, "--root",
+                                str(tmp_path / "run"), "--out", str(tmp_path / "out.pt"), "--pause", pause,
+                                "--ready", str(tmp_path / "ready")],
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marker = tmp_path / wait_for
+    deadline = time.monotonic() + 180
+    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), process.communicate()[1][-3000:]
+    return process, marker
+
+
+def _resumed_bitwise(tmp_path, common: list[str], steps: int) -> subprocess.CompletedProcess:
+    """Resume ``tmp_path/run`` from its last checkpoint; its final weights must be those of the
+    uninterrupted run's ``tmp_path/ref.pt``, bitwise, at ``steps``."""
+    resumed = _script(*common, "--root", str(tmp_path / "run"), "--out", str(tmp_path / "out.pt"), "--ckpt", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
+    assert a["global_step"] == b["global_step"] == steps
+    _assert_bitwise(a["weights"], b["weights"])
+    return resumed
+
+
 def _weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -151,25 +179,15 @@ def test_sigterm_stops_both_processes_at_one_step_and_the_run_resumes_bitwise(tm
     steps, common = 24, ["--strategy", "native_ddp", "--devices", "2", "--steps", "24"]
     reference = _script(*common, "--root", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
     assert reference.returncode == 0, reference.stderr[-3000:]
-    root, ready = tmp_path / "run", tmp_path / "ready"
-    process = subprocess.Popen([sys.executable, os.path.join(HERE, "native_run.py"), *common, "--root", str(root),
-                                "--out", str(tmp_path / "out.pt"), "--pause", "0.2", "--ready", str(ready)],
-                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ready.exists(), process.communicate()[1][-3000:]
+    process, _ = _paused_run(tmp_path, common)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 143, err[-3000:]
+    root = tmp_path / "run"
     stopped = {open(p).read() for p in glob.glob(str(root / "rank-*.step"))}
     assert len(glob.glob(str(root / "rank-*.step"))) == 2 and len(stopped) == 1, stopped  # both, at one step
     assert 3 <= int(stopped.pop()) < steps
-    resumed = _script(*common, "--root", str(root), "--out", str(tmp_path / "out.pt"), "--ckpt", "last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
-    assert a["global_step"] == b["global_step"] == steps
-    _assert_bitwise(a["weights"], b["weights"])
+    _resumed_bitwise(tmp_path, common, steps)
 
 
 @pytest.mark.multi_device

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import native_run
-from test_native import _assert_bitwise, _env, _weights
+from test_native import _assert_bitwise, _env, _paused_run, _resumed_bitwise, _weights
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -197,29 +197,19 @@ def test_sigterm_mid_fit_under_fsdp_with_clipping_then_resume_is_bitwise(tmp_pat
     common = ["--strategy", "native_fsdp", "--devices", "2", "--steps", str(steps), "--clip", "0.5"]
     reference = _script(*common, "--root", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
     assert reference.returncode == 0, reference.stderr[-3000:]
-    root, ready = tmp_path / "run", tmp_path / "ready"
-    process = subprocess.Popen([sys.executable, os.path.join(HERE, "native_run.py"), *common, "--root", str(root),
-                                "--out", str(tmp_path / "out.pt"), "--pause", "0.3", "--ready", str(ready)],
-                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert ready.exists(), process.communicate()[1][-3000:]
+    process, _ = _paused_run(tmp_path, common, pause="0.3")
     time.sleep(0.4)  # a step later: not on a checkpoint's step
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 143, err[-3000:]
+    root = tmp_path / "run"
     stopped = {open(p).read() for p in glob.glob(str(root / "rank-*.step"))}
     assert len(glob.glob(str(root / "rank-*.step"))) == 2 and len(stopped) == 1, stopped  # both, at one step
     stopped_at = int(stopped.pop())
     assert 3 <= stopped_at < steps and stopped_at % 8, stopped_at  # mid-epoch (8 steps an epoch)
     assert not (tmp_path / "out.pt").exists()
-    resumed = _script(*common, "--root", str(root), "--out", str(tmp_path / "out.pt"), "--ckpt", "last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = _resumed_bitwise(tmp_path, common, steps)
     assert f"step={stopped_at}" in resumed.stdout + resumed.stderr  # resumed from the stop's checkpoint
-    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
-    assert a["global_step"] == b["global_step"] == steps
-    _assert_bitwise(a["weights"], b["weights"])
 
 
 @pytest.mark.multi_device
@@ -239,6 +229,26 @@ def test_adam_state_moves_between_native_strategies(tmp_path, first, then):
 
 
 @pytest.mark.multi_device
+def test_evaluation_data_padded_for_the_replicas_is_said(tmp_path, capfd):
+    """33 validation samples over two processes: the sampler repeats one, and the run says that
+    the stage's values count it twice; 32 samples divide evenly and say nothing."""
+    from torch.utils.data import DataLoader
+
+    from xtrainer import Trainer
+
+    for samples in (33, 32):
+        trainer = Trainer(strategy="native_ddp", devices=2, accelerator="cpu", max_steps=2, logger=False,
+                          default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0)
+        trainer.fit(native_run.ExactNet(), DataLoader(native_run.make_data(16), batch_size=4),
+                    DataLoader(native_run.make_data(samples), batch_size=4))
+        err = capfd.readouterr().err
+        said = ("validate: the 33 samples are dealt to 2 replicas by a DistributedSampler, which repeats 1 of them "
+                "so that every replica gets as many batches (as in Lightning): this stage's values count those twice")
+        assert (said in err) == (samples == 33), err[-2000:]
+
+
+@pytest.mark.multi_device
 def test_a_replica_killed_by_sigkill_is_named_and_the_run_resumes(tmp_path):
     """SIGKILL to replica 1's process (what the out-of-memory killer sends): the error names that
     replica and the signal, not the lost connection replica 0 then met; the run resumes from its
@@ -247,26 +257,14 @@ def test_a_replica_killed_by_sigkill_is_named_and_the_run_resumes(tmp_path):
     common = ["--strategy", "native_ddp", "--devices", "2", "--steps", str(steps)]
     reference = _script(*common, "--root", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
     assert reference.returncode == 0, reference.stderr[-3000:]
-    root, ready = tmp_path / "run", tmp_path / "ready"
-    process = subprocess.Popen([sys.executable, os.path.join(HERE, "native_run.py"), *common, "--root", str(root),
-                                "--out", str(tmp_path / "out.pt"), "--pause", "0.3", "--ready", str(ready)],
-                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    rank1 = tmp_path / "ready-1"
-    deadline = time.monotonic() + 180
-    while not rank1.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert rank1.exists(), process.communicate()[1][-3000:]
+    process, rank1 = _paused_run(tmp_path, common, wait_for="ready-1", pause="0.3")
     time.sleep(0.2)
     os.kill(int(rank1.read_text()), signal.SIGKILL)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 1, err[-3000:]
     assert "RuntimeError: Replica 1's process was ended by SIGKILL (signal 9): SIGKILL comes from outside the " \
            "process: most often the kernel's out-of-memory killer" in err, err[-3000:]
-    resumed = _script(*common, "--root", str(root), "--out", str(tmp_path / "out.pt"), "--ckpt", "last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
-    assert a["global_step"] == b["global_step"] == steps
-    _assert_bitwise(a["weights"], b["weights"])
+    _resumed_bitwise(tmp_path, common, steps)
 
 
 @pytest.mark.multi_device

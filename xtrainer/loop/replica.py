@@ -10,6 +10,8 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
 from xtrainer import compile_cache
 from xtrainer.launch import interrupts
 from xtrainer.loop import loaders, metric_sync
@@ -19,6 +21,7 @@ from xtrainer.loop import fit as fit_loop
 from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.results import Results
 from xtrainer.loop.steps import StepDispatcher
+from xtrainer.strategies.data import padded_samples
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -58,6 +61,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         sources = loaders.in_replica(trainer, module, sources)
         trainer._wrapped = trainer.strategy.setup_module(StepDispatcher(module, trainer.precision))
         data = trainer._stage_data = {name: [trainer._device_data(dl) for dl in dls] for name, dls in sources.items()}
+        warn_padded_evaluation(trainer, data)
         if stage == "fit":
             trainer._train_results = trainer._results = Results("train", default_on_step=True)
             trainer._train_data, trainer._restored_data_state = data["train"][0], None
@@ -105,6 +109,23 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         finally:
             trainer.state = "idle"
             trainer._wrapped = trainer._module = None
+
+
+def warn_padded_evaluation(trainer: "Trainer", data: dict[str, list]) -> None:
+    """Say once per stage (rank 0) when the sampler put in an evaluation loader repeats samples
+    to give every replica as many batches: the stage's values then count them twice."""
+    for stage, datas in data.items():
+        if stage == "train":
+            continue
+        for data_of_stage in datas:
+            repeated, size = padded_samples(data_of_stage)
+            if repeated:
+                rank_zero_warn(f"{stage}: the {size} samples are dealt to {trainer.world_size} replicas by a "
+                               f"DistributedSampler, which repeats {repeated} of them so that every replica gets as "
+                               "many batches (as in Lightning): this stage's values count those twice. For exact "
+                               f"values, {stage} with devices=1 or a dataset whose size divides by "
+                               f"{trainer.world_size}.")
+                break
 
 
 def run_cleanup(steps: list[tuple[str, Callable[[], Any]]], error: BaseException | None) -> None:

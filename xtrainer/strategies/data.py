@@ -284,6 +284,17 @@ def distribute_dataloader(loader: DataLoader, num_replicas: int, rank: int) -> D
                                                     shuffle=shuffle))
 
 
+def padded_samples(data: Any) -> tuple[int, int]:
+    """(samples repeated, samples in the dataset) where the strategy put a ``DistributedSampler``
+    in ``data``'s loader that pads the dataset to a multiple of the replicas; (0, n) otherwise."""
+    loader = getattr(data, "loader", None)
+    sampler = getattr(loader, "sampler", None)
+    if not getattr(data, "owns_sampler", False) or not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+        return 0, 0
+    size = len(sampler.dataset)  # type: ignore[arg-type]
+    return sampler.total_size - size, size
+
+
 def sequential_dataloader(loader: Any) -> Any:
     """``loader`` without shuffling (``overfit_batches``: the same first batches every epoch)."""
     if isinstance(loader, DataLoader) and type(loader) is DataLoader and isinstance(loader.sampler, RandomSampler) \

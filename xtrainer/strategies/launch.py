@@ -106,11 +106,12 @@ class _StartedReplicas(Launcher):
                 raise
             killed = self.killed_replica()
             if killed is not None:  # the others' errors (a lost connection) followed from it
+                error = _killed_error(*killed, finished=os.path.exists(job.result_path))
                 try:
                     job.raise_failure()
                 except BaseException as consequence:
-                    raise _killed_error(*killed) from consequence
-                raise _killed_error(*killed)
+                    raise error from consequence
+                raise error
             job.raise_failure()
             signum = interrupts.requested()
             if exitcode != 0 and signum is not None:  # stopped before it could stop gracefully
@@ -142,13 +143,16 @@ class _StartedReplicas(Launcher):
         the replicas return normally)."""
 
 
-def _killed_error(rank: int, signum: int) -> RuntimeError:
+def _killed_error(rank: int, signum: int, finished: bool) -> RuntimeError:
+    """The error of a replica process that a signal ended (``finished``: after rank 0 had
+    returned its result)."""
     name = signal.Signals(signum).name if signum in signal.valid_signals() else f"signal {signum}"
     why = ("SIGKILL comes from outside the process: most often the kernel's out-of-memory killer (`dmesg` says so), "
            "or a scheduler or a person ending it" if signum == signal.SIGKILL else
            "a crash in native code; its output above (Python stacks of every thread) may say where")
-    return RuntimeError(f"Replica {rank}'s process was ended by {name} (signal {signum}): {why}. The other replicas "
-                        "were stopped; checkpoints written before are intact: resume with fit(..., ckpt_path='last').")
+    return RuntimeError(f"Replica {rank}'s process was ended by {name} (signal {signum})"
+                        f"{' after rank 0 had finished' if finished else ''}: {why}. Checkpoints written before are "
+                        "intact: resume with fit(..., ckpt_path='last').")
 
 
 class XlaLaunch(_StartedReplicas):

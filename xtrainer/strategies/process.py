@@ -55,7 +55,7 @@ def run_in_new_process(target: Callable[..., None], args: tuple, env: dict[str, 
 
 
 def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[dict[str, str]], what: str,
-                         codes: list[int] | None = None) -> int:
+                         codes: list[int | None] | None = None) -> int:
     """``target(*args)`` in one new (spawned) process per item of ``envs``, each started with its
     environment; the first non-zero exit code among them (0 if all end well). ``codes``, if
     given, receives every process's exit code, in the order of ``envs`` (None for one this

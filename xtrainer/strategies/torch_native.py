@@ -209,6 +209,10 @@ class NativeProcesses(launch._StartedReplicas):
 
     ranks = staticmethod(_env_ranks)
 
+    def __init__(self, devices: int | None) -> None:
+        super().__init__(devices)
+        self._codes: list[int | None] = []  # each process's exit code, after a launch
+
     def check(self) -> None:
         pass
 
@@ -221,11 +225,10 @@ class NativeProcesses(launch._StartedReplicas):
         envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
                  "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, _REPLICA_OF_CALLER: "1"}
                 for rank in range(n)]
-        self._codes: list[int | None] = []
         return run_in_new_processes(_process_main, (job,), envs, f"Trainer(devices={n})", self._codes)
 
     def killed_replica(self) -> tuple[int, int] | None:
-        return killed_by_signal(getattr(self, "_codes", []))
+        return killed_by_signal(self._codes)
 
 
 def _process_main(job: Callable[[], None]) -> None:
