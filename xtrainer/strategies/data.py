@@ -286,7 +286,7 @@ def distribute_dataloader(loader: DataLoader, num_replicas: int, rank: int) -> D
 
 def padded_samples(data: Any) -> tuple[int, int]:
     """(samples repeated, samples in the dataset) where the strategy put a ``DistributedSampler``
-    in ``data``'s loader that pads the dataset to a multiple of the replicas; (0, n) otherwise."""
+    in ``data``'s loader that pads the dataset to a multiple of the replicas; (0, 0) otherwise."""
     loader = getattr(data, "loader", None)
     sampler = getattr(loader, "sampler", None)
     if not getattr(data, "owns_sampler", False) or not isinstance(sampler, DistributedSampler) or sampler.drop_last:
