@@ -23,6 +23,7 @@ class SignalAt(Callback):
     def __init__(self, when):
         self.when = when
         self.noted = None
+        self.flags = None  # Lightning's trainer.interrupted and received_sigterm, as on_exception sees them
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         kind, _, step = self.when.partition(":")
@@ -38,9 +39,10 @@ class SignalAt(Callback):
 
     def on_exception(self, trainer, module, exception):
         self.noted = type(exception).__name__  # saved with the checkpoint written next
+        self.flags = (trainer.interrupted, trainer.received_sigterm)
 
     def state_dict(self):
-        return {"noted": self.noted}
+        return {"noted": self.noted, "flags": self.flags}
 
 
 def run(root, devices, when, ckpt_path=None):

@@ -414,9 +414,10 @@ def test_lightning_trainer_attributes_read_inside_a_module(tmp_path):
     assert trainer.enable_validation and not trainer.received_sigterm
 
     model.seen.clear()
-    trainer.test(model, make_loader(24, 8), verbose=False)
+    test_loader = make_loader(24, 8)
+    trainer.test(model, test_loader, verbose=False)
     assert [entry[2:] for entry in model.seen] == [(True, False, False, [3])] * 3
-    assert trainer.test_dataloaders.dataset is not None and not trainer.testing  # over once test() returns
+    assert trainer.test_dataloaders.dataset is test_loader.dataset and not trainer.testing  # over once test() returns
     model.seen.clear()
     trainer.predict(model, [make_loader(16, 8), make_loader(8, 8)])
     assert [entry[2:] for entry in model.seen] == [(True, [2, 1])] * 3
@@ -429,5 +430,10 @@ def test_lightnings_spellings_of_devices(devices, count):
 
     assert lightning_devices(devices) == (count if count is not None else "auto")
     assert TrainerSettings(devices=devices).check().devices == (count if count is not None else "auto")
+
+
+def test_device_indices_other_than_the_first_are_refused_with_what_to_do():
+    from xtrainer.config.settings import TrainerSettings
+
     with pytest.raises(ValueError, match=r"devices=\[1, 3\]: xtrainer uses the first devices .*CUDA_VISIBLE_DEVICES=1,3"):
-        lightning_devices([1, 3])
+        TrainerSettings(devices=[1, 3]).check()

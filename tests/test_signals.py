@@ -59,6 +59,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_exits_143_and_resumes_bit
     saved = load_checkpoint(path)
     assert saved["loops"]["global_step"] == 5 and not saved["loops"]["epoch_finished"]
     assert saved["callbacks"]["SignalAt"]["noted"] == "TrainingInterrupted"  # on_exception ran before the save
+    assert tuple(saved["callbacks"]["SignalAt"]["flags"]) == (True, True)  # interrupted, received_sigterm
     resume_and_compare(tmp_path, root, 1)
 
 

@@ -412,11 +412,9 @@ class Trainer:
 
     @property
     def enable_validation(self) -> bool:
-        """The fit validates: it has validation data, the module a ``validation_step``, and
-        ``limit_val_batches`` leaves batches."""
-        module = self._module if self._module is not None else self._fitted_model
-        return (bool(self._stage_data.get("validate")) and self.limits["validate"] != 0
-                and module is not None and type(module).validation_step is not XModule.validation_step)
+        """The fit validates: it has validation data (a fit has some only where the module has a
+        ``validation_step``: ``loop/loaders.py``), and ``limit_val_batches`` leaves batches."""
+        return bool(self._stage_data.get("validate")) and self.limits["validate"] != 0
 
     @property
     def limit_train_batches(self) -> int | float:
@@ -550,7 +548,9 @@ class Trainer:
         return self.strategy.process_dataloader(loader, distribute=self.use_distributed_sampler)
 
     def _call_on_exception(self, err: BaseException) -> None:
-        """Every ``on_exception`` hook, each given its chance: one that fails does not hide ``err``."""
+        """Every ``on_exception`` hook, each given its chance: one that fails does not hide ``err``.
+        A stop on a signal or Ctrl-C is ``interrupted`` by then, as in Lightning."""
+        self.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
         if self._module is None:
             return
         module = self._module

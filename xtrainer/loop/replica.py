@@ -46,7 +46,6 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
             remove_if_empty(own)
     trainer.strategy.set_rng_state(trainer.loop.seed + trainer.global_rank)
     trainer.state, trainer.should_stop, trainer._publisher.stop_agreed = stage, False, False
-    trainer.interrupted = False
     module.trainer = trainer
     trainer._module = module
     in_process, error = trainer.strategy.launcher.runs_in_caller, None
@@ -89,7 +88,6 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         return result
     except BaseException as err:
         error = err
-        trainer.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
         if not isinstance(err, interrupts.TrainingInterrupted):  # that one called the hook already
             trainer._call_on_exception(err)
         raise
