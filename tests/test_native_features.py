@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import native_run
+from xtrainer import XModule
 from test_native import _assert_bitwise, _env, _paused_run, _resumed_bitwise, _weights
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -375,3 +376,88 @@ def test_a_run_with_dropout_resumed_inside_a_shuffled_epoch_is_bitwise(tmp_path,
     trainer, resumed = fit(str(tmp_path / "run"), 6, ckpt_path="last")
     assert trainer.global_step == 6
     _assert_bitwise(resumed, reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients cleared after each optimizer step.
+# ---------------------------------------------------------------------------------------------
+class _PartlyOptimized(XModule):
+    """Two layers, one optimized (``optimizer`` over ``trained``'s parameters), one left out of
+    the optimizer but still taking gradients: torch's ``zero_grad`` clears only the former."""
+
+    def __init__(self, optimizer: type = torch.optim.SGD) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trained, self.left_out = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.left_out(self.trained(x)).square().mean()
+
+    def configure_optimizers(self):
+        return self.optimizer(self.trained.parameters(), lr=0.1)
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An optimizer with a ``zero_grad`` of its own, which must be the one called."""
+
+    calls: list = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.calls.append(set_to_none)
+        super().zero_grad(set_to_none)
+
+
+def _loader(data: torch.Tensor) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=2)
+
+
+def _clearing_fit(tmp_path, module: XModule, data: torch.Tensor, profile: bool = False) -> list[str]:
+    """Fit ``module`` on ``data`` (batches of 2) under ``native``; under torch's profiler with
+    ``profile``: the names of the ranges it recorded."""
+    from xtrainer import Trainer
+    from xtrainer.strategies import NativeSingle
+
+    trainer = Trainer(strategy=NativeSingle(), max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    if not profile:
+        trainer.fit(module, _loader(data))
+        return []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        trainer.fit(module, _loader(data))
+    return [event.name for event in prof.events()]
+
+
+def test_gradients_are_cleared_after_each_step_as_torch_zero_grad_clears_them(tmp_path):
+    """The optimizer's parameters end each step without gradients; a parameter outside the
+    optimizer keeps accumulating its own, as under ``optimizer.zero_grad(set_to_none=True)``;
+    weights and kept gradients are bitwise those of a hand loop calling it."""
+    data = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
+    module = _PartlyOptimized()
+    _clearing_fit(tmp_path, module, data)
+    hand = _PartlyOptimized()
+    optimizer = hand.configure_optimizers()
+    for batch in _loader(data):
+        hand.training_step(batch, 0).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in module.trained.parameters())
+    for mine, theirs in zip(module.parameters(), hand.parameters()):
+        assert torch.equal(mine, theirs)
+        assert (mine.grad is None and theirs.grad is None) or torch.equal(mine.grad, theirs.grad)
+    assert all(p.grad is not None for p in module.left_out.parameters())
+
+
+def test_an_optimizer_with_a_zero_grad_of_its_own_has_it_called(tmp_path):
+    _CountingSGD.calls = []
+    module = _PartlyOptimized(_CountingSGD)
+    _clearing_fit(tmp_path, module, torch.randn(6, 3))
+    assert _CountingSGD.calls == [True] * 3
+
+
+def test_under_torch_profiler_the_zero_grad_range_is_recorded(tmp_path):
+    """Where the range is wanted, torch's ``zero_grad`` runs (with it); else the gradients are
+    cleared without it."""
+    names = _clearing_fit(tmp_path, _PartlyOptimized(), torch.randn(6, 3), profile=True)
+    assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 3

@@ -185,6 +185,32 @@ def test_malformed_logs_are_refused_with_one_line(value, kwargs, error, message)
     assert set(REDUCE_FXS) == {"mean", "sum", "max", "min"}
 
 
+@pytest.mark.parametrize("value, kwargs, error, message", [
+    (torch.tensor([1.0, 2.0]), {}, ValueError, r"takes a scalar, got a tensor of shape \(2,\)"),
+    (torch.tensor(1.0), {"reduce_fx": "median"}, ValueError, r"reduce_fx='median'\): use one of"),
+    ("1.0", {}, TypeError, "takes a scalar tensor or a number, not str"),
+])
+def test_a_malformed_value_is_refused_also_under_a_name_logged_before(value, kwargs, error, message):
+    """A name logged per step again (the call every step makes) is checked as the first time."""
+    store = train_store()
+    store.log("x", torch.tensor(1.0), None, None, False, False, "mean", None)
+    args = {"on_step": None, "on_epoch": None, "prog_bar": False, "sync_dist": False, "reduce_fx": "mean",
+            "batch_size": None, **kwargs}
+    with pytest.raises(error, match=message):
+        store.log("x", value, **args)
+
+
+def test_a_value_logged_again_each_step_is_kept_detached_0_dim_and_float32():
+    store = train_store()
+    grad = torch.tensor(5.0, requires_grad=True)
+    for value in (torch.tensor(1.0), torch.tensor([2.0]), torch.tensor(3), torch.tensor(4.0, dtype=torch.bfloat16),
+                  grad * 1, 6.0):
+        store.log("x", value, None, None, False, False, "mean", None)
+        kept = store.step_tensors(no_reduce, 1)["x"]
+        assert (kept.shape, kept.dtype, kept.requires_grad) == ((), torch.float32, False)
+        assert kept.item() == float(value.detach() if isinstance(value, torch.Tensor) else value)
+
+
 def test_batch_size_is_dim_0_of_the_first_tensor_found():
     assert batch_size(torch.zeros(5, 3)) == 5
     assert batch_size(torch.tensor(2.0)) == 1

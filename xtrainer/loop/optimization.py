@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xtrainer.callbacks.base import Callback
-from xtrainer.loop.optimizers import SchedulerConfig, StrategyOptimizer, parse_optimizers, prefer_foreach, step_schedulers
+from xtrainer.loop.optimizers import (SchedulerConfig, StrategyOptimizer, clear_gradients, parse_optimizers, prefer_foreach,
+                                     step_schedulers)
 from xtrainer.module import XModule
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class Optimization:
             trainer.strategy.optimizer_step(optimizer, before_step)
             if hooks.on_before_zero_grad is not None:
                 hooks.on_before_zero_grad(optimizer)
-            optimizer.zero_grad(set_to_none=True)
+            clear_gradients(optimizer)
         trainer.loop.global_step += 1
         if trainer._publisher.counts_steps:
             trainer._publisher.stepped()

@@ -117,10 +117,11 @@ class InGraphWatch(NonFiniteWatch):
 class DeferredWatch(NonFiniteWatch):
     """For ops that run as they are called: a step keeps a reference to its (detached, 0-dim)
     loss and notes the global step on the host (no op at all); the losses kept are checked
-    together when the watch is read. One replica reads their sum (two ops), finite unless one of
-    them is not; only when it is not are they read to the host to name the first bad step (as the
-    fit stops or warns then anyway; a sum that overflowed finds none, and all were finite).
-    Several replicas reduce ``local_first`` (the first bad step worked out on the device). A read
+    together when the watch is read. One replica on a device reads their sum (two ops), finite
+    unless one of them is not; only when it is not are they read to the host to name the first
+    bad step (as the fit stops or warns then anyway; a sum that overflowed finds none, and all
+    were finite). On the CPU the losses are host memory: they are read as they are, without the
+    two ops. Several replicas reduce ``local_first`` (the first bad step worked out on the device). A read
     happens every ``log_every_n_steps``; past ``FOLD_AFTER`` losses without one they are folded
     into ``first`` (a device tensor, kept by the same ops once it is set) without a read, so
     memory stays bounded."""
@@ -135,6 +136,7 @@ class DeferredWatch(NonFiniteWatch):
         self.steps: list[int] = []
         self.first: torch.Tensor | None = None  # made at the first fold
         self.first_bad = self.NEVER  # what the reads found so far
+        self.on_host = device.type == "cpu"
 
     def observe(self, loss: torch.Tensor, step: int) -> None:
         self.losses.append(loss)
@@ -155,14 +157,18 @@ class DeferredWatch(NonFiniteWatch):
 
     def local_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {self._FIRST: self.first} if self.first is not None else {}
-        if self.losses:
+        if self.losses and not self.on_host:
             tensors[self._SUM] = torch.stack(self.losses).sum(dtype=torch.float32)
         return tensors
 
     def first_step(self, values: dict[str, float]) -> float:
         first = min(self.first_bad, values.pop(self._FIRST, self.NEVER))
         total = values.pop(self._SUM, None)
-        if total is not None:  # read over the losses kept
+        if self.on_host and self.losses:  # host memory: no transfer, no sync
+            first = min(first, next((step for step, loss in zip(self.steps, self.losses)
+                                     if not math.isfinite(loss.item())), self.NEVER))
+            self.losses, self.steps = [], []
+        elif total is not None:  # read over the losses kept
             if not math.isfinite(total):
                 losses = torch.stack(self.losses).tolist()  # host sync: only because one was NaN or infinite
                 first = min(first, next((step for step, loss in zip(self.steps, losses) if not math.isfinite(loss)),

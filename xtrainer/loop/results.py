@@ -70,6 +70,14 @@ class Results:
     def log(self, name: str, value: Any, on_step: bool | None, on_epoch: bool | None,
             prog_bar: bool, sync_dist: bool, reduce_fx: Any, batch_size: int | None, logger: bool = True,
             add_dataloader_idx: bool = True) -> None:
+        if (type(value) is torch.Tensor and self.in_step and self.default_on_step and self.stage == "train"
+                and (on_step is None or on_step) and not on_epoch and reduce_fx == "mean"):
+            # A training step's value logged per step only, the call of nearly every step: only the
+            # latest value is kept, so once its entry exists the value's own check is all it needs.
+            entry = self.entries.get(name)
+            if entry is not None and value.numel() == 1:
+                entry.last = _scalar(value)
+                return
         if not isinstance(value, torch.Tensor):
             if _is_metric(value):
                 self._log_metric(name, value, on_step, on_epoch, prog_bar, logger, add_dataloader_idx)
@@ -98,11 +106,7 @@ class Results:
         entry = self.entries.get(name)
         if entry is None:
             entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, sync_dist, reduce_fx, logger)
-        value = value.detach()
-        if value.dim():
-            value = value.reshape(())
-        if value.dtype != torch.float32:
-            value = value.float()
+        value = _scalar(value)
         if on_step:
             entry.last = value
         if on_epoch:
@@ -146,7 +150,7 @@ class Results:
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise ValueError(f"self.log({name!r}, metric, on_step=True): call the metric on the batch "
                                  "(metric(preds, target)) before logging it per step, or log it with on_step=False.")
-            entry.last = value.detach().reshape(()).float()
+            entry.last = _scalar(value)
 
     def _constant(self, number: float, device: torch.device) -> torch.Tensor:
         """``number`` as device data, uploaded once. Starting each epoch from a data tensor (not
@@ -228,6 +232,14 @@ class Results:
             entry.total, entry.weight = None, 0.0
 
 
+def _scalar(value: torch.Tensor) -> torch.Tensor:
+    """A logged one-element tensor as it is kept: detached, 0-dim, float32."""
+    value = value.detach()
+    if value.dim():
+        value = value.reshape(())
+    return value if value.dtype == torch.float32 else value.float()
+
+
 def _is_metric(value: Any) -> bool:
     """A torchmetrics ``Metric`` (told by its methods: torchmetrics need not be installed)."""
     return not isinstance(value, torch.Tensor) and all(
@@ -294,9 +306,12 @@ def epoch_results_of_replica(saved: Any, rank: int, world_size: int) -> dict[str
 
 
 def to_floats(tensors: dict[str, torch.Tensor], to_cpu: Callable[[Any], Any]) -> dict[str, float]:
-    """Device scalars to Python floats in one batched transfer (``to_cpu``: the strategy's). Syncs the host."""
-    host = to_cpu(tensors)  # host sync: one transfer for every value
-    return {name: float(value) for name, value in host.items()}
+    """Device scalars to Python floats in one batched transfer (``to_cpu``: the strategy's). Syncs
+    the host. Tensors already in host memory (the CPU's) are read as they are."""
+    on_device = {name: value for name, value in tensors.items() if value.device.type != "cpu"}
+    if on_device:
+        tensors = {**tensors, **to_cpu(on_device)}  # host sync: one transfer for every value
+    return {name: float(value) for name, value in tensors.items()}
 
 
 _NO_BATCH_SIZE = ("Could not infer the batch size from the batch ({}) to weight an epoch mean; pass it as "
