@@ -121,10 +121,10 @@ class DeferredWatch(NonFiniteWatch):
     unless one of them is not; only when it is not are they read to the host to name the first
     bad step (as the fit stops or warns then anyway; a sum that overflowed finds none, and all
     were finite). On the CPU the losses are host memory: they are read as they are, without the
-    two ops. Several replicas reduce ``local_first`` (the first bad step worked out on the device). A read
-    happens every ``log_every_n_steps``; past ``FOLD_AFTER`` losses without one they are folded
-    into ``first`` (a device tensor, kept by the same ops once it is set) without a read, so
-    memory stays bounded."""
+    two ops. Several replicas reduce ``local_first`` (the first bad step worked out on the
+    device). A read happens every ``log_every_n_steps``; past ``FOLD_AFTER`` losses without one
+    they are folded into ``first`` (a device tensor, kept by the same ops once it is set) without
+    a read, so memory stays bounded."""
 
     FOLD_AFTER = 1024
     _SUM = "xtrainer/nonfinite_loss_sum"
