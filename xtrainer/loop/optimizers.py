@@ -60,7 +60,7 @@ def clear_gradients(optimizer: Any) -> None:
     ``torch.compile`` guard, which cost about 10 us of host time per call on the CPU, as much as
     the rest of the Trainer's work on a small step. Under torch's profiler (where the range is
     wanted) and for an optimizer with a ``zero_grad`` of its own, that method is called."""
-    profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)  # a torch without the flag: as if
+    profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)  # no such flag: torch's own method
     if type(optimizer).zero_grad is _TORCH_ZERO_GRAD and not profiling:
         for group in optimizer.param_groups:
             for param in group["params"]:
