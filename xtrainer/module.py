@@ -13,6 +13,8 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
+from xtrainer.loop.optimizers import clear_gradients
+
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
 
@@ -367,7 +369,7 @@ class XModule(HyperparametersMixin, nn.Module):
         optimizer.step(closure=optimizer_closure)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
+        clear_gradients(optimizer)  # optimizer.zero_grad(set_to_none=True), as the Trainer's own step clears them
 
     # ---- setup and teardown ---------------------------------------------------------------------
     def prepare_data(self) -> None:

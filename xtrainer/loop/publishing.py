@@ -164,9 +164,10 @@ class DeferredWatch(NonFiniteWatch):
     def first_step(self, values: dict[str, float]) -> float:
         first = min(self.first_bad, values.pop(self._FIRST, self.NEVER))
         total = values.pop(self._SUM, None)
-        if self.on_host and self.losses:  # host memory: no transfer, no sync
+        if self.on_host and self.losses:
             first = min(first, next((step for step, loss in zip(self.steps, self.losses)
-                                     if not math.isfinite(loss.item())), self.NEVER))
+                                     if not math.isfinite(loss.item())),  # CPU tensors: no transfer, no sync
+                                    self.NEVER))
             self.losses, self.steps = [], []
         elif total is not None:  # read over the losses kept
             if not math.isfinite(total):
