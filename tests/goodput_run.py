@@ -4,7 +4,8 @@
 
 ``JSON_OPTIONS`` holds Trainer arguments plus: ``devices``, ``steps`` (max_steps), ``ckpt_path``,
 ``sleep_at`` / ``sleep_s`` (a callback sleeps that long in ``on_train_batch_start`` of that
-global step), ``term_at`` / ``kill_at`` (the process sends itself SIGTERM / SIGKILL after that global step),
+global step), ``deadlock_at`` (there, the main thread locks a mutex it holds, in C with the GIL
+held: stuck where no Python runs), ``term_at`` / ``kill_at`` (the process sends itself SIGTERM / SIGKILL after that global step),
 ``ckpt_every`` (a ``ModelCheckpoint`` saving every that many steps), ``goodput_write_every``
 (``Goodput(write_every=...)``), ``die_writing`` (SIGKILL
 in the middle of writing the checkpoint file whose name holds that text, printing the global step
@@ -38,6 +39,24 @@ class SleepInStep(Callback):
 
 def sleep_inside_the_step(seconds):
     time.sleep(seconds)
+
+
+class DeadlockInStep(Callback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            stuck_in_c_holding_the_gil()
+
+
+def stuck_in_c_holding_the_gil():
+    import ctypes
+
+    libc = ctypes.PyDLL(None)  # PyDLL: the call keeps the GIL
+    mutex = ctypes.create_string_buffer(64)  # zeros: an unlocked default mutex
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)  # never returns, signals or not
 
 
 class SignalAfter(Callback):
@@ -86,6 +105,8 @@ def main():
         die_while_writing(options.pop("die_writing"), options.pop("slow_write_s", 0.0))
     if "sleep_at" in options:
         callbacks.append(SleepInStep(options.pop("sleep_at"), options.pop("sleep_s")))
+    if "deadlock_at" in options:
+        callbacks.append(DeadlockInStep(options.pop("deadlock_at")))
     if "term_at" in options:
         callbacks.append(SignalAfter(options.pop("term_at"), signal.SIGTERM))
     if "kill_at" in options:

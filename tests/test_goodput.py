@@ -5,8 +5,10 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from conftest import Regressor, make_loader
@@ -80,18 +82,38 @@ def test_a_step_that_sleeps_past_the_limit_leaves_stacks_naming_it_and_the_run_g
     assert "no training step finished for" in run.stderr and "sleep_inside_the_step" in run.stderr
     [stacks] = [p for p in glob.glob(str(tmp_path / "version_0" / "hang-*.txt"))]
     text = open(stacks).read()
-    assert "sleep_inside_the_step" in text and 'Thread "MainThread"' in text
-    assert "hang_timeout=1.5" in text
+    assert "hang_timeout=1.5" in text and "innermost call first" in text
+    frames = text.split("Current thread")[1]  # the main thread, which took the monitor's signal
+    assert frames.index("in sleep_inside_the_step") < frames.index("in on_train_batch_start") < frames.index(" in run")
 
 
-def test_exit_on_hang_ends_the_run_non_zero_with_thread_replicas(tmp_path):
-    # The limit leaves room for the first steps' compilations on a busy machine.
-    run = run_fit(tmp_path, hang_timeout=10, exit_on_hang=True, sleep_at=4, sleep_s=120, steps=6, devices=2)
-    assert run.returncode != 0
-    assert "exit code 75" in run.stderr
+def test_exit_on_hang_ends_a_process_that_still_runs_python_with_exit_code_75(tmp_path):
+    run = run_fit(tmp_path, hang_timeout=3, exit_on_hang=True, sleep_at=4, sleep_s=120, steps=6)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert "exit code 75" in run.stderr and "SIGKILL" not in run.stderr
+    [stacks] = glob.glob(str(tmp_path / "version_0" / "hang-*.txt"))
+    assert "in sleep_inside_the_step" in open(stacks).read()
+
+
+def test_a_process_stuck_in_c_holding_the_gil_still_gives_its_stacks_and_is_killed_on_exit_on_hang(tmp_path):
+    # No thread of the process can run Python here: a watchdog thread would never get the GIL.
+    run = run_fit(tmp_path, hang_timeout=3, exit_on_hang=True, deadlock_at=4, steps=6)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    assert "did not end within" in run.stderr and "SIGKILL" in run.stderr
     [stacks] = glob.glob(str(tmp_path / "version_0" / "hang-*.txt"))
     text = open(stacks).read()
-    assert text.count(", in sleep_inside_the_step") == 2  # both replicas (threads of one process) sleep there
+    assert "in stuck_in_c_holding_the_gil" in text and "in on_train_batch_start" in text
+
+
+def test_exit_on_hang_ends_the_run_with_thread_replicas(tmp_path):
+    # The limit leaves room for the first steps' compilations on a busy machine. The replicas'
+    # threads cannot install a signal handler (only a main thread can): the monitor kills the process.
+    run = run_fit(tmp_path, hang_timeout=10, exit_on_hang=True, sleep_at=4, sleep_s=120, steps=6, devices=2)
+    assert run.returncode != 0
+    assert "the run looks hung" in run.stderr and "SIGKILL" in run.stderr
+    [stacks] = glob.glob(str(tmp_path / "version_0" / "hang-*.txt"))
+    text = open(stacks).read()
+    assert text.count(" in sleep_inside_the_step") == 2  # both replicas (threads of one process) sleep there
 
 
 def test_a_run_that_keeps_stepping_never_fires(tmp_path):
@@ -112,21 +134,56 @@ def test_the_automatic_limit_waits_for_compilations_then_follows_the_median_step
         Trainer(hang_timeout=-1)
 
 
-def test_the_watchdog_reads_progress_from_the_loop_counter_and_estimates_the_time_between_batches():
-    from types import SimpleNamespace
+def test_the_monitor_reads_progress_from_the_shared_counters_and_estimates_the_time_between_batches():
+    from xtrainer.launch.hang_monitor import Watch
 
-    from xtrainer.launch.watchdog import _Watch
-
-    loop = SimpleNamespace(batches_done=5)
-    watch = _Watch(loop)
-    start = watch.last
-    watch.read(start + 1.0)
-    assert (watch.steps, watch.last, list(watch.intervals)) == (0, start, [])  # nothing finished: idle since the start
-    loop.batches_done = 15
+    counters = [5, 0]  # training batches finished, other progress: as the training process stores them
+    watch = Watch(counters, now=100.0)
+    watch.read(101.0)
+    assert (watch.steps, watch.last, list(watch.intervals)) == (0, 100.0, [])  # nothing finished: idle since the start
+    counters[0] = 15
     watch.fired = True
-    watch.read(start + 3.0)
-    assert (watch.steps, watch.last, watch.fired) == (10, start + 3.0, False)
+    watch.read(103.0)
+    assert (watch.steps, watch.last, watch.fired) == (10, 103.0, False)
     assert list(watch.intervals) == [pytest.approx(0.3)]  # 10 batches in the 3 s since the watch began
+    counters[1] += 1  # a validation batch: progress, but no step time
+    watch.read(110.0)
+    assert (watch.steps, watch.last, len(watch.intervals)) == (10, 110.0, 1)
+
+
+def test_the_training_process_runs_no_thread_for_the_watchdog_and_its_monitor_ends_with_the_fit(tmp_path):
+    from xtrainer.strategies import NativeSingle
+
+    def monitors():
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        cmd = f.read().split(b"\0")
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    continue
+                if ppid == os.getpid() and any(part.endswith(b"hang_monitor.py") for part in cmd):
+                    found.append(int(entry))
+        return found
+
+    class Look(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                self.threads = set(threading.enumerate())
+                self.monitors = monitors()
+                self.progress = int(trainer.loop.progress[0])
+
+    before = set(threading.enumerate())
+    look = Look()
+    Trainer(strategy=NativeSingle(), max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[look]).fit(
+        Regressor(), make_loader(64, 8))
+    assert look.threads <= before  # no thread of its own (one of a pytest plugin's may have ended)
+    assert len(look.monitors) == 1 and look.progress == 2  # batches 0 and 1 were stored when batch 2 ended
+    assert monitors() == []  # ended and reaped with the fit
 
 
 # ---- MFU and tokens per second ----------------------------------------------------------------

@@ -2,60 +2,71 @@
 
 A TPU pod that hangs (a replica waiting in a collective for a peer that died, a data loader
 stuck on a remote file, a deadlock in user code) burns its reservation without a word. Here,
-when no training step finishes within a limit, every thread's Python stack (every replica's,
-where replicas are threads of one process; each process writes its own where they are
-processes) goes to the log (stderr) and to ``hang-<time>-pid<pid>.txt`` in the run folder; with
-``exit_on_hang=True`` the process then ends with exit code ``EXIT_CODE`` (75), so the restart
-loop (``until xtrainer fit ... ckpt_path=last; do :; done``) starts the run again from its last
-checkpoint instead of waiting for hours.
+when no training step finishes within a limit, every thread's Python stack goes to the log
+(stderr) and to ``hang-<time>-pid<pid>.txt`` in the run folder; with ``exit_on_hang=True`` the
+process then ends, with exit code ``EXIT_CODE`` (75) where it can still run Python and by SIGKILL
+where it cannot, so the restart loop (``until xtrainer fit ... ckpt_path=last; do :; done``)
+starts the run again from its last checkpoint instead of waiting for hours.
 
 The limit (``Trainer(hang_timeout=...)``): seconds, or ``"auto"`` (default): until a few steps
 have finished (the first ones compile), ``STARTUP_LIMIT``; then ``STEP_MULTIPLE`` times the
 median time between finished steps, never less than ``FLOOR``. ``None`` switches it off.
 
-A training batch "finishes" for the watchdog when the loop counts it done on the host
-(``LoopState.batches_done``), which the watchdog's thread reads each time it wakes (every
-``limit / 8`` seconds, 5 at most): nothing is added to a step, and the watchdog adds no host
-sync. Validation batches and checkpoint saves count as progress too. The median time between
-finished batches is estimated from those readings. A device that stops answering shows as a
-host thread stuck in the next read of logged values, which is where the stacks will point.
+The watching is done by a small monitor process beside the training process
+(``launch/hang_monitor.py``, standard library only), not by a thread inside it: a thread would
+keep watching only while the stuck call lets go of the GIL, and any second thread makes every
+allocation and GIL hand-over of the training process take glibc's thread-safe paths (about 1% of
+a small model's step on the CPU). The training process shares one slot of counters per replica
+with it: the fit loop stores its count of finished training batches after each batch (one store
+in shared memory, ``LoopState.progress``); validation batches and checkpoint saves count as
+progress too. Stacks are written by ``faulthandler`` on the monitor's signal, so a process stuck
+in C, holding the GIL or not, still says where. Nothing syncs the device.
+
+The monitor starts with the first replica's fit in the process and ends when the last one
+leaves; it also ends when the training process does, however that ends. Where it cannot start
+(no subprocess allowed, no ``faulthandler.register``: Windows), the run goes on without a
+watchdog after a warning.
 """
 
 from __future__ import annotations
 
-import collections
-import datetime
+import contextlib
+import faulthandler
+import json
+import mmap
 import os
-import statistics
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
-import time
-import traceback
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from xtrainer.callbacks.base import Callback
+from xtrainer.launch import hang_monitor
+from xtrainer.launch.hang_monitor import EXIT_CODE, FLOOR, STARTUP_LIMIT, STEP_MULTIPLE, WARM_STEPS  # noqa: F401
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
     from xtrainer.trainer import Trainer
 
-#: Exit code of a process the watchdog ends (``exit_on_hang=True``): EX_TEMPFAIL, "try again".
-EXIT_CODE = 75
-#: ``"auto"``: the limit before ``WARM_STEPS`` steps have finished (they compile; big models on
-#: TPU pods take tens of minutes), then a multiple of the median step time with a floor.
-STARTUP_LIMIT, WARM_STEPS, STEP_MULTIPLE, FLOOR = 3600.0, 3, 20.0, 300.0
+#: The signals the monitor sends: every thread's stacks (``faulthandler``), and the end of the
+#: process (``exit_on_hang``). Real-time signals nothing else uses; SIGUSR2 where there are none.
+_RTMIN = getattr(signal, "SIGRTMIN", None)
+STACKS_SIGNAL = _RTMIN + 6 if _RTMIN is not None else signal.SIGUSR2
+EXIT_SIGNAL = _RTMIN + 7 if _RTMIN is not None else None
 
 
 class HangWatchdog(Callback):
     """Watches that training steps keep finishing (added by the Trainer: ``hang_timeout``,
-    ``exit_on_hang``). ``fired`` lists the files written in this replica's process."""
+    ``exit_on_hang``)."""
 
     def __init__(self, timeout: float | str = "auto", exit_on_hang: bool = False) -> None:
         if not (timeout == "auto" or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
                                       and timeout > 0)):
             raise ValueError(f"HangWatchdog(timeout={timeout!r}): give seconds or 'auto'.")
         self.timeout, self.exit_on_hang = timeout, exit_on_hang
-        self.fired: list[str] = []
 
     # ---- the replica's side: host clock readings only ---------------------------------------
     def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
@@ -76,120 +87,140 @@ class HangWatchdog(Callback):
 
     # ---- the limit --------------------------------------------------------------------------
     def limit(self, intervals: list[float], steps: int) -> float:
-        """Seconds without a finished step after which the watchdog fires."""
-        if self.timeout != "auto":
-            return float(self.timeout)
-        if steps < WARM_STEPS or not intervals:
-            return STARTUP_LIMIT
-        return max(FLOOR, STEP_MULTIPLE * statistics.median(intervals))
+        """Seconds without a finished step after which the watchdog fires (``hang_monitor.limit``)."""
+        return hang_monitor.limit(self.timeout, intervals, steps)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_folder"}
 
 
-class _Watch:
-    """One replica's record, kept by the process's monitor: ``loop`` is the replica's
-    ``LoopState``, whose ``batches_done`` the monitor reads."""
-
-    def __init__(self, loop: Any) -> None:
-        self.loop = loop
-        self.last = time.monotonic()  # the last progress seen
-        self.done, self.seen_at = loop.batches_done, self.last  # batches finished, when last read
-        self.steps = 0  # batches finished since the watch began
-        self.intervals: collections.deque[float] = collections.deque(maxlen=200)
-        self.fired = False
-
-    def read(self, now: float) -> None:
-        """The batches finished since the last reading: progress, and one estimate of the time
-        between two of them (the mean over the readings' interval)."""
-        done = self.loop.batches_done
-        if done != self.done:
-            if done > self.done:
-                self.intervals.append((now - self.seen_at) / (done - self.done))
-                self.steps += done - self.done
-            self.done, self.seen_at = done, now
-            self.last, self.fired = now, False
-
-
 class _Monitor:
-    """The process's one watchdog thread, for every replica the process runs."""
+    """The training process's side of its monitor process: the shared counters, the control pipe,
+    the stacks file and the signal handlers, for every replica the process runs."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._watches: dict[int, tuple[HangWatchdog, _Watch]] = {}
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._slots: dict[int, tuple[int, Any]] = {}  # id(owner) -> (slot, the replica's LoopState)
+        self._process: subprocess.Popen | None = None
+        self._pid = 0  # the process that started the monitor (a forked child has none of its own)
+        self._words: memoryview | None = None
+        self._control = -1
+        self._stacks: Any = None
+        self._exit_handler: tuple[Any] | None = None  # EXIT_SIGNAL's handler before, where this installed one
 
     def join(self, owner: HangWatchdog, loop: Any) -> None:
         with self._lock:
-            self._watches[id(owner)] = (owner, _Watch(loop))
-            if self._thread is None or not self._thread.is_alive():
-                self._stop.clear()
-                self._thread = threading.Thread(target=self._run, name="xtrainer-hang-watchdog", daemon=True)
-                self._thread.start()
+            if self._process is None or self._pid != os.getpid():
+                self._forget()
+                try:
+                    self._start()
+                except (OSError, ValueError, AttributeError, RuntimeError) as err:
+                    self._stop()
+                    warnings.warn(f"xtrainer: the hang watchdog could not start its monitor process ({err}); "
+                                  "the run goes on without it (hang_timeout=None silences this).", stacklevel=2)
+                    return
+            slot = next(i for i in range(hang_monitor.SLOTS) if i not in {s for s, _ in self._slots.values()})
+            counters = self._words[slot * hang_monitor.SLOT_WORDS:(slot + 1) * hang_monitor.SLOT_WORDS]
+            counters[0], counters[1] = loop.batches_done, 0
+            self._slots[id(owner)] = (slot, loop)
+            loop.progress = counters[0:1]
+            self._send({"op": "join", "slot": slot, "timeout": owner.timeout, "exit_on_hang": owner.exit_on_hang,
+                        "folder": getattr(owner, "_folder", None) or os.getcwd()})
 
     def leave(self, owner: HangWatchdog) -> None:
         with self._lock:
-            self._watches.pop(id(owner), None)
-            if not self._watches and self._thread is not None:
-                self._stop.set()
-                self._thread = None
+            entry = self._slots.pop(id(owner), None)
+            if entry is None:
+                return
+            slot, loop = entry
+            loop.progress = None
+            if self._pid == os.getpid():
+                self._send({"op": "leave", "slot": slot})
+                if not self._slots:
+                    self._stop()
 
     def beat(self, owner: HangWatchdog) -> None:
         """Progress that is not a training step (a validation batch, a save)."""
-        entry = self._watches.get(id(owner))
-        if entry is not None:
-            entry[1].last, entry[1].fired = time.monotonic(), False
+        entry = self._slots.get(id(owner))
+        if entry is not None and self._words is not None:
+            self._words[entry[0] * hang_monitor.SLOT_WORDS + 1] += 1
 
-    def _run(self) -> None:
-        stop = self._stop
-        while not stop.is_set():
-            with self._lock:
-                entries = list(self._watches.values())
-            period = 5.0
-            for owner, watch in entries:
-                watch.read(time.monotonic())
-                limit = owner.limit(list(watch.intervals), watch.steps)
-                period = min(period, max(limit / 8, 0.05))
-                idle = time.monotonic() - watch.last
-                if idle >= limit and not watch.fired:
-                    watch.fired = True
-                    self._fire(owner, idle, limit)
-            stop.wait(period)
-
-    def _fire(self, owner: HangWatchdog, idle: float, limit: float) -> None:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        folder = getattr(owner, "_folder", None) or os.getcwd()
-        path = os.path.join(folder, f"hang-{stamp}-pid{os.getpid()}.txt")
-        report = (f"xtrainer: no training step finished for {idle:.0f} s (limit {limit:.0f} s, "
-                  f"hang_timeout={owner.timeout!r}). Python stacks of every thread of process {os.getpid()}:\n\n"
-                  + python_stacks())
+    # ---- the monitor process ----------------------------------------------------------------
+    def _start(self) -> None:
+        if not hasattr(faulthandler, "register"):
+            raise RuntimeError("this platform has no faulthandler.register")
+        if not sys.executable:
+            raise RuntimeError("no Python executable to start it with (sys.executable is empty)")
+        memory = _anonymous_file("xtrainer-hang-counters")
+        os.write(memory, bytes(hang_monitor.MEMORY_BYTES))  # allocated now: no fault on a full disk later
+        self._words = memoryview(mmap.mmap(memory, hang_monitor.MEMORY_BYTES)).cast("q")
+        stacks = _anonymous_file("xtrainer-hang-stacks")
+        self._stacks = open(stacks, "wb", buffering=0)
+        faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
+        exit_signal = 0
+        if EXIT_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+            self._exit_handler = (signal.signal(EXIT_SIGNAL, _exit_on_hang),)
+            exit_signal = EXIT_SIGNAL
+        read, self._control = os.pipe()
         try:
-            os.makedirs(folder, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(report)
-            owner.fired.append(path)
-            where = f"written to {path}"
-        except OSError as err:
-            where = f"not written to {path} ({err})"
-        print(report + f"\n(stacks {where})", file=sys.stderr, flush=True)
-        if owner.exit_on_hang:
-            print(f"xtrainer: the run looks hung; ending the process with exit code {EXIT_CODE} (exit_on_hang=True) "
-                  "so that a restart loop resumes it from its last checkpoint.", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(EXIT_CODE)
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", "-S", hang_monitor.__file__, str(os.getpid()), str(read), str(memory),
+                 str(stacks), str(STACKS_SIGNAL), str(exit_signal)],
+                pass_fds=(read, memory, stacks), stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            os.close(read)
+            os.close(memory)  # mapped; the monitor has its own descriptor
+        self._pid = os.getpid()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):  # a monitor that ended: the run goes on without it
+            os.write(self._control, (json.dumps(message) + "\n").encode())
+
+    def _stop(self) -> None:
+        """Close the pipe (the monitor ends at once), reap it, and put the signals back."""
+        if self._control >= 0:
+            os.close(self._control)
+            self._control = -1
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=hang_monitor.DUMP_WAIT + hang_monitor.GRACE + 5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+        with contextlib.suppress(Exception):
+            faulthandler.unregister(STACKS_SIGNAL)  # after the monitor's end: no signal comes late
+        if self._exit_handler is not None:
+            previous = self._exit_handler[0]
+            signal.signal(EXIT_SIGNAL, signal.SIG_DFL if previous is None else previous)
+            self._exit_handler = None
+        if self._stacks is not None:
+            self._stacks.close()
+            self._stacks = None
+        self._words = None  # the mapping goes with the last view (LoopState.progress is reset)
+
+    def _forget(self) -> None:
+        """In a forked child of the process that started a monitor: that monitor is not its own."""
+        if self._process is not None and self._pid != os.getpid():
+            self._process, self._control, self._stacks, self._words, self._exit_handler = None, -1, None, None, None
+            self._slots.clear()
 
 
-def python_stacks() -> str:
-    """Every thread's Python stack, named, innermost call last (host-side only)."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    parts = []
-    for ident, frame in sys._current_frames().items():
-        if names.get(ident) == "xtrainer-hang-watchdog":
-            continue
-        stack = "".join(traceback.format_stack(frame))
-        parts.append(f'Thread "{names.get(ident, "?")}" ({ident}):\n{stack}')
-    return "\n".join(parts)
+def _anonymous_file(name: str) -> int:
+    """A file with no name (in memory where the system has ``memfd_create``), as a descriptor."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(name)
+    fd, path = tempfile.mkstemp(prefix=name)
+    os.unlink(path)
+    return fd
+
+
+def _exit_on_hang(signum: int, frame: Any) -> None:
+    """The monitor's end of a hung process (``exit_on_hang``), where Python still runs here."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(EXIT_CODE)
 
 
 _monitor = _Monitor()

@@ -72,6 +72,7 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         watch_stops = trainer.strategy.reads_preemption_notice or trainer.max_time is not None
         step = manual_training_step if not trainer._optim.automatic else training_step
         table = trainer._hooks
+        progress = loop.progress
         for batch_idx, batch in batches:
             is_last = trainer.is_last_batch = batch_idx + 1 >= last
             hooks = table.batch(trainer, trainer._module, trainer.callbacks)
@@ -81,6 +82,8 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
             loop.validation_pending = validate_every is not None and (batch_idx + 1) % validate_every == 0
             step(trainer, batch, batch_idx, hooks)
             loop.batches_done += 1
+            if progress is not None:
+                progress[0] = loop.batches_done  # what the hang watchdog's monitor process reads
             if loop.batches_done == publisher.vote_due:  # the replicas' agreement started a batch ago
                 publisher.settle_vote(trainer)
             if loop.validation_pending:

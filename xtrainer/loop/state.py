@@ -21,8 +21,10 @@ class LoopState:
     checkpoints are written). ``stepped``: the last training batch ended with an optimizer step
     (a stop waits for one). ``skip_batches``: batches of the resumed epoch already trained.
     ``seed``: the run's seed (data order, each replica's device generator). ``batches_done``:
-    training batches finished by this process's fits, counted on the host (not saved: the hang
-    watchdog's thread reads it to see progress).
+    training batches finished by this replica's fits, counted on the host (not saved).
+    ``progress``: while the hang watchdog watches the fit, a one-element view of memory shared
+    with its monitor process, where the loop stores ``batches_done`` after each batch
+    (``launch/watchdog.py``); else None.
     """
 
     global_step: int = 0
@@ -35,6 +37,10 @@ class LoopState:
     skip_batches: int = 0
     seed: int = 0
     batches_done: int = 0
+    progress: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "progress": None}  # the shared memory stays with its process
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's ``"loops"`` entry (names as ``xtrainer.checkpoint.format`` documents)."""
