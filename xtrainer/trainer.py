@@ -79,7 +79,8 @@ class Trainer:
         hang_timeout, exit_on_hang: when no training step finishes for ``hang_timeout`` seconds
             (``"auto"``: a multiple of the median step, at least minutes; None: never), write every
             thread's Python stack to the log and the run folder, and with ``exit_on_hang`` end the
-            process with exit code 75 so that a restart loop goes on (``xtrainer/launch/watchdog.py``).
+            process (exit code 75, or SIGKILL where it cannot run Python) so that a restart loop
+            goes on (``xtrainer/launch/watchdog.py``).
         enable_goodput: account wall time (compiling, data, checkpoints, restarts, steps lost to
             preemption) per run and across restarts, in ``goodput.json`` (``xtrainer/goodput.py``).
         async_checkpointing: write whole-file checkpoints in a background thread; the loop pays only

@@ -25,6 +25,7 @@ process's to handle, and the monitor keeps watching while it saves.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import mmap
@@ -159,7 +160,7 @@ class Monitor:
                 where = f"written to {path}"
             except OSError as err:
                 where = f"not written to {path} ({err})"
-            print(report + f"\n(stacks {where})", file=sys.stderr, flush=True)
+            say(report + f"\n(stacks {where})")
         if any(watch.exit_on_hang for watch, _, _ in due):
             self.end_process()
 
@@ -187,9 +188,8 @@ class Monitor:
         """``exit_on_hang``: ``os._exit(EXIT_CODE)`` in the process where it can run Python, else
         SIGKILL."""
         if self.exit_signal and self.signal(self.exit_signal):
-            print(f"xtrainer: the run looks hung; ending process {self.pid} with exit code {EXIT_CODE} "
-                  "(exit_on_hang=True) so that a restart loop resumes it from its last checkpoint.",
-                  file=sys.stderr, flush=True)
+            say(f"xtrainer: the run looks hung; ending process {self.pid} with exit code {EXIT_CODE} "
+                "(exit_on_hang=True) so that a restart loop resumes it from its last checkpoint.")
             deadline = time.monotonic() + GRACE
             while time.monotonic() < deadline:
                 if os.getppid() != self.pid:
@@ -198,8 +198,8 @@ class Monitor:
             how = f"it did not end within {GRACE:.0f} s (stuck where Python cannot run)"
         else:
             how = "its stuck threads cannot end it themselves"
-        print(f"xtrainer: the run looks hung and {how}; killing process {self.pid} (SIGKILL, exit_on_hang=True) "
-              "so that a restart loop resumes it from its last checkpoint.", file=sys.stderr, flush=True)
+        say(f"xtrainer: the run looks hung and {how}; killing process {self.pid} (SIGKILL, exit_on_hang=True) "
+            "so that a restart loop resumes it from its last checkpoint.")
         self.signal(signal.SIGKILL)
 
     def signal(self, signum: int) -> bool:
@@ -208,6 +208,12 @@ class Monitor:
             return True
         except OSError:
             return False
+
+
+def say(text: str) -> None:
+    """To the stderr the monitor shares with its training process (a closed one loses only this)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(text, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> None:

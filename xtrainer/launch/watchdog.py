@@ -151,25 +151,26 @@ class _Monitor:
             raise RuntimeError("this platform has no faulthandler.register")
         if not sys.executable:
             raise RuntimeError("no Python executable to start it with (sys.executable is empty)")
-        memory = _anonymous_file("xtrainer-hang-counters")
-        os.write(memory, bytes(hang_monitor.MEMORY_BYTES))  # allocated now: no fault on a full disk later
-        self._words = memoryview(mmap.mmap(memory, hang_monitor.MEMORY_BYTES)).cast("q")
-        stacks = _anonymous_file("xtrainer-hang-stacks")
-        self._stacks = open(stacks, "wb", buffering=0)
-        faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
-        exit_signal = 0
-        if EXIT_SIGNAL is not None and threading.current_thread() is threading.main_thread():
-            self._exit_handler = (signal.signal(EXIT_SIGNAL, _exit_on_hang),)
-            exit_signal = EXIT_SIGNAL
-        read, self._control = os.pipe()
+        memory, read = _anonymous_file("xtrainer-hang-counters"), -1
         try:
+            os.write(memory, bytes(hang_monitor.MEMORY_BYTES))  # allocated now: no fault on a full disk later
+            self._words = memoryview(mmap.mmap(memory, hang_monitor.MEMORY_BYTES)).cast("q")
+            self._stacks = open(_anonymous_file("xtrainer-hang-stacks"), "wb", buffering=0)
+            stacks = self._stacks.fileno()
+            faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
+            exit_signal = 0
+            if EXIT_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+                self._exit_handler = (signal.signal(EXIT_SIGNAL, _exit_on_hang),)
+                exit_signal = EXIT_SIGNAL
+            read, self._control = os.pipe()
             self._process = subprocess.Popen(
                 [sys.executable, "-I", "-S", hang_monitor.__file__, str(os.getpid()), str(read), str(memory),
                  str(stacks), str(STACKS_SIGNAL), str(exit_signal)],
                 pass_fds=(read, memory, stacks), stdin=subprocess.DEVNULL, close_fds=True)
-        finally:
-            os.close(read)
-            os.close(memory)  # mapped; the monitor has its own descriptor
+        finally:  # mapped, and the monitor has descriptors of its own
+            os.close(memory)
+            if read >= 0:
+                os.close(read)
         self._pid = os.getpid()
 
     def _send(self, message: dict[str, Any]) -> None:
