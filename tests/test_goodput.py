@@ -186,6 +186,17 @@ def test_the_training_process_runs_no_thread_for_the_watchdog_and_its_monitor_en
     assert monitors() == []  # ended and reaped with the fit
 
 
+def test_a_monitor_that_cannot_start_leaves_a_warning_and_the_run_goes_on(tmp_path, monkeypatch):
+    from xtrainer.strategies import NativeSingle
+
+    monkeypatch.setattr(sys, "executable", "")  # an embedding interpreter with no executable to start
+    with pytest.warns(UserWarning, match="hang watchdog could not start its monitor process"):
+        trainer = Trainer(strategy=NativeSingle(), max_steps=3, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+        trainer.fit(Regressor(), make_loader(64, 8))
+    assert trainer.global_step == 3 and trainer.loop.progress is None
+
+
 # ---- MFU and tokens per second ----------------------------------------------------------------
 class Recorder(Callback):
     """Collects the values handed to the loggers (``on_metrics``)."""
