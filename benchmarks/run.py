@@ -33,10 +33,7 @@ over gloo), each also with ``compile=True`` (``..._compile``), against hand-writ
 Each process keeps a batch of 64; the figure is rank 0's CPU time per step.
 
 Every measurement is a process of its own (``--one``), run interleaved with the others and
-repeated, so that noise shows. With ``--native --side-by-side``, each one-process native
-contender runs at the same time as its hand-written loop (one core each; both start measuring
-when both have finished their warm-up), so that what the machine's neighbours do at that moment
-weighs on both sides of their ratio. Inside it, the steady-state rate and the CPU time per step are
+repeated, so that noise shows. Inside it, the steady-state rate and the CPU time per step are
 measured between host reads after a warm-up (compilation excluded); the time to the first step
 includes compiling. Ratios to the hand loop pair each run with the hand loop of the same repeat
 that uses the same AdamW path (``hand`` or ``hand_foreach``); the head-to-head table pairs each
@@ -56,7 +53,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Callable
 
@@ -229,8 +225,6 @@ class Probe(Callback):
                 _xla.wait_device_ops()  # host sync: the first step's end, compile included
             self.first_step = time.time() - self.started
         if step >= self.warmup and step % trainer.log_every_n_steps == 0:  # the Trainer just read values
-            if not self.marks:
-                meet()
             counts = {"compiles": _xla.compile_count(), "transfers": _xla.transfer_from_device_count()} \
                 if self.xla else {}
             if not self.marks:
@@ -290,19 +284,6 @@ def measure(workload: str, contender: str, steps: int, warmup: int, devices: int
     return summarize(state, batch * devices)
 
 
-def meet() -> None:
-    """Side by side (``--side-by-side``): wait here, at the first mark, until the other process of
-    the pair has reached its own, so that both measure the same stretch of the machine's time.
-    Waiting sleeps: it costs no CPU time and no step is running."""
-    folder = os.environ.get("XTRAINER_BENCH_MEET")
-    if not folder:
-        return
-    open(os.path.join(folder, str(os.getpid())), "w").close()
-    deadline = time.monotonic() + 900
-    while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.001)
-
-
 class Marks:
     """The measurement of a loop that is not xtrainer's: a mark at each host read after the
     warm-up (the steady state lies between the first and the last), the first step's end, and
@@ -325,8 +306,6 @@ class Marks:
 
     def mark(self, step: int) -> None:
         """Called just after the loop read its logged values (the interval's host read)."""
-        if not self.marks:
-            meet()
         if self.xla:
             self.ends = {"compiles": _xla.compile_count(), "transfers": _xla.transfer_from_device_count()}
             if not self.marks:
@@ -498,34 +477,17 @@ def summarize(state: dict, samples_per_step: int) -> dict:
 
 # ---- the driver ----------------------------------------------------------------------------------
 def run_one(workload: str, contender: str, args: argparse.Namespace, devices: int = 1) -> dict | None:
-    return run_together(workload, [contender], args, devices)[0]
-
-
-def run_together(workload: str, contenders: list[str], args: argparse.Namespace, devices: int = 1
-                 ) -> list[dict | None]:
-    """Each of ``contenders`` in a process of its own, all at the same time (more than one: side by
-    side, meeting at their first mark)."""
     steps, warmup = (args.steps[workload], args.warmup)
+    cmd = [sys.executable, __file__, "--one", workload, contender, str(steps), str(warmup), str(devices), str(args.every)]
     env = dict(os.environ)
-    if all(contender in NATIVE for contender in contenders):  # one intra-op thread per process, as torchrun
-        env.setdefault("OMP_NUM_THREADS", "1")  # sets it: see native_table
-    with tempfile.TemporaryDirectory(prefix="xtrainer-bench-meet-") as folder:
-        if len(contenders) > 1:
-            env["XTRAINER_BENCH_MEET"] = folder
-        procs = [subprocess.Popen([sys.executable, __file__, "--one", workload, contender, str(steps), str(warmup),
-                                   str(devices), str(args.every)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                 for contender in contenders]
-        outs = [proc.communicate(timeout=1800) for proc in procs]
-    found = []
-    for contender, proc, (stdout, stderr) in zip(contenders, procs, outs):
-        lines = [line for line in stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            print(f"  {workload}/{contender}/x{devices} failed:\n{stderr[-1500:]}", flush=True)
-            found.append(None)
-        else:
-            found.append(json.loads(lines[-1]))
-    return found
+    if contender in NATIVE:  # one intra-op thread per process, as torchrun sets it: see native_table
+        env.setdefault("OMP_NUM_THREADS", "1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        print(f"  {workload}/{contender}/x{devices} failed:\n{done.stderr[-1500:]}", flush=True)
+        return None
+    return json.loads(lines[-1])
 
 
 def runs_on(workload: str, contender: str) -> bool:
@@ -555,11 +517,6 @@ def main() -> None:
                         help="only the native strategies and the hand-written eager loops, on mlp and lm (or "
                              "--workloads, --contenders among them); their table replaces the native section of "
                              "RESULTS.md")
-    parser.add_argument("--side-by-side", action="store_true",
-                        help="with --native: run each one-process native contender at the same time as its "
-                             "hand-written loop (one core each, measuring the same stretch of time), so that the "
-                             "machine's drift cancels in their ratio; the DDP contenders, which need both cores, "
-                             "run one at a time as before")
     parser.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -588,18 +545,11 @@ def main() -> None:
     if args.native:
         contenders = args.contenders
     results: Results = {}
-    pairs = side_by_side_pairs(contenders) if args.native and args.side_by_side else {}
     for r in range(args.repeats):
         for workload in args.workloads:
             for contender in contenders:  # interleaved: every contender once per repeat
-                if contender in pairs.values() or not runs_on(workload, contender):
-                    continue  # a hand loop measured beside its native contender
-                devices = native_processes(contender)
-                if contender in pairs:
-                    hand = pairs[contender]
-                    for name, out in zip((hand, contender), run_together(workload, [hand, contender], args)):
-                        record(results, (workload, name, 1), r, out)
-                else:
+                if runs_on(workload, contender):
+                    devices = native_processes(contender)
                     record(results, (workload, contender, devices), r, run_one(workload, contender, args, devices))
         if not args.no_scaling:
             for devices in (2, 4):
@@ -613,12 +563,6 @@ def main() -> None:
         write_native_results(results, args)
     else:
         write_results(results, args, contenders)
-
-
-def side_by_side_pairs(contenders: list[str]) -> dict[str, str]:
-    """The one-process native contenders among ``contenders`` whose hand loop is there too, to it."""
-    return {c: c.replace("native", "eager") for c in contenders
-            if c.startswith("native") and native_processes(c) == 1 and c.replace("native", "eager") in contenders}
 
 
 def native_processes(contender: str) -> int:
@@ -750,11 +694,7 @@ def native_table(results: Results, args: argparse.Namespace) -> list[str]:
              f"`python benchmarks/run.py --native{' --quick' if args.quick else ''}"
              f"{' --workloads ' + ' '.join(args.workloads) if args.workloads != ['mlp', 'lm'] else ''}"
              f"{f' --steps {args.steps_given}' if args.steps_given else ''}"
-             f"{f' --repeats {args.repeats}' if args.repeats != 3 and not args.quick else ''}"
-             f"{' --side-by-side' if args.side_by_side else ''}`."
-             + (" One-process rows: each run at the same time as its hand-written loop's run, one core each, both "
-                "measuring from the moment both reached their warm-up's end (the machine's drift cancels in the "
-                "ratio); the DDP rows, one run at a time." if args.side_by_side else ""), "",
+             f"{f' --repeats {args.repeats}' if args.repeats != 3 and not args.quick else ''}`.", "",
              "*CPU ms/step*: rank 0's CPU time per step (every thread of its process) between host reads after "
              "the warm-up. *Overhead*: the contender's CPU time over the hand loop's of the same repeat, minus 1 "
              "(the goal: at most +3%).", "",
