@@ -197,7 +197,7 @@ class Monitor:
                 time.sleep(0.05)
             how = f"it did not end within {GRACE:.0f} s (stuck where Python cannot run)"
         else:
-            how = "its stuck threads cannot end it themselves"
+            how = "it has no handler to end it from inside (its fit did not start on its main thread)"
         say(f"xtrainer: the run looks hung and {how}; killing process {self.pid} (SIGKILL, exit_on_hang=True) "
             "so that a restart loop resumes it from its last checkpoint.")
         self.signal(signal.SIGKILL)
