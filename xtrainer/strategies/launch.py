@@ -33,6 +33,7 @@ import torch
 
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.launch import interrupts
+from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE
 from xtrainer.launch.interrupts import TrainingInterrupted
 from xtrainer.strategies import cpu_threads, shared_process
 from xtrainer.strategies.process import end_now, run_in_new_process
@@ -119,6 +120,8 @@ class _StartedReplicas(Launcher):
                     f"Stopped by {signal.Signals(signum).name}: the replicas' process ended before it could stop "
                     "gracefully (while starting or finishing); any checkpoint written before is intact. Resume "
                     "with fit(..., ckpt_path='last').", signum)
+            if exitcode == HANG_EXIT_CODE:
+                raise RuntimeError(HANG_ENDED)
             if exitcode != 0:
                 how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
                 when = "after rank 0 had finished" if os.path.exists(job.result_path) else "before rank 0 finished"
@@ -143,12 +146,19 @@ class _StartedReplicas(Launcher):
         the replicas return normally)."""
 
 
+#: A replica's process that the hang watchdog ended where it could still run Python (exit_on_hang).
+HANG_ENDED = ("The replicas' process was ended by the hang watchdog (exit_on_hang=True): no training step finished "
+              "within hang_timeout. Every thread's stack is above and in hang-*.txt in the run folder. Checkpoints "
+              "written before are intact: resume with fit(..., ckpt_path='last').")
+
+
 def _killed_error(rank: int, signum: int, finished: bool) -> RuntimeError:
     """The error of a replica process that a signal ended (``finished``: after rank 0 had
     returned its result)."""
     name = signal.Signals(signum).name if signum in signal.valid_signals() else f"signal {signum}"
     why = ("SIGKILL comes from outside the process: most often the kernel's out-of-memory killer (`dmesg` says so), "
-           "or a scheduler or a person ending it" if signum == signal.SIGKILL else
+           "a scheduler or a person ending it, or the hang watchdog (exit_on_hang=True; it says so above and leaves "
+           "hang-*.txt in the run folder)" if signum == signal.SIGKILL else
            "a crash in native code; its output above (Python stacks of every thread) may say where")
     return RuntimeError(f"Replica {rank}'s process was ended by {name} (signal {signum})"
                         f"{' after rank 0 had finished' if finished else ''}: {why}. Checkpoints written before are "
