@@ -195,6 +195,18 @@ class Pause(Callback):
                 f.write(str(trainer.global_step))
 
 
+class SleepOnRankOne(Callback):
+    """Rank 1 stops stepping (sleeps) before its batch of global step ``at``; the others go on
+    into the step's collectives and wait there."""
+
+    def __init__(self, at: int = 3) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.at and trainer.global_rank == 1:
+            time.sleep(600)
+
+
 def whole_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The module's whole weights on the host; DTensors (native_fsdp under torchrun) are gathered,
     which every process must do."""

@@ -21,7 +21,7 @@ import torch
 
 import native_run
 from xtrainer import XModule
-from xtrainer.callbacks import Callback
+from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE
 from test_native import _assert_bitwise, _env, _paused_run, _resumed_bitwise, _weights
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -250,30 +250,28 @@ def test_evaluation_data_padded_for_the_replicas_is_said(tmp_path, capfd):
         assert (said in err) == (samples == 33), err[-2000:]
 
 
-class _SleepOnRankOne(Callback):
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if trainer.global_step == 3 and trainer.global_rank == 1:
-            time.sleep(600)
-
-
 @pytest.mark.multi_device
-def test_a_replica_stuck_while_the_other_waits_in_a_collective_is_ended_by_the_hang_watchdog(tmp_path, capfd):
-    """Real processes: rank 1 stops stepping, rank 0 waits for it in gloo. Each process's monitor
-    writes its stacks and ends it; the caller says the watchdog ended the run and how to resume."""
-    from torch.utils.data import DataLoader
-
-    from xtrainer import Trainer
-
-    trainer = Trainer(strategy="native_ddp", devices=2, accelerator="cpu", max_steps=12, logger=False,
-                      enable_checkpointing=False, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_model_summary=False, hang_timeout=6, exit_on_hang=True, callbacks=[_SleepOnRankOne()])
+def test_a_replica_stuck_while_the_other_waits_in_a_collective_is_ended_by_the_hang_watchdog(tmp_path):
+    """``xtrainer fit`` on 2 real processes: rank 1 stops stepping, rank 0 waits for it in gloo.
+    Each process's monitor writes its stacks and ends it; the command says the watchdog ended the
+    run, how to resume, and exits with the watchdog's code, as a one-process run would."""
+    exe = os.path.join(os.path.dirname(sys.executable), "xtrainer")
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  _target_: conftest.Regressor\ndata:\n  _target_: conftest.RegressionData\n"
+                      "  batch_size: 4\n")
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"ended by the hang watchdog|hang watchdog \(exit_on_hang=True"):
-        trainer.fit(native_run.ExactNet(), DataLoader(native_run.make_data(64), batch_size=4))
+    run = subprocess.run([exe, "fit", "--config", str(config), "trainer.strategy=native_ddp", "trainer.devices=2",
+                          "trainer.accelerator=cpu", "trainer.max_steps=12", "trainer.logger=false",
+                          "trainer.enable_checkpointing=false", "trainer.enable_progress_bar=false",
+                          f"trainer.default_root_dir={tmp_path}", "trainer.hang_timeout=6", "trainer.exit_on_hang=true",
+                          "callbacks=[{_target_: native_run.SleepOnRankOne}]"],
+                         cwd=os.path.dirname(os.path.abspath(__file__)), env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == HANG_EXIT_CODE, run.stderr[-3000:]
     assert time.monotonic() - started < 120
+    assert "ended by the hang watchdog" in run.stderr and "ckpt_path='last'" in run.stderr
     reports = sorted(glob.glob(str(tmp_path / "version_0" / "hang-*.txt")))
-    assert reports, capfd.readouterr().err[-3000:]
-    assert any("in on_train_batch_start" in open(path).read() for path in reports)  # rank 1's sleep, named
+    assert any("in on_train_batch_start" in open(path).read() for path in reports), run.stderr[-3000:]  # rank 1's sleep
 
 
 @pytest.mark.multi_device

@@ -271,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         _import_from_current_folder()
     from xtrainer.config import ConfigError
     from xtrainer.launch import interrupts
+    from xtrainer.launch.hang_monitor import RunHung
 
     try:
         return args.run(args)
-    except interrupts.TrainingInterrupted as err:
+    except (interrupts.TrainingInterrupted, RunHung) as err:
         print(f"xtrainer {args.command}: {err}", file=sys.stderr, flush=True)
         return err.exit_code
     except ConfigError as err:

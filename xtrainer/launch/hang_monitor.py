@@ -52,6 +52,13 @@ DUMP_WAIT, GRACE = 5.0, 5.0
 MAX_PERIOD = 1.0
 
 
+class RunHung(RuntimeError):
+    """Raised where a replicas' process that the watchdog ended (``exit_on_hang``) is waited for;
+    the ``xtrainer`` command exits with ``EXIT_CODE`` for it, as the ended process did."""
+
+    exit_code = EXIT_CODE
+
+
 def limit(timeout: float | str, intervals: list[float], steps: int) -> float:
     """Seconds without a finished step after which the watchdog fires: ``timeout`` seconds, or
     for ``"auto"`` ``STARTUP_LIMIT`` until ``WARM_STEPS`` steps have finished, then

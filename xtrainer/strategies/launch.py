@@ -34,6 +34,7 @@ import torch
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.launch import interrupts
 from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE
+from xtrainer.launch.hang_monitor import RunHung
 from xtrainer.launch.interrupts import TrainingInterrupted
 from xtrainer.strategies import cpu_threads, shared_process
 from xtrainer.strategies.process import end_now, run_in_new_process
@@ -121,7 +122,7 @@ class _StartedReplicas(Launcher):
                     "gracefully (while starting or finishing); any checkpoint written before is intact. Resume "
                     "with fit(..., ckpt_path='last').", signum)
             if exitcode == HANG_EXIT_CODE:
-                raise RuntimeError(HANG_ENDED)
+                raise RunHung(HANG_ENDED)
             if exitcode != 0:
                 how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
                 when = "after rank 0 had finished" if os.path.exists(job.result_path) else "before rank 0 finished"
