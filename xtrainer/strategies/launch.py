@@ -33,8 +33,7 @@ import torch
 
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.launch import interrupts
-from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE
-from xtrainer.launch.hang_monitor import RunHung
+from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE, RunHung
 from xtrainer.launch.interrupts import TrainingInterrupted
 from xtrainer.strategies import cpu_threads, shared_process
 from xtrainer.strategies.process import end_now, run_in_new_process
