@@ -119,7 +119,8 @@ class _Monitor:
                     warnings.warn(f"xtrainer: the hang watchdog could not start its monitor process ({err}); "
                                   "the run goes on without it (hang_timeout=None silences this).", stacklevel=2)
                     return
-            slot = next(i for i in range(hang_monitor.SLOTS) if i not in {s for s, _ in self._slots.values()})
+            taken = {slot for slot, _ in self._slots.values()}
+            slot = next(i for i in range(hang_monitor.SLOTS) if i not in taken)
             counters = self._words[slot * hang_monitor.SLOT_WORDS:(slot + 1) * hang_monitor.SLOT_WORDS]
             counters[0], counters[1] = loop.batches_done, 0
             self._slots[id(owner)] = (slot, loop)

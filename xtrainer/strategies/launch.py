@@ -106,8 +106,9 @@ class _StartedReplicas(Launcher):
                 job.raise_failure(cause=err)
                 raise
             killed = self.killed_replica()
-            if killed is not None:  # the others' errors (a lost connection) followed from it
-                error = _killed_error(*killed, finished=os.path.exists(job.result_path))
+            error = (_killed_error(*killed, finished=os.path.exists(job.result_path)) if killed is not None
+                     else RunHung(HANG_ENDED) if exitcode == HANG_EXIT_CODE else None)
+            if error is not None:  # the others' errors (a lost connection) followed from it
                 try:
                     job.raise_failure()
                 except BaseException as consequence:
@@ -120,8 +121,6 @@ class _StartedReplicas(Launcher):
                     f"Stopped by {signal.Signals(signum).name}: the replicas' process ended before it could stop "
                     "gracefully (while starting or finishing); any checkpoint written before is intact. Resume "
                     "with fit(..., ckpt_path='last').", signum)
-            if exitcode == HANG_EXIT_CODE:
-                raise RunHung(HANG_ENDED)
             if exitcode != 0:
                 how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
                 when = "after rank 0 had finished" if os.path.exists(job.result_path) else "before rank 0 finished"
@@ -146,7 +145,7 @@ class _StartedReplicas(Launcher):
         the replicas return normally)."""
 
 
-#: A replica's process that the hang watchdog ended where it could still run Python (exit_on_hang).
+#: A replicas' process that the hang watchdog ended where it could still run Python (exit_on_hang).
 HANG_ENDED = ("The replicas' process was ended by the hang watchdog (exit_on_hang=True): no training step finished "
               "within hang_timeout. Every thread's stack is above and in hang-*.txt in the run folder. Checkpoints "
               "written before are intact: resume with fit(..., ckpt_path='last').")
