@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -207,6 +208,21 @@ class SleepOnRankOne(Callback):
             time.sleep(600)
 
 
+class Threads(Callback):
+    """The names of the Python threads of rank 0's process and its caller's pid, seen mid-fit
+    (handed back to the caller, as callback state is)."""
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            self.names, self.parent = sorted(t.name for t in threading.enumerate()), os.getppid()
+
+    def state_dict(self):
+        return {"names": getattr(self, "names", None), "parent": getattr(self, "parent", None)}
+
+    def load_state_dict(self, state):
+        self.names, self.parent = state["names"], state["parent"]
+
+
 def whole_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The module's whole weights on the host; DTensors (native_fsdp under torchrun) are gathered,
     which every process must do."""
@@ -229,7 +245,7 @@ def fit(strategy, devices: int, root: str, steps: int, global_batch: int, ckpt_p
                       log_every_n_steps=kwargs.pop("log_every_n_steps", 2),
                       num_sanity_val_steps=0,
                       callbacks=[ModelCheckpoint(every_n_train_steps=every_n_train_steps, save_last=True),
-                                 Pause(pause, ready, root)], **kwargs)
+                                 Pause(pause, ready, root), *kwargs.pop("callbacks", [])], **kwargs)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     return trainer, model
 

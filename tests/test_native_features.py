@@ -275,6 +275,17 @@ def test_a_replica_stuck_while_the_other_waits_in_a_collective_is_ended_by_the_h
 
 
 @pytest.mark.multi_device
+def test_the_processes_of_devices_2_run_no_python_thread_of_ours(tmp_path):
+    """Each process of ``devices=2`` ends with its caller through the parent-death signal, not a
+    watching thread: a second thread costs every step (glibc's locks and allocator leave their
+    single-threaded paths, and its wake-ups take the GIL). gloo's threads are C++ threads."""
+    threads = native_run.Threads()
+    trainer, _ = native_run.fit("native_ddp", 2, str(tmp_path), STEPS, 8, callbacks=[threads])
+    assert trainer.global_step == STEPS
+    assert threads.parent == os.getpid()  # rank 0 ran in a process of this caller's
+    assert threads.names == ["MainThread"], threads.names
+
+
 def test_a_replica_killed_by_sigkill_is_named_and_the_run_resumes(tmp_path):
     """SIGKILL to replica 1's process (what the out-of-memory killer sends): the error names that
     replica and the signal, not the lost connection replica 0 then met; the run resumes from its

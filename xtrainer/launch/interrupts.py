@@ -138,12 +138,17 @@ def become_child(parent: int) -> None:
     a second of its parent's, however the parent ends."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the caller, which forwards it once
+    signalled = False
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+            signalled = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent is gone already
         os._exit(1)
+    if signalled:
+        # No thread: once a process has a second thread, glibc's locks and allocator stop taking
+        # their single-threaded shortcuts, and the thread's wake-ups take the GIL from the training.
+        return
 
     def watch() -> None:  # the fallback where there is no parent-death signal
         while True:

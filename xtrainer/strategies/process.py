@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -150,10 +151,11 @@ def _join_all(processes: list) -> int:
     failed = 0
     running = list(processes)
     while running:
-        for process in list(running):
-            process.join(timeout=0.05)
-            if process.exitcode is None:
-                continue
+        # Asleep until one of them ends (no polling: a caller that woke every few milliseconds would
+        # take cores and caches from the training processes). Signals still reach their handlers.
+        ended = multiprocessing.connection.wait([process.sentinel for process in running])
+        for process in [process for process in running if process.sentinel in ended]:
+            process.join()
             running.remove(process)
             if process.exitcode != 0 and not failed:
                 failed = process.exitcode
