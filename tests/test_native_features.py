@@ -286,6 +286,7 @@ def test_the_processes_of_devices_2_run_no_python_thread_of_ours(tmp_path):
     assert threads.names == ["MainThread"], threads.names
 
 
+@pytest.mark.multi_device
 def test_a_replica_killed_by_sigkill_is_named_and_the_run_resumes(tmp_path):
     """SIGKILL to replica 1's process (what the out-of-memory killer sends): the error names that
     replica and the signal, not the lost connection replica 0 then met; the run resumes from its
