@@ -145,9 +145,6 @@ def _unpickled_main(payload: bytes, unpickling: str) -> None:
 
 def _join_all(processes: list) -> int:
     """Wait for every process; once one fails, end the others. The first failure's exit code."""
-    if len(processes) == 1:
-        processes[0].join()
-        return processes[0].exitcode
     failed = 0
     running = list(processes)
     while running:
