@@ -97,6 +97,8 @@ def make_net(workload: str) -> nn.Module:
 #: transformers' default attention (sdpa) reads the device in every forward on XLA (see FINDINGS.md);
 #: eager attention with the tokenizer's attention_mask reads nothing. ``--hf-attention`` chooses.
 HF_ATTENTION = os.environ.get("XTRAINER_BENCH_HF_ATTENTION", "eager")
+#: ``--pin``: each training process on one core of its own (rank r on the r-th core it may use)
+PIN = os.environ.get("XTRAINER_BENCH_PIN") == "1"
 
 
 def make_llama() -> nn.Module:
@@ -217,6 +219,7 @@ class Probe(Callback):
 
     def on_train_start(self, trainer, module):
         self.foreach = uses_foreach(trainer.optimizers[0])
+        pin(trainer.global_rank)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         step = trainer.global_step
@@ -229,7 +232,7 @@ class Probe(Callback):
                 if self.xla else {}
             if not self.marks:
                 self.counts = counts
-            self.marks.append((step, time.perf_counter(), time.process_time()))
+            self.marks.append(mark(step))
             self.counts_end = counts
 
     def state_dict(self):
@@ -310,12 +313,24 @@ class Marks:
             self.ends = {"compiles": _xla.compile_count(), "transfers": _xla.transfer_from_device_count()}
             if not self.marks:
                 self.counts = self.ends
-        self.marks.append((step, time.perf_counter(), time.process_time()))
+        self.marks.append(mark(step))
 
     def state(self, foreach: bool) -> dict:
         return {"marks": self.marks, "first_step": self.first, "foreach": foreach,
                 "compiles": self.ends["compiles"] - self.counts["compiles"],
                 "transfers": self.ends["transfers"] - self.counts["transfers"]}
+
+
+def pin(rank: int) -> None:
+    """With ``--pin``: every thread of this process (the main one, gloo's, the intra-op pool) on
+    one core, the same for every loop, so that two processes of a group and their threads do not
+    trade cores with each other. Threads started later inherit it."""
+    if not PIN or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    core = {cores[rank % len(cores)]}
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), core)
 
 
 def hand_loop(workload: str, loader: DataLoader, warmup: int, every: int, started: float, xla: bool,
@@ -324,6 +339,8 @@ def hand_loop(workload: str, loader: DataLoader, warmup: int, every: int, starte
     (``compile``: the model's forward through ``torch.compile``; ``ddp``: in a process of a gloo
     group, the model in ``DistributedDataParallel``, as PyTorch's DDP tutorial writes it)."""
     device = _xla.device() if xla else torch.device("cpu")
+    if not xla:
+        pin(torch.distributed.get_rank() if ddp else 0)
     net = make_net(workload).to(device)
     if compile:  # torch.compile(net): net.compile() leaves an nn.Sequential eager (torch 2.9 skips its frame)
         net = torch.compile(net)
@@ -463,13 +480,22 @@ def hf_trainer_loop(workload: str, contender: str, loader: DataLoader, steps: in
     return summarize(marks.state(uses_foreach(trainer.optimizer)), loader.batch_size)
 
 
+def mark(step: int) -> tuple:
+    """The clocks at a host read: wall, the process's CPU time, and its user and system time and
+    context switches (voluntary: it waited; involuntary: the scheduler took its core)."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return (step, time.perf_counter(), time.process_time(), use.ru_utime, use.ru_stime, use.ru_nvcsw, use.ru_nivcsw)
+
+
 def summarize(state: dict, samples_per_step: int) -> dict:
-    (s0, t0, c0), (s1, t1, c1) = state["marks"][0], state["marks"][-1]
+    (s0, t0, c0, *use0), (s1, t1, c1, *use1) = state["marks"][0], state["marks"][-1]
     steps = s1 - s0
     rate = steps / (t1 - t0)
     peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     return {"steps_per_s": rate, "samples_per_s": rate * samples_per_step,
             "cpu_ms_per_step": 1000 * (c1 - c0) / steps,  # every thread of the process that ran the steps
+            "user_ms_per_step": 1000 * (use1[0] - use0[0]) / steps, "sys_ms_per_step": 1000 * (use1[1] - use0[1]) / steps,
+            "waits_per_step": (use1[2] - use0[2]) / steps, "preemptions_per_step": (use1[3] - use0[3]) / steps,
             "first_step_s": state["first_step"], "compiles": state["compiles"],
             "transfers_per_step": state["transfers"] / max(steps, 1), "peak_mb": peak / 1024,
             "foreach": bool(state.get("foreach"))}
@@ -517,6 +543,9 @@ def main() -> None:
                         help="only the native strategies and the hand-written eager loops, on mlp and lm (or "
                              "--workloads, --contenders among them); their table replaces the native section of "
                              "RESULTS.md")
+    parser.add_argument("--pin", action="store_true",
+                        help="the native contenders and their hand loops: each process and all its threads on one "
+                             "core of its own (rank r on the r-th allowed core)")
     parser.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -524,6 +553,8 @@ def main() -> None:
         print(json.dumps(measure(workload, contender, int(steps), int(warmup), int(devices), int(every))), flush=True)
         return
     os.environ["XTRAINER_BENCH_HF_ATTENTION"] = args.hf_attention  # read by the --one processes
+    if args.pin:
+        os.environ["XTRAINER_BENCH_PIN"] = "1"
     steps = {"mlp": 300, "lm": 40, "hf_llama": 60} if not args.quick else {"mlp": 120, "lm": 25, "hf_llama": 30}
     args.steps_given = args.steps
     args.steps = steps if args.steps is None else dict.fromkeys(steps, args.steps)
@@ -547,7 +578,9 @@ def main() -> None:
     results: Results = {}
     for r in range(args.repeats):
         for workload in args.workloads:
-            for contender in contenders:  # interleaved: every contender once per repeat
+            # interleaved: every contender once per repeat, in the reverse order every other
+            # repeat, so that no contender always runs right after another one
+            for contender in contenders if r % 2 == 0 else contenders[::-1]:
                 if runs_on(workload, contender):
                     devices = native_processes(contender)
                     record(results, (workload, contender, devices), r, run_one(workload, contender, args, devices))

@@ -337,6 +337,9 @@ def test_the_native_strategies_refuse_what_they_cannot_run(tmp_path):
         Trainer(strategy=native_run_strategy("native_fsdp", auto_wrap_policy=100))
     with pytest.raises(ValueError, match="the native strategies run on"):
         Trainer(strategy="native", accelerator="xla")
+    for seconds in (-1, "0.5", True, float("nan")):
+        with pytest.raises(ValueError, match=r"NativeDDP\(agreement_seconds=.*\): give seconds, 0 or more"):
+            native_run_strategy("native_ddp", agreement_seconds=seconds)
 
 
 @pytest.mark.parametrize("fold_after", [1024, 3], ids=["read", "folded-between-reads"])

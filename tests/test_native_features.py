@@ -356,16 +356,33 @@ def test_manual_optimization_under_fsdp_resumes_exactly(tmp_path, manual_one_pro
     _assert_bitwise(_weights(model), manual_one_process)
 
 
+def _ddp(agreement_seconds: float):
+    from xtrainer.strategies import NativeDDP
+
+    return NativeDDP(agreement_seconds=agreement_seconds)
+
+
 @pytest.mark.multi_device
 def test_a_logging_step_does_not_wait_for_the_other_process_and_a_stop_is_still_taken_together(tmp_path):
     """Rank 1 holds back its read of logging step 2 until rank 0 has finished step 2: with the
     stop vote as a blocking all-reduce, rank 0 would wait there for rank 1 and neither would go
-    on. Then rank 1 alone sets should_stop after step 5: the next logging step (6) starts the
-    vote, settled after the next batch, so both stop after step 7 (one stopping alone would leave
-    the other waiting in DDP's all-reduce)."""
+    on. Then rank 1 alone sets should_stop after step 5: with an agreement at every logging step
+    (``agreement_seconds=0``), the next one (6) starts the vote, settled after the next batch, so
+    both stop after step 7 (one stopping alone would leave the other waiting in DDP's all-reduce)."""
     model = native_run.AheadNet(str(tmp_path), at=2, stop_at=5)
-    trainer, _ = native_run.fit("native_ddp", 2, str(tmp_path / "run"), 16, 8, model=model, every_n_train_steps=100)
+    trainer, _ = native_run.fit(_ddp(0), 2, str(tmp_path / "run"), 16, 8, model=model, every_n_train_steps=100)
     assert trainer.global_step == 7
+
+
+@pytest.mark.multi_device
+def test_spaced_agreements_still_stop_both_processes_together(tmp_path):
+    """With agreements an hour apart, the logging steps after the first two start none (the second
+    settles the next one's step an hour of steps on): rank 1's stop after step 5 is shared only
+    at the epoch's end, which always agrees, and both stop there, after step 8 (epochs of 8
+    batches), not hanging in DDP's all-reduce."""
+    model = native_run.AheadNet(str(tmp_path), at=2, stop_at=5)
+    trainer, _ = native_run.fit(_ddp(3600), 2, str(tmp_path / "run"), 16, 8, model=model, every_n_train_steps=100)
+    assert trainer.global_step == 8
 
 
 @pytest.mark.multi_device
@@ -375,7 +392,18 @@ def test_a_nan_loss_on_one_process_stops_both_at_the_step_it_happened(tmp_path):
     # all-reduce that also carries the stop vote; both learn of it when it is settled, after the
     # next batch (step 5).
     with pytest.raises(FloatingPointError, match=r"NaN or infinite at global step 2 .*step 5 now"):
-        native_run.fit("native_ddp", 2, str(tmp_path), 8, 8, nan_at=21, log_every_n_steps=4, every_n_train_steps=100)
+        native_run.fit(_ddp(0), 2, str(tmp_path), 8, 8, nan_at=21, log_every_n_steps=4, every_n_train_steps=100)
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("seconds, now", [(0, 7), (3600, 8)])
+def test_a_nan_loss_between_spaced_agreements_is_reported_at_the_next_one(tmp_path, seconds, now):
+    """Sample 53 is rank 1's, in its batch 6 (global step 6). Logging every 2 steps, with an
+    agreement at each one (0 s) it is reported one batch after the read of step 6; with them an
+    hour apart, only the reads of steps 2 and 4 start one, and the epoch's end (after step 8)
+    reports it: late, but with the step it happened at."""
+    with pytest.raises(FloatingPointError, match=rf"NaN or infinite at global step 6 .*step {now} now"):
+        native_run.fit(_ddp(seconds), 2, str(tmp_path), 16, 8, nan_at=53, log_every_n_steps=2, every_n_train_steps=100)
 
 
 # ---------------------------------------------------------------------------------------------

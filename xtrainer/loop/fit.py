@@ -210,7 +210,7 @@ def publish_step_values(trainer: "Trainer") -> None:
     """The logging step's read of the per-step values (a host sync, once per interval)."""
     strategy = trainer.strategy
     trainer._publisher.publish(trainer, trainer._results.step_tensors(strategy.collectives.reduce, trainer.world_size),
-                               check_loss=True)
+                               check_loss=True, logging_step=True)
 
 
 # ---- when to stop, when to validate ----------------------------------------------------------
@@ -229,7 +229,7 @@ def note_stop_requests(trainer: "Trainer") -> None:
 
 def stopping(trainer: "Trainer") -> bool:
     """Whether ``should_stop`` ends the fit. With several replicas, one replica's request is shared
-    at the next logging step or epoch end (riding on the values read there), and all stop
+    at the next logging step that agrees (``Publisher``) or epoch end, and all stop
     together; stopping on one alone would leave the others waiting in a collective. Before
     ``min_epochs``/``min_steps`` only a signal stops the fit."""
     publisher = trainer._publisher

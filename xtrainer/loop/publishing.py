@@ -13,7 +13,11 @@ Where collectives run as they are called (the native strategies on several proce
 step only starts the replicas' agreement on those two (``agree_later``), and the loop settles it
 after the next batch (``settle_vote``), when it has long arrived: the host never waits for the
 slowest replica there. A stop asked for is then taken one batch later, by every replica at the
-same batch, and a non-finite loss is reported one batch later too.
+same batch, and a non-finite loss is reported one batch later too. Such an agreement is an
+all-reduce of its own, so logging steps start one only every ``agreement_seconds`` (the
+collectives' setting): each agreement also settles the global step of the next one, the least
+that any replica proposes from its own clock, so that all of them start it at the same step.
+An epoch's end always agrees.
 
 Then it hands the values out: ``trainer.callback_metrics``, ``progress_bar_metrics`` and
 ``logged_metrics``; the ``on_metrics`` hook of every callback (the progress bar and ``XlaHealth``
@@ -24,6 +28,7 @@ Nothing else calls a logger's ``log_metrics``.
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
 
 LOSS_KEY = "loss"
 _STOP_KEY = "xtrainer/should_stop"
+_NEXT_KEY = "xtrainer/next_agreement_step"
 
 
 class NonFiniteWatch:
@@ -191,8 +197,12 @@ class Publisher:
         self._checked_step, self._first_bad = -1, NonFiniteWatch.NEVER
         # The replicas' agreement started at a logging step: what finishes it, and the count of
         # batches done after which the loop settles it (-1: none under way).
-        self._vote: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._vote: Callable[[], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
         self.vote_due = -1
+        # The global step from which a logging step starts the next agreement, and the host clock
+        # and global step where the last one started (None: none yet in this fit).
+        self._next_vote = 0
+        self._voted: tuple[float, int] | None = None
 
     # ---- a fit's beginning and end ---------------------------------------------------------
     def start_fit(self, trainer: "Trainer") -> None:
@@ -201,6 +211,7 @@ class Publisher:
         self.counts_steps = self.watch is not None and self.watch.counts_steps
         self._checked_step = -1
         self._vote, self.vote_due = None, -1
+        self._next_vote, self._voted = 0, None
         self.several = trainer.world_size > 1
         if trainer.is_global_zero and trainer.module._log_hyperparams:
             for logger in trainer.loggers:
@@ -229,11 +240,12 @@ class Publisher:
             self.watch.stepped()
 
     # ---- reading and handing out -------------------------------------------------------------
-    def publish(self, trainer: "Trainer", tensors: dict[str, torch.Tensor], check_loss: bool = False
-                ) -> dict[str, float]:
-        """Read ``tensors`` (and what rides along) in one transfer; hand the values out. At a
-        logging step (``check_loss``), replicas whose collectives run as called only start their
-        agreement here (see the module's docstring)."""
+    def publish(self, trainer: "Trainer", tensors: dict[str, torch.Tensor], check_loss: bool = False,
+                logging_step: bool = False) -> dict[str, float]:
+        """Read ``tensors`` (and what rides along) in one transfer; hand the values out. Where the
+        training loss is checked (``check_loss``: a logging step, a training epoch's end),
+        replicas whose collectives run as called only start their agreement here, and at a
+        ``logging_step`` only once its time has come (see the module's docstring)."""
         if self._vote is not None:  # any read settles the agreement under way first
             self.settle_vote(trainer)
         several = trainer.world_size > 1
@@ -242,10 +254,14 @@ class Publisher:
         if watched and not several:
             tensors = {**tensors, **self.watch.local_tensors()}
         stop: torch.Tensor | bool = False
+        if several and logging_step and trainer.global_step < self._next_vote:
+            shares_stop = watched = False  # not yet: the next agreement's step was agreed on
         if shares_stop or (watched and several):  # the replicas agree on both in one reduction
             first = self.watch.local_first() if watched else None
             flag = trainer.should_stop and shares_stop
-            finish = trainer.strategy.collectives.agree_later(flag, first) if check_loss else None
+            collectives = trainer.strategy.collectives
+            finish = collectives.agree_later(flag, first, self._propose(trainer, collectives.agreement_seconds)) \
+                if check_loss else None
             if finish is not None:
                 self._vote, self.vote_due = finish, trainer.loop.batches_done + 2  # after the next batch
                 watched = False
@@ -276,13 +292,27 @@ class Publisher:
         """Finish the agreement a logging step started: stop with the others if any replica
         asked to, report a non-finite loss any of them saw."""
         finish, self._vote, self.vote_due = self._vote, None, -1
-        stop, first = finish()
-        tensors = {_STOP_KEY: stop} if first is None else {_STOP_KEY: stop, NonFiniteWatch._FIRST: first}
+        stop, first, next_vote = finish()
+        tensors = {_STOP_KEY: stop, _NEXT_KEY: next_vote}
+        if first is not None:
+            tensors[NonFiniteWatch._FIRST] = first
         values = to_floats(tensors, trainer.strategy.to_cpu)  # host sync: of a reduction started a batch ago
+        self._next_vote = int(values.pop(_NEXT_KEY))
         if values.pop(_STOP_KEY) > 0 and trainer.state == "fit":
             trainer.should_stop = self.stop_agreed = True
         if first is not None:
             self._report_nonfinite(trainer, self.watch.first_step(values))
+
+    def _propose(self, trainer: "Trainer", seconds: float) -> int:
+        """The global step this replica proposes for the next agreement: ``seconds`` on, at the
+        pace of the steps since the last one (by the host clock; its logging steps read the
+        device, so that pace is the device's). Without a pace yet, the next logging step."""
+        now, step = time.perf_counter(), trainer.global_step
+        last, self._voted = self._voted, (now, step)
+        if not seconds or last is None or step <= last[1] or now <= last[0]:
+            return step + 1
+        per_step = (now - last[0]) / (step - last[1])
+        return step + max(1, math.ceil(seconds / per_step))
 
     def _hand_out(self, trainer: "Trainer", logged: dict[str, float]) -> None:
         if trainer.state == "fit":  # the epoch and every param group's learning rate ride along

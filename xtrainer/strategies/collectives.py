@@ -70,12 +70,18 @@ class Collectives:
         is called, one reduction for both)."""
         return self.any_replica(flag), None if first is None else self.reduce(first, "min")
 
-    def agree_later(self, flag: bool, first: torch.Tensor | None
-                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None:
+    #: Where agreements cost a collective of their own (``agree_later``): the least time, in
+    #: seconds, between two that logging steps start (0: at every logging step).
+    agreement_seconds = 0.0
+
+    def agree_later(self, flag: bool, first: torch.Tensor | None, next_step: int
+                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None:
         """``agree`` started now and finished by calling what this returns, for collectives that
         run as they are called: the host does not wait for the other replicas where it starts.
+        The replicas also agree on the global step from which a logging step starts the next
+        agreement: the least ``next_step`` any of them proposes, the third tensor returned.
         None where collectives are recorded in the graph (``agree`` rides along with the read)."""
-        del flag, first
+        del flag, first, next_step
         return None
 
     def all_gather_tensors(self, data: Any) -> Any:

@@ -43,6 +43,10 @@ from xtrainer.strategies.collectives import Collectives
 from xtrainer.strategies.process import end_now, free_port, killed_by_signal, run_in_new_processes
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+#: The default ``agreement_seconds``: an agreement costs a gloo all-reduce of about 0.1-0.3 ms of
+#: CPU time per process here, under 0.1% of the time between two, and a stop or a NaN report
+#: waits half a second at most (a preemption notice gives 30 s).
+AGREEMENT_SECONDS = 0.5
 
 
 #: Set in the processes ``NativeProcesses`` starts (they have torch's variables too, but report
@@ -92,8 +96,8 @@ class ProcessGroup(Collectives):
     default process group (none with one process). Tensor collectives run when called (there is
     no graph to record them in): the loop calls them only where it reads values anyway."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, agreement_seconds: float = 0.0) -> None:
+        self.device, self.agreement_seconds = device, agreement_seconds
 
     @property
     def world_size(self) -> int:
@@ -130,23 +134,24 @@ class ProcessGroup(Collectives):
 
     def agree(self, flag: bool, first: torch.Tensor | None) -> tuple[torch.Tensor | bool, torch.Tensor | None]:
         """One all-reduce (min) of ``[-flag, first]``: the stop vote and the first bad step together."""
-        finish = self.agree_later(flag, first)
-        return (flag, first) if finish is None else finish()
+        finish = self.agree_later(flag, first, 0)
+        return (flag, first) if finish is None else finish()[:2]
 
-    def agree_later(self, flag: bool, first: torch.Tensor | None
-                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None:
-        """The all-reduce of ``agree``, started without waiting (``async_op``); what this returns
-        waits for it. A blocking one waits for the slowest replica: on gloo, once every 10 steps of
-        about 1 ms, it cost 50-75 us of CPU per step here, started early and waited later 10-30."""
+    def agree_later(self, flag: bool, first: torch.Tensor | None, next_step: int
+                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None:
+        """The all-reduce (min) of ``[-flag, next_step, first]``, started without waiting
+        (``async_op``); what this returns waits for it. A blocking one waits for the slowest
+        replica: on gloo, once every 10 steps of about 1 ms, it cost 50-75 us of CPU per step here,
+        started early and waited later 10-30; ``agreement_seconds`` spaces them out further."""
         if self.world_size == 1:
             return None
-        vote = torch.tensor([-1 if flag else 0], dtype=torch.int64, device=self.device)
-        both = vote if first is None else torch.cat([vote, first.to(torch.int64)])
+        head = torch.tensor([-1 if flag else 0, next_step], dtype=torch.int64, device=self.device)
+        both = head if first is None else torch.cat([head, first.to(torch.int64)])
         work = dist.all_reduce(both, op=dist.ReduceOp.MIN, async_op=True)
 
-        def finish() -> tuple[torch.Tensor, torch.Tensor | None]:
+        def finish() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
             work.wait()
-            return -both[:1], None if first is None else both[1:]
+            return -both[:1], None if first is None else both[2:], both[1:2]
 
         return finish
 
@@ -282,6 +287,11 @@ class NativeSingle(Strategy):
         compile: run the module's ``forward`` through ``torch.compile``.
         compile_kwargs: passed to ``torch.compile`` (``mode``, ``fullgraph``, ``dynamic``...).
         timeout_seconds: how long a collective may wait for the other processes.
+        agreement_seconds: with several processes, the least time between two of their
+            agreements on stopping (a signal, ``should_stop``, ``max_time``) and on a non-finite
+            loss. Each is an all-reduce of its own, started at a logging step and settled after
+            the next batch; 0 starts one at every logging step. A stop is taken, and a non-finite
+            loss reported, up to this long (and a batch) after it was asked for or happened.
     """
 
     name = "native"
@@ -289,9 +299,13 @@ class NativeSingle(Strategy):
     multi_process: ClassVar[bool] = False
 
     def __init__(self, compile: bool = False, compile_kwargs: dict[str, Any] | None = None,
-                 timeout_seconds: float = 1800.0) -> None:
+                 timeout_seconds: float = 1800.0, agreement_seconds: float = AGREEMENT_SECONDS) -> None:
         super().__init__()
+        if isinstance(agreement_seconds, bool) or not isinstance(agreement_seconds, (int, float)) \
+                or not agreement_seconds >= 0:
+            raise ValueError(f"{type(self).__name__}(agreement_seconds={agreement_seconds!r}): give seconds, 0 or more.")
         self.compile, self.compile_kwargs, self.timeout_seconds = compile, dict(compile_kwargs or {}), timeout_seconds
+        self.agreement_seconds = float(agreement_seconds)
         self.accelerator = "auto"
         self._kind: str | None = None
         self._closures: list[Callable[[], None]] = []
@@ -344,7 +358,7 @@ class NativeSingle(Strategy):
                 dist.init_process_group(torch_devices.backend(kind), store=_store_of_this_attempt(store), rank=rank,
                                         world_size=world_size, timeout=timeout, **options)
             self._owns_process_group = True
-        self.collectives = ProcessGroup(self._device)
+        self.collectives = ProcessGroup(self._device, self.agreement_seconds)
         _rank_zero_only_rank(self.global_rank)
 
     # ---- the module -----------------------------------------------------------------------
@@ -497,7 +511,7 @@ class NativeDDP(NativeSingle):
     module is wrapped, gradients are all-reduced (averaged) in backward, each process steps.
 
     Args:
-        compile, compile_kwargs, timeout_seconds: as ``NativeSingle``.
+        compile, compile_kwargs, timeout_seconds, agreement_seconds: as ``NativeSingle``.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
             ``gradient_as_bucket_view``, ``static_graph``...).
     """
@@ -506,8 +520,9 @@ class NativeDDP(NativeSingle):
     multi_process = True
 
     def __init__(self, compile: bool = False, compile_kwargs: dict[str, Any] | None = None,
-                 timeout_seconds: float = 1800.0, **ddp_kwargs: Any) -> None:
-        super().__init__(compile, compile_kwargs, timeout_seconds)
+                 timeout_seconds: float = 1800.0, agreement_seconds: float = AGREEMENT_SECONDS,
+                 **ddp_kwargs: Any) -> None:
+        super().__init__(compile, compile_kwargs, timeout_seconds, agreement_seconds)
         check_wrapper_kwargs(nn.parallel.DistributedDataParallel, ddp_kwargs, NativeDDP, "DistributedDataParallel")
         self.ddp_kwargs = ddp_kwargs
 
@@ -545,7 +560,7 @@ class NativeFSDP(NativeSingle):
         activation_checkpointing: recompute each unit's activations in backward
             (``torch.utils.checkpoint``, non-reentrant).
         reshard_after_forward: FSDP2's choice (True: ZeRO-3; False: keep gathered until backward).
-        compile, compile_kwargs, timeout_seconds: as ``NativeSingle``.
+        compile, compile_kwargs, timeout_seconds, agreement_seconds: as ``NativeSingle``.
         **fsdp_kwargs: passed to ``fully_shard`` (``mp_policy``, ``offload_policy``...).
     """
 
@@ -555,8 +570,8 @@ class NativeFSDP(NativeSingle):
     def __init__(self, auto_wrap_policy: Any = None, activation_checkpointing: bool = False,
                  reshard_after_forward: bool = True, compile: bool = False,
                  compile_kwargs: dict[str, Any] | None = None, timeout_seconds: float = 1800.0,
-                 **fsdp_kwargs: Any) -> None:
-        super().__init__(compile, compile_kwargs, timeout_seconds)
+                 agreement_seconds: float = AGREEMENT_SECONDS, **fsdp_kwargs: Any) -> None:
+        super().__init__(compile, compile_kwargs, timeout_seconds, agreement_seconds)
         from torch.distributed.fsdp import fully_shard
 
         from xtrainer.strategies.wrap_policies import policy_kind
