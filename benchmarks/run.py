@@ -727,7 +727,9 @@ def native_table(results: Results, args: argparse.Namespace) -> list[str]:
              f"`python benchmarks/run.py --native{' --quick' if args.quick else ''}"
              f"{' --workloads ' + ' '.join(args.workloads) if args.workloads != ['mlp', 'lm'] else ''}"
              f"{f' --steps {args.steps_given}' if args.steps_given else ''}"
-             f"{f' --repeats {args.repeats}' if args.repeats != 3 and not args.quick else ''}`.", "",
+             f"{f' --repeats {args.repeats}' if args.repeats != 3 and not args.quick else ''}"
+             f"{' --pin' if args.pin else ''}`"
+             f"{' (each process and its threads on one core of its own)' if args.pin else ''}.", "",
              "*CPU ms/step*: rank 0's CPU time per step (every thread of its process) between host reads after "
              "the warm-up. *Overhead*: the contender's CPU time over the hand loop's of the same repeat, minus 1 "
              "(the goal: at most +3%).", "",

@@ -375,13 +375,14 @@ def test_a_logging_step_does_not_wait_for_the_other_process_and_a_stop_is_still_
 
 
 @pytest.mark.multi_device
-def test_spaced_agreements_still_stop_both_processes_together(tmp_path):
-    """With agreements an hour apart, the logging steps after the first two start none (the second
-    settles the next one's step an hour of steps on): rank 1's stop after step 5 is shared only
-    at the epoch's end, which always agrees, and both stop there, after step 8 (epochs of 8
-    batches), not hanging in DDP's all-reduce."""
+@pytest.mark.parametrize("seconds", [3600, float("inf")])
+def test_spaced_agreements_still_stop_both_processes_together(tmp_path, seconds):
+    """With agreements an hour (or forever) apart, the logging steps after the first two start
+    none (the second settles the next one's step an hour of steps on): rank 1's stop after step 5
+    is shared only at the epoch's end, which always agrees, and both stop there, after step 8
+    (epochs of 8 batches), not hanging in DDP's all-reduce."""
     model = native_run.AheadNet(str(tmp_path), at=2, stop_at=5)
-    trainer, _ = native_run.fit(_ddp(3600), 2, str(tmp_path / "run"), 16, 8, model=model, every_n_train_steps=100)
+    trainer, _ = native_run.fit(_ddp(seconds), 2, str(tmp_path / "run"), 16, 8, model=model, every_n_train_steps=100)
     assert trainer.global_step == 8
 
 

@@ -311,8 +311,8 @@ class Publisher:
         last, self._voted = self._voted, (now, step)
         if not seconds or last is None or step <= last[1] or now <= last[0]:
             return step + 1
-        per_step = (now - last[0]) / (step - last[1])
-        return step + max(1, math.ceil(seconds / per_step))
+        ahead = seconds / ((now - last[0]) / (step - last[1]))
+        return step + max(1, math.ceil(ahead)) if ahead < NonFiniteWatch.NEVER else NonFiniteWatch.NEVER
 
     def _hand_out(self, trainer: "Trainer", logged: dict[str, float]) -> None:
         if trainer.state == "fit":  # the epoch and every param group's learning rate ride along
