@@ -219,7 +219,8 @@ class Probe(Callback):
 
     def on_train_start(self, trainer, module):
         self.foreach = uses_foreach(trainer.optimizers[0])
-        pin(trainer.global_rank)
+        if not self.xla:  # --pin applies to the native contenders (and their hand loops) only
+            pin(trainer.global_rank)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         step = trainer.global_step
