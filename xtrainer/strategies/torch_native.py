@@ -133,7 +133,8 @@ class ProcessGroup(Collectives):
         return self.reduce(torch.tensor([1.0 if flag else 0.0], device=self.device), "max")
 
     def agree(self, flag: bool, first: torch.Tensor | None) -> tuple[torch.Tensor | bool, torch.Tensor | None]:
-        """One all-reduce (min) of ``[-flag, first]``: the stop vote and the first bad step together."""
+        """``agree_later`` waited for at once: the stop vote and the first bad step in one
+        all-reduce (its proposal for the next agreement unused)."""
         finish = self.agree_later(flag, first, 0)
         return (flag, first) if finish is None else finish()[:2]
 
