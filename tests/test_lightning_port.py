@@ -399,7 +399,7 @@ def test_lightning_trainer_attributes_read_inside_a_module(tmp_path):
     trainer = Trainer(accelerator="cpu", devices="1", max_epochs=-1, max_steps=10, num_sanity_val_steps=1,
                       limit_val_batches=2, log_every_n_steps=2, **quiet(tmp_path))
     trainer.fit(model, train, val)
-    assert trainer.max_epochs is None and trainer.global_step == 10 and not trainer.interrupted
+    assert trainer.max_epochs == -1 and trainer.global_step == 10 and not trainer.interrupted
     # 5 batches per epoch: the last of each is the one the scheduler steps on (twice: lr 0.1 -> 0.025)
     lasts = [(i, last) for kind, i, last, *_ in model.seen if kind == "train"]
     assert lasts == [(i, i == 4) for i in range(5)] * 2

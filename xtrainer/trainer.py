@@ -47,8 +47,8 @@ class Trainer:
             (``xtrainer.strategies.STRATEGIES``) or a ``Strategy`` instance.
         devices: replicas to run: an int, or ``"auto"`` (every local device; 1 on the CPU runtime,
             where ``devices=N`` runs N replicas on N virtual devices).
-        max_epochs: stop after this many epochs (default 1000 when ``max_steps`` is not set; -1:
-            no limit, as in Lightning).
+        max_epochs: stop after this many epochs; -1: no limit. Not given: 1000, or no limit where
+            ``max_steps`` or ``max_time`` is set (``trainer.max_epochs`` then reads -1), as in Lightning.
         max_steps: stop after this many optimizer steps (-1: no limit).
         limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches: batches
             per epoch: a fraction of the loader (float) or a count (int).
@@ -366,7 +366,7 @@ class Trainer:
         what a one-cycle scheduler needs in ``configure_optimizers``."""
         per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches) \
             if self.num_training_batches else math.inf
-        by_epochs = per_epoch * self.max_epochs if self.max_epochs is not None else math.inf
+        by_epochs = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
         return min(by_epochs, self.max_steps) if self.max_steps != -1 else by_epochs
 
     @property

@@ -68,11 +68,10 @@ class TrainerSettings:
         elif not isinstance(self.fast_dev_run, int) or self.fast_dev_run < 0:
             raise ValueError(f"fast_dev_run={self.fast_dev_run!r}: give True, False or a number of batches.")
         self.devices = lightning_devices(self.devices)
-        if self.max_epochs == -1 and type(self.max_epochs) is int:  # Lightning's "no limit on epochs"
-            self.max_epochs = None
-        elif self.max_epochs is None and self.max_steps == -1:
-            self.max_epochs = 1000
-        _check_positive("max_epochs", self.max_epochs, allow_none=True)
+        if self.max_epochs is None:  # as Lightning: 1000, unless max_steps or max_time ends the fit
+            self.max_epochs = 1000 if self.max_steps == -1 and self.max_time is None else -1
+        if not (self.max_epochs == -1 and type(self.max_epochs) is int):  # -1: no limit on epochs
+            _check_positive("max_epochs", self.max_epochs)
         if self.max_steps != -1:
             _check_positive("max_steps", self.max_steps)
         _check_positive("log_every_n_steps", self.log_every_n_steps)

@@ -249,7 +249,7 @@ def limits_reached(trainer: "Trainer") -> bool:
     """Whether the fit has run as far as ``max_steps``/``max_epochs`` let it."""
     loop = trainer.loop
     return ((trainer.max_steps != -1 and loop.global_step >= trainer.max_steps)
-            or (trainer.max_epochs is not None and loop.current_epoch >= trainer.max_epochs))
+            or (trainer.max_epochs != -1 and loop.current_epoch >= trainer.max_epochs))
 
 
 def validation_epoch(trainer: "Trainer") -> bool:
