@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -284,6 +285,31 @@ def test_the_processes_of_devices_2_run_no_python_thread_of_ours(tmp_path):
     assert trainer.global_step == STEPS
     assert threads.parent == os.getpid()  # rank 0 ran in a process of this caller's
     assert threads.names == ["MainThread"], threads.names
+
+
+@pytest.mark.multi_device
+def test_the_pickled_job_is_not_kept_while_the_processes_of_devices_2_train(tmp_path):
+    """The job (trainer, module, callbacks, dataloaders) reaches each process of ``devices=2`` as
+    pickled bytes as large as itself (with an in-memory dataset, as large as the data). Neither a
+    process nor the caller keeps those bytes while training: that was a second copy of the data
+    in every process, for the whole run."""
+    size = 32 * 2**20
+    ballast = native_run.Ballast(size)  # 32 MiB that travel with the job, as a dataset would
+    ready, held_by_caller = str(tmp_path / "ready"), []
+
+    def look_in_the_caller():  # while the processes train (rank 0 writes READY after step 3)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(ready) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held_by_caller.append(native_run.largest_bytes_held(exclude=ballast.ballast))
+
+    looking = threading.Thread(target=look_in_the_caller, daemon=True)
+    looking.start()
+    trainer, _ = native_run.fit("native_ddp", 2, str(tmp_path), 8, 8, pause=0.3, ready=ready, callbacks=[ballast])
+    looking.join(timeout=60)
+    assert trainer.global_step == 8 and os.path.exists(ready)
+    assert ballast.held is not None and ballast.held < size // 2, ballast.held  # rank 0's process, mid-fit
+    assert held_by_caller and held_by_caller[0] < size // 2, held_by_caller
 
 
 @pytest.mark.multi_device

@@ -74,8 +74,13 @@ def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[di
     # memory, and a tensor made only while pickling (a torch.Generator's state, from its __reduce__)
     # is freed in the caller before a process can map it ("unable to resize file" there).
     unpickling = marker + ".unpickling"  # where a process that cannot rebuild the job says why
+    # In a list that each process empties once it has rebuilt the job, and the caller once every
+    # process has it: the pickled bytes are as large as the job (an in-memory dataset, say), and
+    # multiprocessing keeps a process's arguments for as long as it runs.
+    payload: list[bytes] = []
     try:
-        child_args: tuple = (_unpickled_main, (pickle.dumps((target, args)), unpickling), os.getpid())
+        payload.append(pickle.dumps((target, args)))
+        child_args: tuple = (_unpickled_main, (payload, unpickling), os.getpid())
     except (pickle.PicklingError, AttributeError, TypeError) as err:
         raise TypeError(_unpicklable(what, err)) from err
     processes: list = []
@@ -98,6 +103,8 @@ def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[di
     except BaseException:
         _end(processes)
         raise
+    finally:
+        payload.clear()  # each started process has its copy: start() wrote it into the process's pipe
     try:
         with contextlib.ExitStack() as stack:
             for process in processes:  # SIGTERM/SIGINT reach the replicas through here
@@ -131,11 +138,12 @@ def _unpicklable(what: str, err: BaseException) -> str:
             "under `if __name__ == '__main__':`.")
 
 
-def _unpickled_main(payload: bytes, unpickling: str) -> None:
-    """In a started process: the target and its arguments, pickled by the caller, then run. If
-    they cannot be rebuilt here, the error goes to the file ``unpickling`` for the caller to raise."""
+def _unpickled_main(payload: list[bytes], unpickling: str) -> None:
+    """In a started process: the target and its arguments, pickled by the caller (the one item of
+    ``payload``, taken out of it so that the bytes are freed once rebuilt), then run. If they
+    cannot be rebuilt here, the error goes to the file ``unpickling`` for the caller to raise."""
     try:
-        target, args = pickle.loads(payload)  # the caller's own job, handed over by multiprocessing
+        target, args = pickle.loads(payload.pop())  # the caller's own job, handed over by multiprocessing
     except Exception as err:  # noqa: BLE001 - told to the caller, which raises it with what to do
         with contextlib.suppress(OSError), open(unpickling, "x") as f:
             f.write(f"{type(err).__name__}: {err}")
