@@ -302,10 +302,6 @@ def after_fit(trainer: Trainer, model: XModule, root: str) -> dict:
     return found
 
 
-if __name__ == "__main__":
-    main()
-
-
 class Ballast(Callback):
     """Carries ``size`` bytes into the job, and reports the largest other bytes object that rank
     0's process holds mid-fit (in a container the garbage collector tracks, or a frame of the
@@ -345,3 +341,7 @@ def largest_bytes_held(exclude: bytes) -> int:
             found = max(found, largest(dict(frame.f_locals)))
             frame = frame.f_back
     return found
+
+
+if __name__ == "__main__":
+    main()
