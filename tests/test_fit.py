@@ -42,7 +42,9 @@ def test_fit_matches_plain_pytorch_and_leaves_weights_on_cpu(trainer_kwargs):
     assert trainer.global_step == 16 and trainer.current_epoch == 2
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert_same_params(model, expected)
-    assert set(trainer.callback_metrics) == {"train_loss_step", "train_loss_epoch"}
+    # as Lightning: "train_loss" (logged per step and per epoch) is also there, the epoch's value
+    assert set(trainer.callback_metrics) == {"train_loss", "train_loss_step", "train_loss_epoch"}
+    assert trainer.callback_metrics["train_loss"] == trainer.callback_metrics["train_loss_epoch"]
     # 0-dim tensors on the CPU, as Lightning gives them (.item() works)
     assert all(isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() == 0
                for v in trainer.callback_metrics.values())
@@ -202,6 +204,8 @@ def test_bf16_precision_trains_in_bfloat16(trainer_kwargs):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if trainer.global_step == 1:
                 first.append(trainer.callback_metrics["train_loss_step"])
+                # as Lightning: between epoch ends the plain name is the latest step's value
+                assert trainer.callback_metrics["train_loss"] == first[0]
 
     trainer.callbacks.append(First())
     trainer.fit(model, make_loader())

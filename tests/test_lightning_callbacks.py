@@ -232,6 +232,19 @@ def test_the_best_checkpoints_survive_a_resume(tmp_path):
     assert ckpts(first.dirpath) == ["epoch=6-val_loss=0.1.ckpt", "last.ckpt", "tepoch=7.ckpt"]
 
 
+def test_a_value_logged_per_step_and_per_epoch_is_monitored_by_its_plain_name(tmp_path):
+    """Lightning puts ``x`` beside ``x_step`` and ``x_epoch`` in ``callback_metrics`` (the epoch's
+    value at an epoch's end), so a ported project's ``monitor="train_loss"`` finds it."""
+    saver = ModelCheckpoint(monitor="train_loss", filename="{epoch}-{train_loss:.4f}", save_top_k=1)
+    stopper = EarlyStopping(monitor="train_loss", patience=10)
+    trainer = fit(tmp_path, [saver, stopper], epochs=3)
+    epoch_value = trainer.callback_metrics["train_loss_epoch"]
+    assert trainer.callback_metrics["train_loss"] == epoch_value
+    assert saver.best_model_score is not None and stopper.best_score is not None
+    assert os.path.basename(saver.best_model_path).startswith("epoch=")
+    assert "train_loss" not in trainer.logged_metrics  # loggers keep Lightning's suffixed names
+
+
 class SaveNowAt(Callback):
     """Calls ``save_now`` (what a SIGTERM does) after step 3."""
 

@@ -282,7 +282,7 @@ class Publisher:
         prog = trainer._results.prog_bar_names()
         trainer.progress_bar_metrics.update({k: v for k, v in values.items() if k in prog})
         public = {k: v for k, v in values.items() if k != LOSS_KEY}
-        trainer.callback_metrics.update(public)
+        trainer.callback_metrics.update({**public, **trainer._results.plain_names(public)})
         trainer.logged_metrics.update(public)
         if public and trainer.state != "predict" and not trainer.sanity_checking:
             self._hand_out(trainer, dict(public))

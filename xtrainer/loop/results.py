@@ -195,6 +195,18 @@ class Results:
             out[name + "_epoch" if entry.on_step else name] = value.reshape(())
         return out
 
+    def plain_names(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's plain names in ``callback_metrics`` for values logged both per step and per
+        epoch: ``x`` is the latest of ``x_step`` and ``x_epoch`` in ``values`` (the epoch's where
+        both are), so that ``monitor="x"`` finds it. Loggers and the progress bar keep the suffixes."""
+        out = {}
+        for name, entry in self.entries.items():
+            if entry.on_step and entry.on_epoch:
+                for key in (name + "_step", name + "_epoch"):
+                    if key in values:
+                        out[name] = values[key]
+        return out
+
     def prog_bar_names(self) -> set[str]:
         names = set()
         for name, entry in self.entries.items():
