@@ -321,6 +321,26 @@ class Ballast(Callback):
         self.held = state["held"]
 
 
+class BackwardHooks(Callback):
+    """Reports, from rank 0's process mid-fit, the backward hooks (``_backward_hooks``) of the
+    module's parameters and of the training data's tensors, handed back as callback state."""
+
+    def __init__(self) -> None:
+        self.seen = None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            data = trainer.train_dataloader.dataset.tensors
+            self.seen = {"parameters": [p._backward_hooks for p in module.parameters()],
+                         "data": [t._backward_hooks for t in data]}
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
 def largest_bytes_held(exclude: bytes) -> int:
     """The length of the largest bytes object, other than ``exclude``, referenced by a tuple, list
     or dict the garbage collector tracks, or reachable through tuples, lists and dicts from a

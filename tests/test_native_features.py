@@ -313,6 +313,18 @@ def test_the_pickled_job_is_not_kept_while_the_processes_of_devices_2_train(tmp_
 
 
 @pytest.mark.multi_device
+def test_the_processes_of_devices_2_rebuild_tensors_without_backward_hooks(tmp_path):
+    """torch's unpickling gives every tensor an empty dict of backward hooks: on a parameter a
+    hook called in every backward pass, on a dataset's tensor autograd state that slows every
+    sample taken from it. The job's tensors are rebuilt in each process without them, as the
+    caller's own tensors are."""
+    hooks = native_run.BackwardHooks()
+    trainer, model = native_run.fit("native_ddp", 2, str(tmp_path), 4, 8, callbacks=[hooks])
+    assert trainer.global_step == 4
+    assert hooks.seen == {"parameters": [None] * len(list(model.parameters())), "data": [None, None]}, hooks.seen
+
+
+@pytest.mark.multi_device
 def test_a_replica_killed_by_sigkill_is_named_and_the_run_resumes(tmp_path):
     """SIGKILL to replica 1's process (what the out-of-memory killer sends): the error names that
     replica and the signal, not the lost connection replica 0 then met; the run resumes from its

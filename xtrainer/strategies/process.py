@@ -7,6 +7,7 @@ calling process (a script, a notebook, a test session) has already done with its
 from __future__ import annotations
 
 import contextlib
+import io
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -16,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from xtrainer.launch import interrupts
 
@@ -143,12 +144,48 @@ def _unpickled_main(payload: list[bytes], unpickling: str) -> None:
     ``payload``, taken out of it so that the bytes are freed once rebuilt), then run. If they
     cannot be rebuilt here, the error goes to the file ``unpickling`` for the caller to raise."""
     try:
-        target, args = pickle.loads(payload.pop())  # the caller's own job, handed over by multiprocessing
+        # The caller's own job, handed over by multiprocessing.
+        target, args = _JobUnpickler(io.BytesIO(payload.pop())).load()
     except Exception as err:  # noqa: BLE001 - told to the caller, which raises it with what to do
         with contextlib.suppress(OSError), open(unpickling, "x") as f:
             f.write(f"{type(err).__name__}: {err}")
         raise
     target(*args)
+
+
+class _JobUnpickler(pickle.Unpickler):
+    """pickle's unpickler, except that tensors come back without the backward hooks that torch's
+    rebuild gives each of them. torch never pickles hooks: every tensor carries an empty dict of
+    them, and setting even that one gives the tensor autograd state and, where it has a gradient,
+    a hook called in every backward. Rebuilt as is, each parameter called into Python in every
+    backward pass, and every view of a dataset's tensors (each sample a DataLoader indexes) took
+    autograd's slower path, for the whole run; the caller's own tensors have neither."""
+
+    _REBUILDS = ("_rebuild_tensor_v2", "_rebuild_parameter", "_rebuild_parameter_with_state")
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        if module == "torch._utils" and name in self._REBUILDS:
+            return _without_hooks(found)
+        return found
+
+
+def _without_hooks(rebuild: Callable[..., Any]) -> Callable[..., Any]:
+    """``rebuild`` (one of torch's), its tensor's empty dict of backward hooks taken off again."""
+
+    def rebuilt(*args: Any) -> Any:
+        import torch
+
+        tensor = rebuild(*args)
+        hooks = tensor._backward_hooks
+        if hooks is None or len(hooks) or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            return tensor  # hooks someone pickled on purpose, or a subclass: as torch rebuilt it
+        if type(tensor) is torch.Tensor and not tensor.requires_grad:
+            return tensor.detach()  # the same data, without autograd state (a dataset's tensor)
+        tensor._backward_hooks = None  # it needs autograd state; the hook goes
+        return tensor
+
+    return rebuilt
 
 
 def _join_all(processes: list) -> int:
