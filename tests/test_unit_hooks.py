@@ -113,3 +113,24 @@ def test_batch_hooks_run_module_then_callbacks_in_order_and_a_callback_added_in_
         ("a", "end", 1), ("b", "end", 1), ("late", "end", 1),
         ("module", "start", 2), ("a", "start", 2), ("b", "start", 2), ("late", "start", 2),
     ]
+
+
+def test_a_callback_replaced_or_removed_in_place_during_the_fit_is_seen_from_the_next_batch(tmp_path):
+    """``trainer.callbacks[i] = other`` and ``del trainer.callbacks[i]`` keep the list and its
+    length (or shrink it): the replaced callback is not called again, its replacement is."""
+    seen = []
+    old, new, gone = Recording("old", seen), Recording("new", seen), Recording("gone", seen)
+
+    class Swapping(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                trainer.callbacks[trainer.callbacks.index(old)] = new
+            if batch_idx == 1:
+                trainer.callbacks.remove(gone)
+                trainer.callbacks.append(Recording("late", seen))
+
+    trainer = Trainer(max_steps=3, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, callbacks=[old, gone, Swapping()])
+    trainer.fit(Regressor(), make_loader(64, 8))
+    starts = [(name, batch) for name, hook, batch in seen if hook == "start"]
+    assert starts == [("old", 0), ("gone", 0), ("new", 1), ("gone", 1), ("new", 2), ("late", 2)]

@@ -4,13 +4,13 @@ Every hook of ``XModule`` and ``Callback`` is a no-op unless overridden, and a f
 them on every batch. Calling the module's and every callback's hook each time costs a lookup and
 a call per object per hook for nothing; the table looks up once which of them override a hook
 (in the class, or set on the instance) and keeps their bound methods. It is built again when the
-module or the list of callbacks changes (another list, or one grown or shrunk); a method set on a
-module or callback after a hook was first called in a run is not seen. An object with its own
+module or the callbacks change (another list, or the same list with a callback added, removed or
+replaced); a method set on a module or callback after a hook was first called in a run is not seen. An object with its own
 ``__getattribute__`` is asked for the hook on every call.
 
 The five hooks of every training batch are looked up once per batch (``HookTable.batch``): each
-is None where nothing overrides it, so the loop skips it without a call. A callback added during
-a batch is called from the next batch on.
+is None where nothing overrides it, so the loop skips it without a call. A callback added (or
+replaced) during a batch is called from the next batch on.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class HookTable:
     def __init__(self) -> None:
         self.module: Any = None
         self.callbacks: list[Any] | None = None
-        self.count = -1
+        self.members: list[int] = []  # the callbacks' ids when the table was built
         self.table: dict[str, tuple[Callable[..., Any] | None, tuple[Callable[..., Any], ...]]] = {}
         self._batch: BatchHooks | None = None
 
@@ -53,8 +53,8 @@ class HookTable:
               ) -> tuple[Callable[..., Any] | None, tuple[Callable[..., Any], ...]]:
         """Who implements ``hook``: the module's method (or None) and the callbacks' methods. The
         table starts again when the module or the callbacks are not those it was built for."""
-        if module is not self.module or callbacks is not self.callbacks or len(callbacks) != self.count:
-            self.module, self.callbacks, self.count, self.table = module, callbacks, len(callbacks), {}
+        if self._stale(module, callbacks):
+            self.module, self.callbacks, self.members, self.table = module, callbacks, list(map(id, callbacks)), {}
             self._batch = None
         entry = self.table.get(hook)
         if entry is None:
@@ -67,10 +67,15 @@ class HookTable:
         """The hooks of a training batch, for ``module`` and ``callbacks``: built again only when
         they are not those the table was built for."""
         hooks = self._batch
-        if hooks is None or module is not self.module or callbacks is not self.callbacks or len(callbacks) != self.count:
+        if hooks is None or self._stale(module, callbacks):
             hooks = BatchHooks(*(self._caller(trainer, hook, module, callbacks) for hook in BatchHooks._fields))
             self._batch = hooks  # after the entries, which start the table again if it was stale
         return hooks
+
+    def _stale(self, module: XModule, callbacks: list[Any]) -> bool:
+        """Whether ``module`` and ``callbacks`` are not those the table was built for: another
+        object, or the same list holding other callbacks (compared by identity)."""
+        return module is not self.module or callbacks is not self.callbacks or list(map(id, callbacks)) != self.members
 
     def _caller(self, trainer: "Trainer", hook: str, module: XModule, callbacks: list[Any]
                 ) -> Callable[..., Any] | None:
