@@ -108,8 +108,9 @@ def test_hook_order_and_counts(trainer_kwargs):
         "on_metrics": 4,  # each epoch's end and each validation's: the only reads (log_every_n_steps=50)
     }
     first_batch = calls[calls.index("on_train_batch_start"):calls.index("on_train_batch_end") + 1]
-    assert first_batch == ["on_train_batch_start", "on_before_backward", "on_after_backward",
-                           "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end"]
+    # Lightning's order: zero_grad after training_step, before backward
+    assert first_batch == ["on_train_batch_start", "on_before_zero_grad", "on_before_backward", "on_after_backward",
+                           "on_before_optimizer_step", "on_train_batch_end"]
     # validation at the end of an epoch runs before on_train_epoch_end
     assert calls.index("on_validation_end") < calls.index("on_train_epoch_end")
     assert calls[:5] == ["on_fit_start", "on_sanity_check_start", "on_validation_start",
@@ -119,6 +120,40 @@ def test_hook_order_and_counts(trainer_kwargs):
     assert calls[-2:] == ["on_train_end", "on_fit_end"]
     assert model.module_calls.count("on_train_epoch_end") == 2
     assert model.module_calls.count("on_before_optimizer_step") == 6
+
+
+def test_gradients_are_cleared_where_lightning_clears_them(trainer_kwargs):
+    """zero_grad runs after training_step and before backward, on the first micro-batch of each
+    accumulation window (Lightning's place): a step's gradients are still there in
+    on_train_batch_end and after the fit, and each window starts from none."""
+    seen = []
+
+    class Watch(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.batch = batch_idx
+
+        def on_before_zero_grad(self, trainer, module, optimizer):
+            seen.append(("zero_grad", self.batch))
+
+        def on_before_backward(self, trainer, module, loss):
+            grads = [p.grad for p in module.parameters()]
+            seen.append(("backward", self.batch, "none" if all(g is None for g in grads) else "kept"))
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            grads = [p.grad for p in module.parameters()]
+            seen.append(("end", batch_idx, all(g is not None and bool(g.abs().sum() > 0) for g in grads)))
+
+    model = Regressor(lr=0.05)
+    trainer = Trainer(max_epochs=1, accumulate_grad_batches=3, callbacks=[Watch()], **trainer_kwargs)
+    trainer.fit(model, make_loader(n=56))  # 7 batches of 8: windows 0-2, 3-5, 6
+    assert seen == [
+        ("zero_grad", 0), ("backward", 0, "none"), ("end", 0, True),
+        ("backward", 1, "kept"), ("end", 1, True), ("backward", 2, "kept"), ("end", 2, True),
+        ("zero_grad", 3), ("backward", 3, "none"), ("end", 3, True),
+        ("backward", 4, "kept"), ("end", 4, True), ("backward", 5, "kept"), ("end", 5, True),
+        ("zero_grad", 6), ("backward", 6, "none"), ("end", 6, True),
+    ]
+    assert all(p.grad is not None for p in model.parameters())  # as Lightning leaves them
 
 
 def test_max_steps_stops_mid_epoch(trainer_kwargs):

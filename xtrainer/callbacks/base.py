@@ -26,11 +26,13 @@ class Callback:
             for batch_idx, batch in train_loader:                 # batch already on the device
                 on_train_batch_start
                 loss = training_step(batch, batch_idx) / accumulate_grad_batches
+                if this micro-batch starts a window:              # every accumulate_grad_batches
+                    on_before_zero_grad; zero_grad                # the last step's gradients go
                 on_before_backward; loss.backward(); on_after_backward
                 if this micro-batch steps the optimizer:          # every accumulate_grad_batches
                     reduce gradients (across replicas)
                     on_before_optimizer_step; clip (gradient_clip_val); optimizer.step()
-                    on_before_zero_grad; zero_grad; schedulers with interval="step"
+                    schedulers with interval="step"
                 torch_xla.sync()                                  # GRAPH CUT: one execution
                 every log_every_n_steps steps: read logged values # HOST SYNC (one transfer)
                 on_train_batch_end

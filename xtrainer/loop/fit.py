@@ -145,7 +145,7 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHo
             outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate, hooks)
     loop.stepped = steps
     if steps:
-        trainer._optim.step(trainer, batch_idx, loss, hooks)  # clip, step, zero_grad, global_step, schedulers
+        trainer._optim.step(trainer, batch_idx, loss)  # clip, step, global_step, schedulers
         if loop.global_step % trainer.log_every_n_steps == 0:
             # Read once the step's graph is launched, as torch_xla's step closures run: the values
             # are this step's outputs, and reading them is the interval's one host sync.
@@ -159,7 +159,8 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHo
 def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate: int, hooks: BatchHooks
                      ) -> tuple[Any, torch.Tensor]:
     """The module's ``training_step`` (through the strategy's wrapper), the loss kept for the
-    non-finite watch and the log, and backward: what ``training_step`` returned, and the loss."""
+    non-finite watch and the log, zero_grad where a window starts, and backward: what
+    ``training_step`` returned, and the loss."""
     outputs = trainer._wrapped("train", batch, batch_idx)  # forward: the module's training_step
     loss = outputs if type(outputs) is torch.Tensor and outputs.dim() == 0 and outputs.requires_grad \
         else training_loss(outputs)  # the checks and the message for anything else
@@ -171,6 +172,8 @@ def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate:
     results.log_loss(LOSS_KEY, value)
     if accumulate > 1:
         loss = loss / accumulate
+    if accumulate == 1 or batch_idx % accumulate == 0:  # an accumulation window starts: Lightning's place
+        trainer._optim.zero_grad(trainer, batch_idx, hooks)
     if hooks.on_before_backward is not None:
         hooks.on_before_backward(loss)
     trainer.strategy.backward(loss)

@@ -79,22 +79,31 @@ class Optimization:
                 rebuild(trainer, trainer.module)
 
     # ---- automatic optimization --------------------------------------------------------------
-    def step(self, trainer: "Trainer", batch_idx: int, loss: torch.Tensor, hooks: "BatchHooks") -> None:
-        """The optimizer step (reduce, clip, step: the strategy's), zero_grad, the step count and
-        the schedulers stepped per step; the module's ``optimizer_step`` if it overrides it."""
+    def zero_grad(self, trainer: "Trainer", batch_idx: int, hooks: "BatchHooks") -> None:
+        """``on_before_zero_grad`` and zero_grad (the module's ``optimizer_zero_grad`` if it
+        overrides it), where Lightning runs them: after ``training_step`` and before backward, on
+        the first micro-batch of each accumulation window. The gradients of a step stay until
+        then (``on_train_batch_end``, a validation in between and the end of the fit see them),
+        and the new ones take the memory of the old: the allocator neither returns it nor asks
+        for it again every step."""
+        optimizer = self.optimizers[0]
+        if hooks.on_before_zero_grad is not None:
+            hooks.on_before_zero_grad(optimizer)
+        if self._custom_step:  # the module overrides optimizer_step or optimizer_zero_grad
+            trainer.module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        else:
+            clear_gradients(optimizer)
+
+    def step(self, trainer: "Trainer", batch_idx: int, loss: torch.Tensor) -> None:
+        """The optimizer step (reduce, clip, step: the strategy's), the step count and the
+        schedulers stepped per step; the module's ``optimizer_step`` if it overrides it."""
         optimizer = self.optimizers[0]
         before_step = (lambda: self._before_step(trainer)) if self._needs_before_step else None
         if self._custom_step:  # the module overrides optimizer_step or optimizer_zero_grad
             wrapper = StrategyOptimizer(optimizer, trainer.strategy, before_step)
             trainer.module.optimizer_step(trainer.current_epoch, batch_idx, wrapper, lambda: loss)
-            if hooks.on_before_zero_grad is not None:
-                hooks.on_before_zero_grad(optimizer)
-            trainer.module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
         else:
             trainer.strategy.optimizer_step(optimizer, before_step)
-            if hooks.on_before_zero_grad is not None:
-                hooks.on_before_zero_grad(optimizer)
-            clear_gradients(optimizer)
         trainer.loop.global_step += 1
         if trainer._publisher.counts_steps:
             trainer._publisher.stepped()

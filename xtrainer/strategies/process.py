@@ -57,11 +57,13 @@ def run_in_new_process(target: Callable[..., None], args: tuple, env: dict[str, 
 
 
 def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[dict[str, str]], what: str,
-                         codes: list[int | None] | None = None) -> int:
+                         codes: list[int | None] | None = None, hookless_tensors: bool = False) -> int:
     """``target(*args)`` in one new (spawned) process per item of ``envs``, each started with its
     environment; the first non-zero exit code among them (0 if all end well). ``codes``, if
     given, receives every process's exit code, in the order of ``envs`` (None for one this
-    function ended itself, after another had failed).
+    function ended itself, after another had failed). ``hookless_tensors``: the tensors in
+    ``args`` are rebuilt without the backward hooks torch's unpickling gives them
+    (``_JobUnpickler``).
 
     When one process ends with an error, the others are ended too (they may be waiting for it in
     a collective). Stop signals the caller receives are forwarded to every process.
@@ -81,7 +83,7 @@ def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[di
     payload: list[bytes] = []
     try:
         payload.append(pickle.dumps((target, args)))
-        child_args: tuple = (_unpickled_main, (payload, unpickling), os.getpid())
+        child_args: tuple = (_unpickled_main, (payload, unpickling, hookless_tensors), os.getpid())
     except (pickle.PicklingError, AttributeError, TypeError) as err:
         raise TypeError(_unpicklable(what, err)) from err
     processes: list = []
@@ -139,13 +141,13 @@ def _unpicklable(what: str, err: BaseException) -> str:
             "under `if __name__ == '__main__':`.")
 
 
-def _unpickled_main(payload: list[bytes], unpickling: str) -> None:
+def _unpickled_main(payload: list[bytes], unpickling: str, hookless_tensors: bool) -> None:
     """In a started process: the target and its arguments, pickled by the caller (the one item of
     ``payload``, taken out of it so that the bytes are freed once rebuilt), then run. If they
     cannot be rebuilt here, the error goes to the file ``unpickling`` for the caller to raise."""
     try:
-        # The caller's own job, handed over by multiprocessing.
-        target, args = _JobUnpickler(io.BytesIO(payload.pop())).load()
+        data = io.BytesIO(payload.pop())  # the caller's own job, handed over by multiprocessing
+        target, args = (_JobUnpickler(data) if hookless_tensors else pickle.Unpickler(data)).load()
     except Exception as err:  # noqa: BLE001 - told to the caller, which raises it with what to do
         with contextlib.suppress(OSError), open(unpickling, "x") as f:
             f.write(f"{type(err).__name__}: {err}")
@@ -159,7 +161,12 @@ class _JobUnpickler(pickle.Unpickler):
     them, and setting even that one gives the tensor autograd state and, where it has a gradient,
     a hook called in every backward. Rebuilt as is, each parameter called into Python in every
     backward pass, and every view of a dataset's tensors (each sample a DataLoader indexes) took
-    autograd's slower path, for the whole run; the caller's own tensors have neither."""
+    autograd's slower path, for the whole run; the caller's own tensors have neither.
+
+    Used for the native strategies' processes. Not for the CPU runtime's thread replicas: there
+    the hooks' calls into Python (each taking the GIL) happen to keep the replica threads' backward
+    passes from running at once, and without them XLA's CPU runtime crashed the process in the
+    GAN ``xla_ddp`` test (manual optimization, three runs of three under the suite's load)."""
 
     _REBUILDS = ("_rebuild_tensor_v2", "_rebuild_parameter", "_rebuild_parameter_with_state")
 

@@ -231,7 +231,8 @@ class NativeProcesses(launch._StartedReplicas):
         envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
                  "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, _REPLICA_OF_CALLER: "1"}
                 for rank in range(n)]
-        return run_in_new_processes(_process_main, (job,), envs, f"Trainer(devices={n})", self._codes)
+        return run_in_new_processes(_process_main, (job,), envs, f"Trainer(devices={n})", self._codes,
+                                    hookless_tensors=True)
 
     def killed_replica(self) -> tuple[int, int] | None:
         return killed_by_signal(self._codes)
