@@ -40,7 +40,7 @@ class Callback:
             read epoch values (module's on_train_epoch_end first) # HOST SYNC (one transfer)
             on_train_epoch_end                                    # ModelCheckpoint saves here
             schedulers with interval="epoch"
-        on_train_end; on_fit_end
+        on_train_end; on_fit_end                                  # then the last step's gradients are dropped
         on_exception(exception)                                   # instead, when the run ends with an error or a signal
 
         validation loop: on_validation_start; on_validation_epoch_start

@@ -5,8 +5,8 @@ them on every batch. Calling the module's and every callback's hook each time co
 a call per object per hook for nothing; the table looks up once which of them override a hook
 (in the class, or set on the instance) and keeps their bound methods. It is built again when the
 module or the callbacks change (another list, or the same list with a callback added, removed or
-replaced); a method set on a module or callback after a hook was first called in a run is not seen. An object with its own
-``__getattribute__`` is asked for the hook on every call.
+replaced); a method set on a module or callback after a hook was first called in a run is not
+seen. An object with its own ``__getattribute__`` is asked for the hook on every call.
 
 The five hooks of every training batch are looked up once per batch (``HookTable.batch``): each
 is None where nothing overrides it, so the loop skips it without a call. A callback added (or
@@ -75,7 +75,8 @@ class HookTable:
     def _stale(self, module: XModule, callbacks: list[Any]) -> bool:
         """Whether ``module`` and ``callbacks`` are not those the table was built for: another
         object, or the same list holding other callbacks (compared by identity)."""
-        return module is not self.module or callbacks is not self.callbacks or list(map(id, callbacks)) != self.members
+        return (module is not self.module or callbacks is not self.callbacks
+                or list(map(id, callbacks)) != self.members)
 
     def _caller(self, trainer: "Trainer", hook: str, module: XModule, callbacks: list[Any]
                 ) -> Callable[..., Any] | None:

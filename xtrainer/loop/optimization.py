@@ -83,7 +83,8 @@ class Optimization:
         """``on_before_zero_grad`` and zero_grad (the module's ``optimizer_zero_grad`` if it
         overrides it), where Lightning runs them: after ``training_step`` and before backward, on
         the first micro-batch of each accumulation window. The gradients of a step stay until
-        then (``on_train_batch_end``, a validation in between and the end of the fit see them),
+        then (``on_train_batch_end`` and a validation in between see them; the fit drops the
+        last step's after ``on_fit_end``),
         and the new ones take the memory of the old: the allocator neither returns it nor asks
         for it again every step."""
         optimizer = self.optimizers[0]
