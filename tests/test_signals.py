@@ -100,7 +100,7 @@ def test_spmd_stops_on_xlas_preemption_sync_at_one_agreed_step(tmp_path):
     path = line.split("checkpoint: ")[1].split(". Resume")[0]
     step = int(line.split(" at step ")[1].split(",")[0])
     saved = load_checkpoint(path)
-    assert saved["loops"]["global_step"] == step > 2
+    assert saved["loops"]["global_step"] == step >= 2  # the signal is sent once step 2 has ended
     assert saved["loops"]["epoch_finished"] == (step % 8 == 0)  # an agreed step may end an epoch (8 batches)
 
 
