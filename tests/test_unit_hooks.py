@@ -116,8 +116,8 @@ def test_batch_hooks_run_module_then_callbacks_in_order_and_a_callback_added_in_
 
 
 def test_a_callback_replaced_or_removed_in_place_during_the_fit_is_seen_from_the_next_batch(tmp_path):
-    """``trainer.callbacks[i] = other`` and ``del trainer.callbacks[i]`` keep the list and its
-    length (or shrink it): the replaced callback is not called again, its replacement is."""
+    """``trainer.callbacks[i] = other``, or a callback removed and another appended in one batch,
+    keep the list and its length: the callbacks taken out are not called again, those put in are."""
     seen = []
     old, new, gone = Recording("old", seen), Recording("new", seen), Recording("gone", seen)
 
