@@ -96,7 +96,7 @@ class AheadNet(ExactNet):
         self.log("train_loss", loss)
         return loss
 
-    def on_before_zero_grad(self, optimizer):
+    def on_before_optimizer_step(self, optimizer):  # after backward's all-reduce, before the read
         if self.trainer.global_rank == 1 and self.trainer.global_step + 1 == self.at:  # before the step count
             deadline = time.monotonic() + 30
             while not os.path.exists(os.path.join(self.folder, "rank0-passed")):
