@@ -22,7 +22,6 @@ from xtrainer.launch import interrupts
 from xtrainer.loop import loaders
 from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop.hooks import BatchHooks
-from xtrainer.loop.optimizers import clear_gradients
 from xtrainer.loop.publishing import LOSS_KEY, end_epoch
 from xtrainer.loop.steps import training_loss
 
@@ -128,9 +127,7 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         checkpoints.stop_on_signal(trainer, signum)
     trainer._call("on_train_end")
     trainer._call("on_fit_end")
-    if trainer._optim.automatic:  # the last step's gradients end with the fit (not moved to the host)
-        for optimizer in trainer.optimizers:
-            clear_gradients(optimizer)
+    trainer._optim.drop_gradients()  # the last step's, not moved to the host with the weights
     trainer._publisher.end_fit(trainer)
 
 

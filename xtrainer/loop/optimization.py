@@ -95,6 +95,12 @@ class Optimization:
         else:
             clear_gradients(optimizer)
 
+    def drop_gradients(self) -> None:
+        """At the fit's end, under automatic optimization: the last step's gradients go."""
+        if self.automatic:
+            for optimizer in self.optimizers:
+                clear_gradients(optimizer)
+
     def step(self, trainer: "Trainer", batch_idx: int, loss: torch.Tensor) -> None:
         """The optimizer step (reduce, clip, step: the strategy's), the step count and the
         schedulers stepped per step; the module's ``optimizer_step`` if it overrides it."""
