@@ -321,9 +321,10 @@ class Ballast(Callback):
         self.held = state["held"]
 
 
-class BackwardHooks(Callback):
+class ProcessFacts(Callback):
     """Reports, from rank 0's process mid-fit, the backward hooks (``_backward_hooks``) of the
-    module's parameters and of the training data's tensors, handed back as callback state."""
+    module's parameters and of the training data's tensors, and torch's intra-op threads, handed
+    back as callback state."""
 
     def __init__(self) -> None:
         self.seen = None
@@ -332,7 +333,7 @@ class BackwardHooks(Callback):
         if batch_idx == 1:
             data = trainer.train_dataloader.dataset.tensors
             self.seen = {"parameters": [p._backward_hooks for p in module.parameters()],
-                         "data": [t._backward_hooks for t in data]}
+                         "data": [t._backward_hooks for t in data], "threads": torch.get_num_threads()}
 
     def state_dict(self):
         return {"seen": self.seen}

@@ -313,15 +313,59 @@ def test_the_pickled_job_is_not_kept_while_the_processes_of_devices_2_train(tmp_
 
 
 @pytest.mark.multi_device
-def test_the_processes_of_devices_2_rebuild_tensors_without_backward_hooks(tmp_path):
+def test_the_processes_of_devices_2_rebuild_tensors_without_backward_hooks_and_share_the_cores(tmp_path,
+                                                                                                  monkeypatch):
     """torch's unpickling gives every tensor an empty dict of backward hooks: on a parameter a
     hook called in every backward pass, on a dataset's tensor autograd state that slows every
     sample taken from it. The job's tensors are rebuilt in each process without them, as the
-    caller's own tensors are."""
-    hooks = native_run.BackwardHooks()
-    trainer, model = native_run.fit("native_ddp", 2, str(tmp_path), 4, 8, callbacks=[hooks])
+    caller's own tensors are. And the processes share the cores: torch's default of one
+    intra-op thread per core in each would run two threads per core."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    facts = native_run.ProcessFacts()
+    trainer, model = native_run.fit("native_ddp", 2, str(tmp_path), 4, 8, callbacks=[facts])
     assert trainer.global_step == 4
-    assert hooks.seen == {"parameters": [None] * len(list(model.parameters())), "data": [None, None]}, hooks.seen
+    cores = len(os.sched_getaffinity(0))
+    assert facts.seen == {"parameters": [None] * len(list(model.parameters())), "data": [None, None],
+                          "threads": max(1, cores // 2)}, facts.seen
+
+
+def test_the_intra_op_threads_of_devices_n_are_the_users_where_set(monkeypatch):
+    """OMP_NUM_THREADS, where set, is the user's: the processes inherit it untouched."""
+    from xtrainer.strategies import torch_native
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert torch_native._intra_op_threads(2) == {}
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cores = len(os.sched_getaffinity(0))
+    assert torch_native._intra_op_threads(2 * cores) == {"OMP_NUM_THREADS": "1"}
+    assert torch_native._intra_op_threads(1) == {"OMP_NUM_THREADS": str(cores)}
+
+
+def test_more_processes_than_the_hosts_devices_are_refused_with_what_to_do(monkeypatch):
+    """devices=3 on a host with two devices of the kind (or torchrun starting three there) is
+    refused before any process starts. The device count is the one thing mocked: this host has
+    no accelerator."""
+    from xtrainer.strategies import torch_devices, torch_native
+
+    monkeypatch.setattr(torch_devices, "local_count", lambda kind: 2)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    strategy = torch_native.NativeDDP()
+    strategy._kind = "cuda"
+    assert strategy.resolve_devices(2) == 2
+    assert strategy.resolve_devices("auto") == 2
+    with pytest.raises(ValueError, match=r"devices=3, but this host has 2 cuda device\(s\): start 2 or fewer"):
+        strategy.resolve_devices(3)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ValueError, match="torchrun started 3 processes on this host, but this host has 2 cuda"):
+        strategy.resolve_devices("auto")
+    strategy._kind = "cpu"
+    assert strategy.resolve_devices("auto") == 6
 
 
 @pytest.mark.multi_device

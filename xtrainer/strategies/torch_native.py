@@ -229,13 +229,25 @@ class NativeProcesses(launch._StartedReplicas):
         n = int(self.devices or 1)
         port = str(free_port())
         envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-                 "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, _REPLICA_OF_CALLER: "1"}
+                 "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, _REPLICA_OF_CALLER: "1",
+                 **_intra_op_threads(n)}
                 for rank in range(n)]
         return run_in_new_processes(_process_main, (job,), envs, f"Trainer(devices={n})", self._codes,
                                     hookless_tensors=True)
 
     def killed_replica(self) -> tuple[int, int] | None:
         return killed_by_signal(self._codes)
+
+
+def _intra_op_threads(processes: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for each of ``processes`` processes on this host, unless it is set: the
+    cores this process may use, shared out, at least one each. torch's default is a thread per
+    core in every process, so N processes would run N threads per core and slow each other down
+    (torchrun sets 1 for the same reason)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"OMP_NUM_THREADS": str(max(1, cores // processes))}
 
 
 def _process_main(job: Callable[[], None]) -> None:
@@ -325,6 +337,9 @@ class NativeSingle(Strategy):
             if int(os.environ["WORLD_SIZE"]) > 1 and not self.multi_process:
                 raise ValueError(f"strategy={self.name!r} runs on one device, but torchrun started "
                                  f"{os.environ['WORLD_SIZE']} processes: use 'native_ddp' or 'native_fsdp'.")
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            if local is not None:
+                self._check_local_count(int(local), f"torchrun started {local} processes on this host")
             return int(os.environ["WORLD_SIZE"])
         if devices == "auto":
             return torch_devices.local_count(self._kind or "cpu") if self.multi_process else 1
@@ -333,7 +348,16 @@ class NativeSingle(Strategy):
         if devices > 1 and not self.multi_process:
             raise ValueError(f"devices={devices}: strategy={self.name!r} "
                              "runs on one device; use 'native_ddp' or 'native_fsdp' for several.")
+        self._check_local_count(devices, f"devices={devices}")
         return devices
+
+    def _check_local_count(self, processes: int, asked: str) -> None:
+        """Refuses more processes on this host than it has devices of the kind (untested here:
+        only the CPU, which takes any number, runs here)."""
+        kind = self._kind or "cpu"
+        if kind != "cpu" and processes > (here := torch_devices.local_count(kind)):
+            raise ValueError(f"{asked}, but this host has {here} {kind} device(s): start {here} or fewer "
+                             f"processes per host, and more hosts (torchrun --nnodes) for more.")
 
     @property
     def launcher(self) -> launch.Launcher:
