@@ -47,9 +47,9 @@ def test_launch_refuses_a_device_count_torch_xla_cannot_honour(trainer_kwargs, m
         Trainer(devices=2, **trainer_kwargs).fit(Regressor(), make_loader())
 
 
-class ReturnsNone(Regressor):
+class ReturnsNoLoss(Regressor):
     def training_step(self, batch, batch_idx):
-        return None
+        return {"prediction": self(batch[0])}
 
 
 class ReturnsVector(Regressor):
@@ -64,7 +64,7 @@ class ReturnsDetached(Regressor):
 
 
 @pytest.mark.parametrize("module, message", [
-    (ReturnsNone, "training_step returned None"),
+    (ReturnsNoLoss, "training_step returned a dict without a 'loss' tensor"),
     (ReturnsVector, r"loss of shape \(8, 1\); it must be a scalar"),
     (ReturnsDetached, "does not require grad"),
 ])

@@ -157,6 +157,48 @@ def test_gradients_are_cleared_where_lightning_clears_them(trainer_kwargs):
     assert all(p.grad is None for p in model.parameters())  # dropped after on_fit_end
 
 
+class SkipsOddBatches(Regressor):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 2 else loss
+
+
+@pytest.mark.parametrize("strategy", ["xla_native", "xla_ddp", "native", "native_ddp"])
+def test_training_step_returning_none_skips_the_batch_as_in_lightning(trainer_kwargs, strategy):
+    """Lightning's skip: no backward (nor its hooks) for that batch; zero_grad and the optimizer
+    step still run and the step is counted; on_train_batch_end receives {}. With plain SGD a step
+    over no gradients leaves the weights: they end as trained on the other batches alone."""
+    seen = []
+
+    class Watch(Callback):
+        def on_before_backward(self, trainer, module, loss):
+            seen.append("backward")
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            seen.append("step")
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append(outputs if batch_idx % 2 else "end")
+
+    loader = make_loader()  # 8 batches
+    expected = reference_sgd(Regressor(), [b for i, b in enumerate(loader) if i % 2 == 0], epochs=1, lr=0.05)
+    model = SkipsOddBatches()
+    trainer = Trainer(max_epochs=1, strategy=strategy, callbacks=[Watch()], **trainer_kwargs)
+    with pytest.warns(UserWarning, match="training_step returned None: the batch is skipped"):
+        trainer.fit(model, loader)
+    assert trainer.global_step == 8
+    assert seen == ["backward", "step", "end", "step", {}] * 4
+    assert_same_params(model, expected)
+
+
+def test_training_step_returning_none_with_several_replicas_says_what_to_do(trainer_kwargs):
+    """Several replicas cannot skip alone: the others would wait in backward's all-reduce."""
+    trainer = Trainer(max_epochs=1, strategy="xla_native", devices=2, **trainer_kwargs)
+    with pytest.raises(ValueError, match=r"training_step returned None at batch 1 to skip it, but 2 replicas train "
+                                         r"together.*`loss \* 0`"):
+        trainer.fit(SkipsOddBatches(), make_loader())
+
+
 def test_max_steps_stops_mid_epoch(trainer_kwargs):
     trainer = Trainer(max_steps=5, max_epochs=10, **trainer_kwargs)
     trainer.fit(Regressor(), make_loader())

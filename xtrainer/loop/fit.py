@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from xtrainer.launch import interrupts
 from xtrainer.loop import loaders
@@ -158,11 +159,13 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHo
 
 
 def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate: int, hooks: BatchHooks
-                     ) -> tuple[Any, torch.Tensor]:
+                     ) -> tuple[Any, torch.Tensor | None]:
     """The module's ``training_step`` (through the strategy's wrapper), the loss kept for the
     non-finite watch and the log, zero_grad where a window starts, and backward: what
-    ``training_step`` returned, and the loss."""
+    ``training_step`` returned, and the loss (None for a batch it skipped)."""
     outputs = trainer._wrapped("train", batch, batch_idx)  # forward: the module's training_step
+    if outputs is None:
+        return skipped_batch(trainer, batch_idx, accumulate, hooks)
     loss = outputs if type(outputs) is torch.Tensor and outputs.dim() == 0 and outputs.requires_grad \
         else training_loss(outputs)  # the checks and the message for anything else
     value = loss.detach()
@@ -182,6 +185,26 @@ def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate:
         hooks.on_after_backward()
     results.in_step = False
     return outputs, loss
+
+
+def skipped_batch(trainer: "Trainer", batch_idx: int, accumulate: int, hooks: BatchHooks) -> tuple[dict, None]:
+    """``training_step`` returned None: Lightning's skip. zero_grad still runs where a window
+    starts; backward does not. The optimizer still steps (over no new gradients: plain SGD leaves
+    the weights, optimizers with momentum or weight decay move them, as in Lightning), the step
+    is counted and ``on_train_batch_end`` receives ``{}``. One replica only: with several, the
+    others would wait for this one in backward's all-reduce."""
+    if trainer.world_size > 1:
+        raise ValueError(
+            f"training_step returned None at batch {batch_idx} to skip it, but {trainer.world_size} replicas train "
+            "together: the others would wait for this one's gradients (Lightning does not skip with several "
+            "devices either). Return a loss that changes nothing instead, e.g. `loss * 0`, or drop the batch in "
+            "the dataset or its collate_fn.")
+    rank_zero_warn("training_step returned None: the batch is skipped (no backward), as in Lightning; the optimizer "
+                   "still steps. If this was on purpose, ignore this warning (shown once).")
+    if accumulate == 1 or batch_idx % accumulate == 0:
+        trainer._optim.zero_grad(trainer, batch_idx, hooks)
+    trainer._results.in_step = False
+    return {}, None
 
 
 def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHooks) -> None:

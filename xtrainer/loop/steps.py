@@ -85,8 +85,8 @@ def training_loss(outputs: Any) -> torch.Tensor:
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     if loss is None:
         raise ValueError(
-            "training_step returned None. Return the loss tensor or a dict with a 'loss' entry; skipping a "
-            "batch by returning None is not supported (deciding it would force a host sync every step).")
+            "training_step returned a dict without a 'loss' tensor. Return the loss tensor or a dict with a 'loss' "
+            "entry (or None itself to skip the batch).")
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"training_step must return a tensor or a dict with 'loss', got {type(outputs).__name__}.")
     if loss.numel() != 1:
