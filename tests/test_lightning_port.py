@@ -299,14 +299,92 @@ def test_lightning_names_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="plugins=...: Lightning's plugins"):
         Trainer(plugins=[object()])
 
-    class Transfers(LitRegressor):
-        def transfer_batch_to_device(self, batch, device, dataloader_idx):
-            return batch
-
-    with pytest.raises(NotImplementedError, match="transfer_batch_to_device would not be called.*collate_fn"):
-        Trainer(**quiet(tmp_path)).fit(Transfers(), datamodule=RegressionDataModule())
     bare = Trainer(barebones=True, **quiet(tmp_path))
     assert bare.checkpoint_callback is None and not bare.loggers and bare.num_sanity_val_steps == 0
+
+
+class AugmentsOnDevice(LitRegressor):
+    """Lightning's batch-transfer hooks: a dict made on the host, moved by the default transfer
+    (through super()), the inputs doubled on the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        self.seen.append(("before", batch[0].device.type, dataloader_idx))
+        return {"x": batch[0], "y": batch[1]}
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.seen.append(("move", device.type, dataloader_idx))
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.seen.append(("after", batch["x"].device.type, dataloader_idx))
+        return (batch["x"] * 2, batch["y"])
+
+
+class DoubledData(RegressionDataModule):
+    """The same data with the inputs doubled on the host: what AugmentsOnDevice trains on."""
+
+    def setup(self, stage):
+        super().setup(stage)
+        x, y = make_data(80).tensors
+        full = torch.utils.data.TensorDataset(x * 2, y)
+        self.train_set, self.val_set = random_split(full, [64, 16], generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("strategy, before_on", [("xla_native", "xla"), ("native", "cpu")])
+def test_the_batch_transfer_hooks_run_in_lightnings_order_before_each_step(tmp_path, strategy, before_on):
+    """on_before_batch_transfer, transfer_batch_to_device, on_after_batch_transfer for every
+    training and validation batch, before on_*_batch_start, with the loader's index; the model
+    trains exactly as on data altered beforehand. On XLA batches travel in torch_xla's loader,
+    so the first hook sees them on the device (as in Lightning on TPUs)."""
+    order = []
+
+    class Order(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            order.append(("start", type(batch).__name__))
+
+    model = AugmentsOnDevice()
+    kwargs = quiet(tmp_path / "hooks", max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+                   num_sanity_val_steps=0, enable_checkpointing=False, strategy=strategy)
+    Trainer(callbacks=[Order()], **kwargs).fit(model, datamodule=RegressionDataModule())
+    device = "xla" if strategy.startswith("xla") else "cpu"
+    assert model.seen == [("before", before_on, 0), ("move", device, 0), ("after", device, 0)] * 3
+    assert order == [("start", "tuple")] * 2
+    reference = LitRegressor()
+    Trainer(**dict(kwargs, default_root_dir=str(tmp_path / "reference"))).fit(reference, datamodule=DoubledData())
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+    model.seen.clear()
+    loaders = [DataLoader(make_data(16), batch_size=8), DataLoader(make_data(8), batch_size=8)]
+    Trainer(**kwargs).validate(model, loaders)
+    assert [idx for what, _, idx in model.seen if what == "after"] == [0, 1]  # limit_val_batches=1 of each
+
+
+def test_a_data_modules_batch_transfer_hook_is_used_and_wins_over_the_modules(tmp_path):
+    """As in Lightning: the data module's hook where it overrides one, with a warning where the
+    module overrides the same one."""
+
+    class Doubles(RegressionDataModule):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            return batch[0] * 2, batch[1]
+
+    class AlsoOverrides(LitRegressor):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            raise AssertionError("the data module's hook is the one called")
+
+    kwargs = quiet(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=0, enable_checkpointing=False)
+    model = AlsoOverrides()
+    with pytest.warns(UserWarning, match="on_after_batch_transfer is overridden in both AlsoOverrides and Doubles: "
+                                         "the data module's is used"):
+        Trainer(**kwargs).fit(model, datamodule=Doubles())
+    reference = LitRegressor()
+    Trainer(**kwargs).fit(reference, datamodule=DoubledData())
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_bf16_mixed_trains_with_float32_weights(tmp_path):

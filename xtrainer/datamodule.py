@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from xtrainer.module import HyperparametersMixin
+from xtrainer.module import BatchTransferHooks, HyperparametersMixin
 
 #: The loader hook of each stage, on a data module or on the module itself.
 LOADER_HOOKS = {"train": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
                 "predict": "predict_dataloader"}
 
 
-class XDataModule(HyperparametersMixin):
+class XDataModule(BatchTransferHooks, HyperparametersMixin):
     """Subclass this instead of ``lightning.LightningDataModule``; the hook names are the same.
 
     ``prepare_data()`` runs once per host, then ``setup(stage)``, both in the calling process

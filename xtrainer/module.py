@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import argparse
 import copy
 import inspect
@@ -10,6 +11,7 @@ import types
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
@@ -132,7 +134,53 @@ def _init_arguments(frame: types.FrameType | None, obj: Any) -> dict[str, Any]:
 
 
 
-class XModule(HyperparametersMixin, nn.Module):
+class BatchTransferHooks:
+    """Lightning's three batch-transfer hooks, on ``XModule`` and ``XDataModule`` alike: a batch
+    drawn from a loader goes through ``on_before_batch_transfer``, ``transfer_batch_to_device``
+    and ``on_after_batch_transfer``, in the training process, before ``on_*_batch_start`` and the
+    step. Where a data module overrides one, its own is called instead of the module's (as in
+    Lightning). On the native strategies the first hook sees the batch on the host; on the XLA
+    strategies batches travel in torch_xla's loader, ahead of the step, so it sees them on the
+    device already and the move is a no-op (as in Lightning on TPUs). Where neither overrides any,
+    none is called and batches move as they always do."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Alter a batch before it moves to the device; return it."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move ``batch`` to ``device``: every tensor in it (in lists, tuples, dicts, dataclasses),
+        and any other object with a ``to(device)`` method; return it."""
+        return move_data_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Alter a batch once it is on the device (augment, normalize there); return it."""
+        return batch
+
+
+def move_data_to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor (and every object with a ``to`` method) moved to ``device``
+    (non-blocking copies where the device is not the CPU)."""
+    blocking = torch.device(device).type == "cpu"
+
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device, non_blocking=not blocking)
+        moved = value.to(device)
+        return value if moved is None else moved  # a to() that moves in place returns None
+
+    return apply_to_collection(batch, (torch.Tensor, _Movable), move)
+
+
+class _Movable(abc.ABC):
+    """Any class with a ``to`` method (a batch class of the user's), for ``apply_to_collection``."""
+
+    @classmethod
+    def __subclasshook__(cls, subclass: type) -> bool:
+        return callable(getattr(subclass, "to", None)) or NotImplemented
+
+
+class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
     """Subclass this instead of ``lightning.LightningModule``; the hook names are the same.
 
     Required: ``training_step`` and ``configure_optimizers``. Everything else is optional.

@@ -218,6 +218,7 @@ class Trainer:
         # Set inside a run (per replica).
         self._module: XModule | None = None
         self._wrapped: nn.Module | None = None
+        self._transfer: Any = None  # the batch-transfer hooks (loop.steps.BatchTransfer), where overridden
         self._optim = Optimization()
         self._train_results = self._results = Results("train", default_on_step=True)
         self._train_data: Any = None  # the fit's training data, as the strategy delivers it

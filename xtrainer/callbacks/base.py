@@ -23,7 +23,8 @@ class Callback:
         on_train_start
         while not (max_epochs or max_steps reached or trainer.should_stop):
             on_train_epoch_start
-            for batch_idx, batch in train_loader:                 # batch already on the device
+            for batch_idx, batch in train_loader:                 # XLA: already on the device
+                the batch-transfer hooks of the module or data module  # where overridden (not callbacks)
                 on_train_batch_start
                 loss = training_step(batch, batch_idx) / accumulate_grad_batches
                 if this micro-batch starts a window:              # every accumulate_grad_batches
@@ -44,7 +45,7 @@ class Callback:
         on_exception(exception)                                   # instead, when the run ends with an error or a signal
 
         validation loop: on_validation_start; on_validation_epoch_start
-            for each batch: on_validation_batch_start; validation_step; torch_xla.sync(); on_validation_batch_end
+            for each batch: the batch-transfer hooks; on_validation_batch_start; validation_step; torch_xla.sync(); on_validation_batch_end
             read epoch values                                     # HOST SYNC (one transfer)
             on_validation_epoch_end; on_validation_end
 

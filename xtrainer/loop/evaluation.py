@@ -39,6 +39,8 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
             for batch_idx, batch in enumerate(data):
                 if batch_idx >= limit:
                     break
+                if trainer._transfer is not None:
+                    batch = trainer._transfer(batch, dl_idx)
                 trainer._call(f"on_{hook}_batch_start", batch, batch_idx, *extra)
                 results.begin_batch(batch)
                 outputs = wrapped(stage, batch, batch_idx, *extra)

@@ -74,7 +74,10 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         step = manual_training_step if not trainer._optim.automatic else training_step
         table = trainer._hooks
         progress = loop.progress
+        transfer = trainer._transfer
         for batch_idx, batch in batches:
+            if transfer is not None:
+                batch = transfer(batch, 0)
             is_last = trainer.is_last_batch = batch_idx + 1 >= last
             hooks = table.batch(trainer, trainer._module, trainer.callbacks)
             start = hooks.on_train_batch_start

@@ -20,7 +20,7 @@ from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop import fit as fit_loop
 from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.results import Results
-from xtrainer.loop.steps import StepDispatcher
+from xtrainer.loop.steps import StepDispatcher, batch_transfer
 from xtrainer.strategies.data import padded_samples
 
 if TYPE_CHECKING:
@@ -59,6 +59,8 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         # datasets in setup), in every replica.
         sources = loaders.in_replica(trainer, module, sources)
         trainer._wrapped = trainer.strategy.setup_module(StepDispatcher(module, trainer.precision))
+        trainer._transfer = batch_transfer(module, trainer.datamodule, trainer.strategy.device)
+        trainer.strategy.module_moves_batches = trainer._transfer is not None
         data = trainer._stage_data = {name: [trainer._device_data(dl) for dl in dls] for name, dls in sources.items()}
         warn_padded_evaluation(trainer, data)
         if stage == "fit":

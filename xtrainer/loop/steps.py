@@ -1,25 +1,26 @@
 """What the Trainer asks of the user's module, and how it calls its steps: the checks a module
 passes before a run, the dispatcher that calls ``*_step`` from ``forward`` (so that wrappers'
-forward hooks, DDP's and FSDP's, run around every step), and the loss a ``training_step`` must
-return."""
+forward hooks, DDP's and FSDP's, run around every step), the batch-transfer hooks, and the loss
+a ``training_step`` must return."""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
 from xtrainer.callbacks.base import check_hook_names
-from xtrainer.module import MODULE_HOOKS, XModule
+from xtrainer.module import MODULE_HOOKS, BatchTransferHooks, XModule
 from xtrainer.strategies.precision import Precision
 
 STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
                 "predict": "predict_step"}
 
-#: Lightning hooks that cannot run here: batches move to the device inside torch_xla's loader.
-TRANSFER_HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer", "transfer_batch_to_device")
+#: Lightning's batch-transfer hooks, in the order a batch goes through them.
+TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 
 class StepDispatcher(nn.Module):
@@ -53,17 +54,40 @@ class StepDispatcher(nn.Module):
         return getattr(self._user, STEP_METHODS[stage])(batch, *args[:self._extra[stage]])
 
 
+class BatchTransfer:
+    """A drawn batch through the batch-transfer hooks (``BatchTransferHooks``): ``(batch,
+    dataloader_idx) -> batch``."""
+
+    def __init__(self, hooks: list[Callable[..., Any]], device: torch.device) -> None:
+        self.before, self.move, self.after = hooks
+        self.device = device
+
+    def __call__(self, batch: Any, dataloader_idx: int) -> Any:
+        batch = self.before(batch, dataloader_idx)
+        return self.after(self.move(batch, self.device, dataloader_idx), dataloader_idx)
+
+
+def batch_transfer(module: XModule, datamodule: Any, device: torch.device) -> BatchTransfer | None:
+    """The batch-transfer hooks of a run, where the module or its data module overrides any
+    (the data module's where both do, as in Lightning); None where neither does."""
+    hooks, overridden = [], False
+    for name in TRANSFER_HOOKS:
+        default = getattr(BatchTransferHooks, name)
+        of_module = getattr(type(module), name, default) is not default
+        of_data = datamodule is not None and getattr(type(datamodule), name, default) is not default
+        if of_module and of_data:
+            rank_zero_warn(f"{name} is overridden in both {type(module).__name__} and {type(datamodule).__name__}: "
+                           f"the data module's is used, as in Lightning.")
+        overridden = overridden or of_module or of_data
+        hooks.append(getattr(datamodule if of_data else module, name))
+    return BatchTransfer(hooks, device) if overridden else None
+
+
 def check_module(model: Any, stage: str) -> None:
     """Refuse, before anything starts, a module that cannot run ``stage``."""
     if not isinstance(model, XModule):
         raise TypeError(f"{stage}() takes an xtrainer.XModule, got {type(model).__name__}.")
-    for hook in TRANSFER_HOOKS:
-        if callable(getattr(model, hook, None)):
-            raise NotImplementedError(
-                f"{type(model).__name__}.{hook} would not be called: batches move to the XLA device inside "
-                "torch_xla's loader, ahead of the step. Do that work in the DataLoader's collate_fn (on the host) "
-                "or at the start of training_step (on the device), and remove the method.")
-    check_hook_names(model, MODULE_HOOKS, XModule)
+    check_hook_names(model, MODULE_HOOKS | set(TRANSFER_HOOKS), XModule)
     if stage == "fit":
         if type(model).training_step is XModule.training_step:
             raise NotImplementedError(f"{type(model).__name__} has no training_step(self, batch, batch_idx).")

@@ -315,6 +315,12 @@ class Strategy(abc.ABC):
     #: in a step cost nothing until then; False where each op runs as it is called.
     lazy: bool = True
 
+    #: Set for a run whose module (or data module) overrides a batch-transfer hook: its
+    #: ``transfer_batch_to_device`` moves the batches, so a strategy that moves them in the
+    #: training process delivers them on the host. The XLA strategies' batches still travel in
+    #: torch_xla's loader (the hooks see them on the device, as in Lightning on TPUs).
+    module_moves_batches: bool = False
+
     def batches_on_device(self, loader: Iterable, start: int = 0) -> Iterable:
         """``loader``'s batches delivered on this replica's device (``start``: the index of its
         first batch in the epoch, for messages)."""

@@ -489,7 +489,7 @@ class NativeSingle(Strategy):
         return torch.accelerator.device_count() if torch.accelerator.is_available() else 1
 
     def batches_on_device(self, loader: Iterable, start: int = 0) -> Iterable:
-        return _OnDevice(loader, self.device, start)
+        return _OnDevice(loader, None if self.module_moves_batches else self.device, start)
 
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
         self._closures = []
@@ -503,9 +503,10 @@ class NativeSingle(Strategy):
 
 class _OnDevice:
     """A host loader's batches moved to ``device`` as they are drawn (non-blocking copies; the
-    CPU's batches pass unchanged). A loader's exception is raised with a note naming the batch."""
+    CPU's batches pass unchanged; None: left on the host, for the module's batch-transfer hooks).
+    A loader's exception is raised with a note naming the batch."""
 
-    def __init__(self, loader: Iterable, device: torch.device, start: int = 0) -> None:
+    def __init__(self, loader: Iterable, device: torch.device | None, start: int = 0) -> None:
         self.loader, self.device, self.start = loader, device, start
 
     def __iter__(self) -> Iterator[Any]:
@@ -521,7 +522,7 @@ class _OnDevice:
                 what = type(self.loader).__name__ + (f" over {type(dataset).__name__}" if dataset is not None else "")
                 err.add_note(f"(raised while loading batch index {index} of {what}; the batches before it were used)")
                 raise
-            if self.device.type != "cpu":
+            if self.device is not None and self.device.type != "cpu":
                 batch = apply_to_collection(batch, torch.Tensor, lambda t: t.to(self.device, non_blocking=True))
             yield batch
             index += 1
