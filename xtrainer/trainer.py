@@ -112,7 +112,7 @@ class Trainer:
         gradient_clip_algorithm: str = "norm",
         precision: str | int = "32",
         callbacks: Sequence[Callback] | Callback | None = None,
-        logger: bool | Logger | None = True,
+        logger: bool | Logger | Sequence[Logger] | None = True,
         default_root_dir: str | os.PathLike | None = None,
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,

@@ -91,7 +91,8 @@ def check_module(model: Any, stage: str) -> None:
     if stage == "fit":
         if type(model).training_step is XModule.training_step:
             raise NotImplementedError(f"{type(model).__name__} has no training_step(self, batch, batch_idx).")
-        if type(model).configure_optimizers is XModule.configure_optimizers:
+        if type(model).configure_optimizers is XModule.configure_optimizers \
+                and "configure_optimizers" not in vars(model):  # LightningCLI's --optimizer sets one
             raise NotImplementedError(
                 f"{type(model).__name__} has no configure_optimizers(). Return an optimizer, "
                 "(optimizers, schedulers), or {'optimizer': ..., 'lr_scheduler': ...}.")

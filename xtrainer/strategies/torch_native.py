@@ -352,8 +352,8 @@ class NativeSingle(Strategy):
         return devices
 
     def _check_local_count(self, processes: int, asked: str) -> None:
-        """Refuses more processes on this host than it has devices of the kind (untested here:
-        only the CPU, which takes any number, runs here)."""
+        """Refuses more processes on this host than it has devices of the kind. Only the CPU,
+        which takes any number, runs here: the test gives the host a device count."""
         kind = self._kind or "cpu"
         if kind != "cpu" and processes > (here := torch_devices.local_count(kind)):
             raise ValueError(f"{asked}, but this host has {here} {kind} device(s): start {here} or fewer "
