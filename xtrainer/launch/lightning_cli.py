@@ -139,8 +139,7 @@ class LightningCLI:
     into a Trainer, a module and a data module, then runs the subcommand's Trainer method.
 
     Args:
-        model_class: the module class (or a function returning a module); None: any ``XModule``
-            named with ``--model``.
+        model_class: the module class; None: any ``XModule`` named with ``--model``.
         datamodule_class: the data module class; None: any ``XDataModule``, optional.
         save_config_callback: the callback that writes ``config.yaml``; None: none.
         save_config_kwargs: its arguments (``overwrite``, ``config_filename``...).
