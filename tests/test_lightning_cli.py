@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from conftest import Regressor
+from torch import nn
 from lightning_cli_run import Data
 
 from xtrainer.callbacks import EarlyStopping
@@ -85,6 +86,34 @@ def test_callbacks_from_a_config_and_the_subcommands_after_fit(tmp_path):
     last = os.path.join(cli.trainer.log_dir, "checkpoints", "last.ckpt")
     test = LightningCLI(Regressor, Data, args=["test", *quiet(tmp_path / "test"), "--ckpt_path", last])
     assert test.subcommand == "test" and "test_loss" in test.trainer.callback_metrics
+
+
+class Sized(Regressor):
+    def __init__(self, hidden: int = 16, lr: float = 0.05):
+        super().__init__(lr=lr)
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+
+def test_a_checkpoint_given_to_a_subcommand_gives_the_module_its_saved_arguments(tmp_path):
+    """As Lightning's: test --ckpt_path builds the module with the hyperparameters it was trained
+    with (hidden=32), not the command line's defaults, which would not fit its weights;
+    adapt_checkpoint_hparams may change them first."""
+    fit = LightningCLI(Sized, Data, args=["fit", *quiet(tmp_path / "fit"), "--trainer.max_steps", "2",
+                                           "--model.hidden", "32", "--model.lr", "0.02"])
+    last = os.path.join(fit.trainer.log_dir, "checkpoints", "last.ckpt")
+    test = LightningCLI(Sized, Data, args=["test", *quiet(tmp_path / "test"), "--ckpt_path", last])
+    assert test.model.hparams.hidden == 32 and test.model.lr == 0.02
+    assert "test_loss" in test.trainer.callback_metrics
+
+    class KeepsTheCommandLinesRate(LightningCLI):
+        def adapt_checkpoint_hparams(self, subcommand, checkpoint_hparams):
+            checkpoint_hparams.pop("lr")
+            return checkpoint_hparams
+
+    adapted = KeepsTheCommandLinesRate(Sized, Data, run=True, args=[
+        "test", *quiet(tmp_path / "adapted"), "--ckpt_path", last, "--model.lr", "0.5"])
+    assert adapted.model.hparams.hidden == 32 and adapted.model.lr == 0.5
 
 
 def test_another_runs_config_file_is_not_overwritten_and_a_resumed_run_keeps_its_own(tmp_path):

@@ -26,7 +26,7 @@ from xtrainer.checkpoint.storage import LAST
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "UnreadableCheckpointError", "UnsafeCheckpointError",
            "LAST", "TRAINER_FILE",
-           "load_checkpoint", "consolidate", "verify", "default_dirpath", "read_module"]
+           "load_checkpoint", "consolidate", "verify", "default_dirpath", "read_module", "read_hyperparameters"]
 
 
 def default_dirpath(log_dir: str) -> str:
@@ -108,8 +108,23 @@ def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, di
             state = layout.trainer_state(pinned)
     if not isinstance(weights, dict):
         raise UnreadableCheckpointError(f"{path!r} has no state_dict.")
+    return (*_hyperparameters(state, path), weights)
+
+
+def read_hyperparameters(path: str | os.PathLike) -> dict[str, Any]:
+    """The module's hyperparameters in a checkpoint of any layout, read weights-only: a whole
+    file checked against its checksum, a sharded folder's ``trainer.pt`` without its shards."""
+    path = os.fspath(path)
+    if not fs.exists(path):
+        raise CheckpointNotFoundError(f"{path!r} does not exist.")
+    with storage.pinned(path) as pinned:
+        state = whole.read(pinned, verify=True) if not fs.isdir(pinned) else layout.trainer_state(pinned)
+    return _hyperparameters(state, path)[0]
+
+
+def _hyperparameters(state: dict[str, Any], path: str) -> tuple[dict[str, Any], str | None]:
     hparams = state.get("hyper_parameters") or {}
     name = state.get("hparams_name")
     if not isinstance(hparams, dict) or not (name is None or isinstance(name, str)):
         raise UnreadableCheckpointError(f"{path!r} has malformed hyper_parameters.")
-    return dict(hparams), name, weights
+    return dict(hparams), name

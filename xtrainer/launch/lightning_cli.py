@@ -23,7 +23,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsin
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from xtrainer.callbacks.base import Callback
-from xtrainer.checkpoint import fs
+from xtrainer.checkpoint import fs, read_hyperparameters
 from xtrainer.config.redaction import redact
 from xtrainer.datamodule import XDataModule
 from xtrainer.loop.checkpoints import seed_everything
@@ -180,6 +180,7 @@ class LightningCLI:
         self.setup_parser(run, main_kwargs, sub_kwargs)
         self.parse_arguments(self.parser, args)
         self.subcommand = self.config["subcommand"] if run else None
+        self._parse_ckpt_path()
         self._set_seed()
         self.before_instantiate_classes()
         self.instantiate_classes()
@@ -257,6 +258,23 @@ class LightningCLI:
             self.config = parser.parse_object(args)
         else:
             self.config = parser.parse_args(args)
+
+    def adapt_checkpoint_hparams(self, subcommand: str, checkpoint_hparams: dict[str, Any]) -> dict[str, Any]:
+        """Override to change the hyperparameters a ``--ckpt_path`` checkpoint gives the module
+        (drop the training-only ones for ``predict``, say); return them."""
+        return checkpoint_hparams
+
+    def _parse_ckpt_path(self) -> None:
+        """As Lightning's: a subcommand's ``--ckpt_path`` file gives the module its arguments, the
+        hyperparameters it was saved with (``save_hyperparameters``), over the command line's."""
+        if self.subcommand is None:
+            return
+        ckpt_path = self.config[self.subcommand].get("ckpt_path")
+        if not ckpt_path or str(ckpt_path) in ("last", "best") or not fs.exists(str(ckpt_path)):
+            return  # the Trainer resolves those names, and says what is missing
+        hparams = self.adapt_checkpoint_hparams(self.subcommand, read_hyperparameters(str(ckpt_path)))
+        if hparams:
+            self.config = self.parser.parse_object({self.subcommand: {"model": hparams}}, self.config)
 
     # ---- building -----------------------------------------------------------------------------
     def before_instantiate_classes(self) -> None:
