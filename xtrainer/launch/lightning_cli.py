@@ -63,22 +63,21 @@ class LightningArgumentParser(ArgumentParser):
                            link_to: str = "AUTOMATIC") -> None:
         """An optimizer's arguments under ``nested_key`` (any subclass where a tuple is given); with
         ``link_to="AUTOMATIC"`` it replaces the module's ``configure_optimizers`` when given."""
-        kwargs: dict[str, Any] = {"instantiate": False, "fail_untyped": False, "skip": {"params"}}
-        if isinstance(optimizer_class, tuple):
-            self.add_subclass_arguments(optimizer_class, nested_key, **kwargs)
-        else:
-            self.add_class_arguments(optimizer_class, nested_key, sub_configs=True, **kwargs)
-        self._optimizers[nested_key] = (optimizer_class, link_to)
+        self._optimizers[nested_key] = self._add_built_later(optimizer_class, nested_key, "params", link_to)
 
     def add_lr_scheduler_args(self, lr_scheduler_class: Any = LR_SCHEDULERS, nested_key: str = "lr_scheduler",
                               link_to: str = "AUTOMATIC") -> None:
         """A learning-rate scheduler's arguments under ``nested_key``, as ``add_optimizer_args``."""
-        kwargs: dict[str, Any] = {"instantiate": False, "fail_untyped": False, "skip": {"optimizer"}}
-        if isinstance(lr_scheduler_class, tuple):
-            self.add_subclass_arguments(lr_scheduler_class, nested_key, **kwargs)
+        self._lr_schedulers[nested_key] = self._add_built_later(lr_scheduler_class, nested_key, "optimizer", link_to)
+
+    def _add_built_later(self, cls: Any, nested_key: str, first: str, link_to: str) -> tuple[Any, str]:
+        """The arguments of a class built later over ``first`` (parameters, an optimizer)."""
+        kwargs: dict[str, Any] = {"instantiate": False, "fail_untyped": False, "skip": {first}}
+        if isinstance(cls, tuple):
+            self.add_subclass_arguments(cls, nested_key, **kwargs)
         else:
-            self.add_class_arguments(lr_scheduler_class, nested_key, sub_configs=True, **kwargs)
-        self._lr_schedulers[nested_key] = (lr_scheduler_class, link_to)
+            self.add_class_arguments(cls, nested_key, sub_configs=True, **kwargs)
+        return cls, link_to
 
 
 class SaveConfigCallback(Callback):
