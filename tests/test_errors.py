@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 from conftest import Regressor, make_loader
+from torch import nn
 from torch.utils.data import DataLoader
 
 from xtrainer import Trainer, XDataModule, XModule, _xla
@@ -61,6 +62,23 @@ class ReturnsVector(Regressor):
 class ReturnsDetached(Regressor):
     def training_step(self, batch, batch_idx):
         return super().training_step(batch, batch_idx).detach()
+
+
+class ForgetsToReturn(Regressor):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        nn.functional.mse_loss(self(x), y)
+
+
+def test_a_training_step_that_never_returns_its_loss_stops_after_an_epoch_of_skips(trainer_kwargs):
+    """None skips a batch, as in Lightning; None for every batch of a first epoch is a step that
+    forgot `return loss`, not training: an error, not a fit that trains nothing."""
+    trainer = Trainer(max_epochs=3, **trainer_kwargs)
+    with pytest.warns(UserWarning, match="training_step returned None: the batch is skipped"):
+        with pytest.raises(ValueError, match=r"returned None for each of the fit's first 8 batches: nothing was "
+                                             r"trained.*`return loss`"):
+            trainer.fit(ForgetsToReturn(), make_loader())
+    assert trainer.global_step == 7  # the eighth raised before its step
 
 
 @pytest.mark.parametrize("module, message", [

@@ -195,7 +195,8 @@ def skipped_batch(trainer: "Trainer", batch_idx: int, accumulate: int, hooks: Ba
     starts; backward does not. The optimizer still steps (over no new gradients: plain SGD leaves
     the weights, optimizers with momentum or weight decay move them, as in Lightning), the step
     is counted and ``on_train_batch_end`` receives ``{}``. One replica only: with several, the
-    others would wait for this one in backward's all-reduce."""
+    others would wait for this one in backward's all-reduce. A fit whose every batch of a first
+    epoch (or 1000) was skipped stops with an error: its step forgot to return the loss."""
     if trainer.world_size > 1:
         raise ValueError(
             f"training_step returned None at batch {batch_idx} to skip it, but {trainer.world_size} replicas train "
@@ -204,6 +205,13 @@ def skipped_batch(trainer: "Trainer", batch_idx: int, accumulate: int, hooks: Ba
             "the dataset or its collate_fn.")
     rank_zero_warn("training_step returned None: the batch is skipped (no backward), as in Lightning; the optimizer "
                    "still steps. If this was on purpose, ignore this warning (shown once).")
+    optim = trainer._optim
+    optim.skipped += 1
+    if optim.skipped == trainer.loop.batches_done + 1 and optim.skipped >= min(trainer.num_training_batches, 1000):
+        # Every batch of this fit so far, a whole epoch's worth: a step that forgot to return its loss.
+        raise ValueError(f"training_step returned None for each of the fit's first {optim.skipped} batches: nothing "
+                         "was trained. Return the loss (does training_step end without `return loss`?); None skips "
+                         "a batch on purpose, not all of them.")
     if accumulate == 1 or batch_idx % accumulate == 0:
         trainer._optim.zero_grad(trainer, batch_idx, hooks)
     trainer._results.in_step = False

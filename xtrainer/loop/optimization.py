@@ -29,6 +29,7 @@ class Optimization:
         self.automatic = True
         self._needs_before_step = False
         self._custom_step = False
+        self.skipped = 0  # batches whose training_step returned None (Lightning's skip)
 
     def setup(self, trainer: "Trainer") -> None:
         """``configure_optimizers()`` against the wrapped parameters, parsed and checked."""
