@@ -209,9 +209,9 @@ def skipped_batch(trainer: "Trainer", batch_idx: int, accumulate: int, hooks: Ba
     optim.skipped += 1
     if optim.skipped == trainer.loop.batches_done + 1 and optim.skipped >= min(trainer.num_training_batches, 1000):
         # Every batch of this fit so far, a whole epoch's worth: a step that forgot to return its loss.
-        raise ValueError(f"training_step returned None for each of the fit's first {optim.skipped} batches: nothing "
-                         "was trained. Return the loss (does training_step end without `return loss`?); None skips "
-                         "a batch on purpose, not all of them.")
+        raise ValueError(f"training_step returned None for each of the fit's first {optim.skipped} batches: "
+                         "nothing was trained. Return the loss (does training_step end without `return loss`?); "
+                         "None skips a batch on purpose, not all of them.")
     if accumulate == 1 or batch_idx % accumulate == 0:
         trainer._optim.zero_grad(trainer, batch_idx, hooks)
     trainer._results.in_step = False
