@@ -141,6 +141,23 @@ class ManualNet(ExactNet):
                 torch.optim.SGD([self.block.linear.bias], lr=self.lr)]
 
 
+class OneOptimizerManualNet(ExactNet):
+    """``ExactNet`` under Lightning's documented manual loop: zero_grad, one backward, step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = ((self(x) - y) ** 2).mean()
+        self.manual_backward(loss)
+        opt.step()
+        self.log("train_loss", loss, sync_dist=True)
+
+
 class ToggledNet(ManualNet):
     """``ManualNet`` with Lightning's GAN recipe: each pass between ``toggle_optimizer`` and
     ``untoggle_optimizer`` of its optimizer, so the other optimizer's parameter takes no gradient

@@ -220,47 +220,53 @@ def test_a_gan_on_two_replicas_equals_one_replica_on_the_global_batch(tmp_path, 
         assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name
 
 
-class TwoPasses(XModule):
-    """Manual optimization with one optimizer and two forward/backward passes per batch, each
-    reaching every parameter: DDP without ``find_unused_parameters`` fits it, and the reducer
-    must be re-armed for the second backward (``arm_reducer``)."""
+class Passes(XModule):
+    """Manual optimization with one optimizer and one or two forward/backward passes per batch,
+    each reaching every parameter: DDP without ``find_unused_parameters`` fits it. One pass is
+    Lightning's documented loop (zero_grad, manual_backward, step), whose backward runs inside
+    DDP's forward (``rebuild_buckets``); a second needs the reducer re-armed (``arm_reducer``)."""
 
-    def __init__(self):
+    def __init__(self, passes: int = 2):
         super().__init__()
         self.automatic_optimization = False
+        self.passes = passes
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 4))
 
     def training_step(self, batch, batch_idx):
         real, noise = batch
         opt = self.optimizers()
+        opt.zero_grad()
         loss = (self.net(real) - noise).pow(2).mean()
         self.manual_backward(loss)
         opt.step()
-        opt.zero_grad()
-        again = (self.net(real) - noise).abs().mean()  # with the stepped weights
-        self.manual_backward(again)
-        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
-        opt.step()
-        opt.zero_grad()
-        self.log("loss", again, sync_dist=True)
+        if self.passes == 2:
+            opt.zero_grad()
+            again = (self.net(real) - noise).abs().mean()  # with the stepped weights
+            self.manual_backward(again)
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            opt.step()
+            loss = again
+        self.log("loss", loss, sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 @pytest.mark.multi_device
-def test_two_backward_passes_per_step_on_two_ddp_replicas_without_unused_parameters_equal_one_replica(tmp_path):
-    model = TwoPasses()
+@pytest.mark.parametrize("passes", [1, 2])
+def test_backward_passes_of_one_optimizer_on_two_ddp_replicas_without_unused_parameters_equal_one_replica(
+        tmp_path, passes):
+    model = Passes(passes)
     trainer = Trainer(strategy=XlaDDP(find_unused_parameters=False), devices=2, max_epochs=2,
                       callbacks=[SaveWeights(tmp_path)], enable_checkpointing=False, **quiet(tmp_path))
     trainer.fit(model, real_data(batch_size=4))  # each replica 4 of the global batch's 8
-    assert trainer.global_step == 2 * 2 * STEPS_PER_EPOCH
+    assert trainer.global_step == passes * 2 * STEPS_PER_EPOCH
     replicas = [torch.load(p, weights_only=True) for p in sorted(glob.glob(str(tmp_path / "rank-*.pt")))]
     assert len(replicas) == 2
-    reference = TwoPasses()
+    reference = Passes(passes)
     Trainer(max_epochs=2, enable_checkpointing=False, **quiet(tmp_path / "one")).fit(reference, real_data())
-    start = TwoPasses().state_dict()
+    start = Passes(passes).state_dict()
     for name, tensor in reference.state_dict().items():
         assert not torch.equal(tensor, start[name]), name  # it trained
         assert torch.equal(replicas[0][name], replicas[1][name]), name

@@ -162,6 +162,16 @@ def test_manual_optimization_on_two_processes_equals_one(tmp_path, manual_one_pr
     _assert_bitwise(_weights(model), manual_one_process)
 
 
+@pytest.mark.multi_device
+def test_lightnings_one_optimizer_manual_loop_on_two_ddp_processes_equals_automatic_optimization(tmp_path,
+                                                                                                 one_process):
+    """zero_grad, manual_backward, step: the backward runs inside DDP's forward, whose end arms
+    the reducer again; the second batch's forward used to fail on DDP's bucket rebuild."""
+    trainer, model = native_run.fit("native_ddp", 2, str(tmp_path), STEPS, 8, model=native_run.OneOptimizerManualNet())
+    assert trainer.global_step == STEPS
+    _assert_bitwise(_weights(model), one_process)
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoints from one native strategy resumed by another.
 # ---------------------------------------------------------------------------------------------

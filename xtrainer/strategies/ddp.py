@@ -74,6 +74,7 @@ class XlaDDP(Strategy):
         passes per ``training_step``: ``arm_reducer`` before each."""
         arm_reducer(wrapped, loss)
         super().manual_backward(wrapped, loss, *args, **kwargs)
+        rebuild_buckets(wrapped)
 
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
         return wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
@@ -104,6 +105,18 @@ def arm_reducer(wrapped: nn.Module, loss: Any) -> None:
         outputs = [loss] if wrapped.find_unused_parameters and not wrapped.static_graph else []
         wrapped.reducer._rebuild_buckets()  # private torch API, as DDP's own forward calls it
         wrapped.reducer.prepare_for_backward(outputs)
+
+
+def rebuild_buckets(wrapped: nn.Module) -> None:
+    """After a backward pass of manual optimization: let ``DistributedDataParallel`` rebuild its
+    gradient buckets (once, in the order the first backward produced gradients) now, between
+    the backward and the end of the wrapper's forward. DDP rebuilds them at the start of its
+    next forward, but under manual optimization the backward runs inside the forward
+    (``training_step`` is called through DDP), whose end arms the reducer for a backward that
+    never comes; the rebuild then refuses ("``initialize_buckets`` must NOT be called during
+    autograd execution") and the second batch of a one-optimizer loop failed."""
+    if isinstance(wrapped, DistributedDataParallel) and torch.is_grad_enabled():
+        wrapped.reducer._rebuild_buckets()  # private torch API, as DDP's own forward calls it
 
 
 @contextlib.contextmanager

@@ -570,10 +570,11 @@ class NativeDDP(NativeSingle):
     def manual_backward(self, wrapped: nn.Module, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Each backward pass of manual optimization arms DDP's reducer (``ddp.arm_reducer``):
         a ``training_step`` may run several."""
-        from xtrainer.strategies.ddp import arm_reducer
+        from xtrainer.strategies.ddp import arm_reducer, rebuild_buckets
 
         arm_reducer(wrapped, loss)
         self.backward(loss, *args, **kwargs)
+        rebuild_buckets(wrapped)
 
 
 class NativeFSDP(NativeSingle):
