@@ -26,6 +26,11 @@ def no_command_line(monkeypatch):
     monkeypatch.setattr(sys, "argv", [os.path.join(HERE, "lightning_cli_run.py")])
 
 
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
 def quiet(tmp_path, *more):
     return ["--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
             "--trainer.enable_model_summary", "false", *more]
@@ -38,7 +43,7 @@ def test_fit_from_the_command_line_saves_a_config_that_runs_the_same_fit_again(t
     assert cli.subcommand == "fit" and cli.trainer.global_step == 8  # 64 samples / 16, two epochs
     assert cli.model.lr == 0.02 and cli.datamodule.batch_size == 16
     saved = os.path.join(cli.trainer.log_dir, "config.yaml")
-    config = yaml.safe_load(open(saved))
+    config = yaml.safe_load(_read(saved))
     assert config["model"] == {"lr": 0.02, "optimizer": "sgd"} and config["seed_everything"] == 7
     assert config["trainer"]["max_epochs"] == 2
     again = LightningCLI(Regressor, Data, args=["fit", "--config", saved,
@@ -50,7 +55,7 @@ def test_fit_from_the_command_line_saves_a_config_that_runs_the_same_fit_again(t
 
 def test_a_random_seed_is_drawn_and_recorded_for_the_run_to_repeat(tmp_path):
     cli = LightningCLI(Regressor, Data, args=["fit", *quiet(tmp_path / "a"), "--trainer.max_steps", "3"])
-    seed = yaml.safe_load(open(os.path.join(cli.trainer.log_dir, "config.yaml")))["seed_everything"]
+    seed = yaml.safe_load(_read(os.path.join(cli.trainer.log_dir, "config.yaml")))["seed_everything"]
     assert isinstance(seed, int) and not isinstance(seed, bool)
     again = LightningCLI(Regressor, Data, args=["fit", *quiet(tmp_path / "b"), "--trainer.max_steps", "3",
                                                  "--seed_everything", str(seed)])
@@ -132,7 +137,7 @@ def test_another_runs_config_file_is_not_overwritten_and_a_resumed_run_keeps_its
                                                    "--ckpt_path", last])
     assert resumed.trainer.global_step == 4
     LightningCLI(Regressor, Data, args=[*args, "--model.lr", "0.01"], save_config_kwargs={"overwrite": True})
-    assert yaml.safe_load(open(os.path.join(first.trainer.log_dir, "config.yaml")))["model"]["lr"] == 0.01
+    assert yaml.safe_load(_read(os.path.join(first.trainer.log_dir, "config.yaml")))["model"]["lr"] == 0.01
 
 
 def test_a_class_path_outside_its_places_type_is_refused_and_never_called(tmp_path, capsys):
@@ -149,6 +154,30 @@ def test_a_class_path_outside_its_places_type_is_refused_and_never_called(tmp_pa
     assert not marker.exists()
 
 
+class Untyped(Regressor):
+    def __init__(self, lr: float = 0.05, extra=None):  # noqa: ANN001 - untyped, as in many Lightning modules
+        super().__init__(lr=lr)
+        self.extra = extra
+
+
+def test_a_class_path_where_anything_goes_stays_data(tmp_path):
+    """Where an argument takes anything (Trainer's plugins, a module's untyped argument), a
+    class_path in the config is kept as the dict it is: numpy.memmap(mode="w+") would have
+    truncated the file it names."""
+    victim = tmp_path / "precious"
+    victim.write_text("precious")
+    spec = {"class_path": "numpy.memmap", "init_args": {"filename": str(victim), "mode": "w+", "shape": [1]}}
+    config = tmp_path / "hostile.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"plugins": spec}}))
+    with pytest.raises(ValueError, match="plugins=...: Lightning's plugins"):
+        LightningCLI(Regressor, Data, args=["fit", "--config", str(config), *quiet(tmp_path / "a")])
+    config.write_text(yaml.safe_dump({"model": {"extra": spec}, "trainer": {"max_steps": 1}}))
+    cli = LightningCLI(Untyped, Data, args=["fit", "--config", str(config), *quiet(tmp_path / "b")])
+    assert isinstance(cli.model.extra, dict) and cli.model.extra["class_path"] == "numpy.memmap"  # as data
+    assert cli.trainer.global_step == 1
+    assert victim.read_text() == "precious"
+
+
 @pytest.mark.multi_device
 def test_a_lightning_cli_script_trains_on_two_processes(tmp_path):
     """The script itself, on native_ddp with two processes: the saved callback reaches them
@@ -159,5 +188,5 @@ def test_a_lightning_cli_script_trains_on_two_processes(tmp_path):
                            "--seed_everything", "3"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (folder,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path) if d.startswith("version_")]
-    assert yaml.safe_load(open(os.path.join(folder, "config.yaml")))["trainer"]["devices"] == 2
+    assert yaml.safe_load(_read(os.path.join(folder, "config.yaml")))["trainer"]["devices"] == 2
     assert os.path.isfile(os.path.join(folder, "weights.pt"))

@@ -30,9 +30,12 @@ from xtrainer.loop.checkpoints import seed_everything
 from xtrainer.module import XModule
 from xtrainer.trainer import Trainer
 
-# jsonargparse's list of import paths a value may not name (os, subprocess, builtins' exec...),
-# enforced now rather than only warned about (its behaviour from jsonargparse 5 on).
-set_parsing_settings(import_path_denylist=[])
+# A configuration is data. jsonargparse's list of import paths a value may not name (os,
+# subprocess, builtins' exec...) is enforced now rather than only warned about (its behaviour from
+# jsonargparse 5 on); and a value of an argument that takes anything (untyped, or ``Any``) stays
+# the dict it is, even with a ``class_path`` in it: only an argument typed with a class builds one
+# of that class's subclasses.
+set_parsing_settings(import_path_denylist=[], instantiate_subclass_spec_in_any=False)
 
 #: What ``--lr_scheduler`` takes: any of torch's schedulers (``ReduceLROnPlateau`` included).
 LR_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -78,6 +81,20 @@ class LightningArgumentParser(ArgumentParser):
         else:
             self.add_class_arguments(cls, nested_key, sub_configs=True, **kwargs)
         return cls, link_to
+
+
+def _with_specs_as_data(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """Builds ``cls`` as jsonargparse would, a class spec kept as data (an argument that takes
+    anything) handed over as the nested dict it was written as: jsonargparse passes it spread
+    over dotted names (``extra.class_path``, ``extra.init_args.mode``...)."""
+    nested: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        *parents, leaf = key.split(".")
+        place = nested
+        for parent in parents:
+            place = place.setdefault(parent, {})
+        place[leaf] = value
+    return cls(*args, **nested)
 
 
 class SaveConfigCallback(Callback):
@@ -283,14 +300,18 @@ class LightningCLI:
         """Override to run code after the classes are built."""
 
     def instantiate_classes(self) -> None:
-        self.config_init = self._parser(self.subcommand).instantiate(self._config(self.config))
+        self.config_init = self._parser(self.subcommand).instantiate(
+            self._config(self.config), instantiators=[(_with_specs_as_data, object, True)])
         self.datamodule = self.config_init.get("data")
         self.model = self.config_init.get("model")
         self._add_configure_optimizers_method_to_model()
         self.trainer = self.instantiate_trainer()
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        config = {**self.config_init.get("trainer", {}), **kwargs}
+        trainer = self.config_init.get("trainer")
+        # Top-level arguments, a value that stayed a class spec as a plain dict (Namespace's own
+        # ** would spread its nested keys, "plugins.class_path").
+        config = {**(trainer.as_dict() if isinstance(trainer, Namespace) else dict(trainer or {})), **kwargs}
         callbacks = config.get("callbacks")
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) \
             else [callbacks]
