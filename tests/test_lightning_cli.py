@@ -14,7 +14,7 @@ from torch import nn
 from lightning_cli_run import Data
 
 from xtrainer.callbacks import EarlyStopping
-from xtrainer.cli import LightningCLI, SaveConfigCallback
+from xtrainer.cli import LightningCLI, OptimizerCallable, ReduceLROnPlateau, SaveConfigCallback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -75,6 +75,35 @@ def test_optimizer_and_scheduler_from_the_command_line_replace_configure_optimiz
     assert type(scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.step_size == 2
 
 
+def test_reduce_lr_on_plateau_from_the_command_line_watches_the_metric_it_names(tmp_path):
+    cli = LightningCLI(Regressor, Data, args=[
+        "fit", *quiet(tmp_path), "--trainer.max_epochs", "2", "--optimizer", "SGD", "--optimizer.lr", "0.01",
+        "--lr_scheduler", "ReduceLROnPlateau", "--lr_scheduler.monitor", "val_loss", "--lr_scheduler.patience", "0"])
+    (config,) = cli.trainer.lr_scheduler_configs
+    assert type(config.scheduler) is ReduceLROnPlateau and config.monitor == "val_loss"
+    assert config.scheduler.patience == 0 and config.scheduler.best < float("inf")  # it read val_loss
+
+
+class Injected(Regressor):
+    """Lightning's dependency injection: the optimizer's class and arguments from the config."""
+
+    def __init__(self, optimizer: OptimizerCallable = torch.optim.Adam):
+        super().__init__()
+        self.make_optimizer = optimizer
+
+    def configure_optimizers(self):
+        return self.make_optimizer(self.parameters())
+
+
+def test_an_injected_optimizer_and_lightnings_env_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("PL_FIT__TRAINER__MAX_STEPS", "2")  # Lightning's prefix, with default_env
+    cli = LightningCLI(Injected, Data, parser_kwargs={"default_env": True}, auto_configure_optimizers=False,
+                       args=["fit", *quiet(tmp_path), "--model.optimizer", "SGD", "--model.optimizer.lr", "0.25"])
+    assert cli.trainer.global_step == 2
+    (optimizer,) = cli.trainer.optimizers
+    assert type(optimizer) is torch.optim.SGD and optimizer.defaults["lr"] == 0.25
+
+
 def test_callbacks_from_a_config_and_the_subcommands_after_fit(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
@@ -110,6 +139,10 @@ def test_a_checkpoint_given_to_a_subcommand_gives_the_module_its_saved_arguments
     test = LightningCLI(Sized, Data, args=["test", *quiet(tmp_path / "test"), "--ckpt_path", last])
     assert test.model.hparams.hidden == 32 and test.model.lr == 0.02
     assert "test_loss" in test.trainer.callback_metrics
+
+    subclass = LightningCLI(Regressor, Data, subclass_mode_model=True, args=[
+        "test", *quiet(tmp_path / "subclass"), "--model", "Sized", "--ckpt_path", last])
+    assert type(subclass.model) is Sized and subclass.model.hparams.hidden == 32
 
     class KeepsTheCommandLinesRate(LightningCLI):
         def adapt_checkpoint_hparams(self, subcommand, checkpoint_hparams):

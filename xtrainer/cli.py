@@ -11,8 +11,10 @@ from typing import Any
 
 from xtrainer.launch.cli import main, run_stage
 
-__all__ = ["LightningArgumentParser", "LightningCLI", "SaveConfigCallback", "main", "run_stage"]
-_LIGHTNING_CLI = ("LightningCLI", "LightningArgumentParser", "SaveConfigCallback", "LR_SCHEDULERS")
+_LIGHTNING_CLI = ("LightningCLI", "LightningArgumentParser", "SaveConfigCallback", "ReduceLROnPlateau",
+                  "instantiate_class", "OptimizerCallable", "LRSchedulerCallable", "LRSchedulerTypeUnion",
+                  "LRSchedulerTypeTuple", "ArgsType", "LR_SCHEDULERS")
+__all__ = [*_LIGHTNING_CLI, "main", "run_stage"]
 
 
 def __getattr__(name: str) -> Any:

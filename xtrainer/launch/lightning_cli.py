@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import random
 import sys
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import yaml
@@ -37,15 +37,33 @@ from xtrainer.trainer import Trainer
 # of that class's subclasses.
 set_parsing_settings(import_path_denylist=[], instantiate_subclass_spec_in_any=False)
 
-#: What ``--lr_scheduler`` takes: any of torch's schedulers (``ReduceLROnPlateau`` included).
-LR_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+class ReduceLROnPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    """torch's ``ReduceLROnPlateau`` with the metric it watches (``monitor``), so that
+    ``--lr_scheduler ReduceLROnPlateau --lr_scheduler.monitor val_loss`` says everything."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, monitor: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(optimizer, *args, **kwargs)
+        self.monitor = monitor
+
+
+#: What ``--lr_scheduler`` takes: any of torch's schedulers and ``ReduceLROnPlateau`` above.
+LR_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, ReduceLROnPlateau)
+# Lightning's names for the types a module's arguments take (an optimizer or scheduler built
+# later, from the configuration) and for what ``args`` takes.
+LRSchedulerTypeTuple = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+LRSchedulerTypeUnion = Union[torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau]
+OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
+LRSchedulerCallable = Callable[[torch.optim.Optimizer], LRSchedulerTypeUnion]
+ArgsType = Optional[Union[list[str], dict[str, Any], Namespace]]
 
 
 class LightningArgumentParser(ArgumentParser):
     """jsonargparse's parser, with Lightning's helpers for the classes a run is made of."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, description: str = "xtrainer command line tool", env_prefix: str = "PL",
+                 default_env: bool = False, **kwargs: Any) -> None:
+        # PL_: Lightning's prefix, so that PL_FIT__TRAINER__MAX_EPOCHS and PL_CONFIG mean the same here.
+        super().__init__(*args, description=description, env_prefix=env_prefix, default_env=default_env, **kwargs)
         self.callback_keys: list[str] = []
         self._optimizers: dict[str, tuple[Any, str]] = {}
         self._lr_schedulers: dict[str, tuple[Any, str]] = {}
@@ -167,6 +185,8 @@ class LightningCLI:
         args: the arguments to parse instead of ``sys.argv`` (a list, or a dict of the config).
         run: False: build the objects only (``cli.trainer.fit(cli.model)`` is yours to call).
         auto_configure_optimizers: add ``--optimizer`` and ``--lr_scheduler``.
+        load_from_checkpoint_support: accepted for Lightning's signature: ``load_from_checkpoint``
+            rebuilds a module from what ``save_hyperparameters`` saved, as always here.
     """
 
     def __init__(self, model_class: Any = None, datamodule_class: Any = None,
@@ -176,8 +196,8 @@ class LightningCLI:
                  parser_kwargs: dict[str, Any] | None = None,
                  parser_class: type[LightningArgumentParser] = LightningArgumentParser,
                  subclass_mode_model: bool = False, subclass_mode_data: bool = False,
-                 args: list[str] | dict[str, Any] | Namespace | None = None, run: bool = True,
-                 auto_configure_optimizers: bool = True) -> None:
+                 args: ArgsType = None, run: bool = True, auto_configure_optimizers: bool = True,
+                 load_from_checkpoint_support: bool = True) -> None:
         self.save_config_callback = save_config_callback
         self.save_config_kwargs = save_config_kwargs or {}
         self.trainer_class = trainer_class
@@ -186,6 +206,7 @@ class LightningCLI:
         self.parser_kwargs = parser_kwargs or {}
         self.parser_class = parser_class
         self.auto_configure_optimizers = auto_configure_optimizers
+        del load_from_checkpoint_support
         self.model_class, self._model_class = model_class, model_class or XModule
         self.subclass_mode_model = model_class is None or subclass_mode_model
         self.datamodule_class, self._datamodule_class = datamodule_class, datamodule_class or XDataModule
@@ -289,8 +310,15 @@ class LightningCLI:
         if not ckpt_path or str(ckpt_path) in ("last", "best") or not fs.exists(str(ckpt_path)):
             return  # the Trainer resolves those names, and says what is missing
         hparams = self.adapt_checkpoint_hparams(self.subcommand, read_hyperparameters(str(ckpt_path)))
-        if hparams:
-            self.config = self.parser.parse_object({self.subcommand: {"model": hparams}}, self.config)
+        if not hparams:
+            return
+        model: Any = hparams
+        if self.subclass_mode_model:  # the arguments of the class the command line names
+            class_path = (self.config[self.subcommand].get("model") or {}).get("class_path")
+            if class_path is None:
+                return
+            model = {"class_path": class_path, "init_args": hparams}
+        self.config = self.parser.parse_object({self.subcommand: {"model": model}}, self.config)
 
     # ---- building -----------------------------------------------------------------------------
     def before_instantiate_classes(self) -> None:
@@ -400,8 +428,8 @@ class _ConfiguredOptimizers:
         self.module, self.optimizer, self.scheduler, self.combine = module, optimizer, scheduler, combine
 
     def __call__(self) -> Any:
-        optimizer = _build(self.optimizer, self.module.parameters())
-        scheduler = _build(self.scheduler, optimizer) if self.scheduler is not None else None
+        optimizer = instantiate_class(self.module.parameters(), self.optimizer)
+        scheduler = instantiate_class(optimizer, self.scheduler) if self.scheduler is not None else None
         return self.combine(self.module, optimizer, scheduler)
 
 
@@ -419,6 +447,9 @@ def _class_config(value: Any, base: Any) -> dict[str, Any] | None:
     return None
 
 
-def _build(config: dict[str, Any], first: Any) -> Any:
-    module, _, name = config["class_path"].rpartition(".")
-    return getattr(importlib.import_module(module), name)(first, **config["init_args"])
+def instantiate_class(args: Any, init: dict[str, Any]) -> Any:
+    """Lightning's helper: the class ``init["class_path"]`` names, built with ``args`` (one or a
+    tuple) and ``init["init_args"]`` (a ``class_path`` that the configuration's type checked)."""
+    module, _, name = init["class_path"].rpartition(".")
+    args = args if isinstance(args, tuple) else (args,)
+    return getattr(importlib.import_module(module), name)(*args, **(init.get("init_args") or {}))
