@@ -43,6 +43,18 @@ def test_evaluation_values_are_per_epoch_whatever_on_step_says():
     assert floats(results.epoch_tensors(no_reduce, 1)) == {"val_loss": 3.0}
 
 
+def test_an_evaluation_value_asked_for_per_step_and_per_epoch_is_named_as_in_lightning():
+    """on_step=True (on_epoch left to its default, True): x_epoch, and x among the plain names
+    (callback_metrics); its per-batch values are not published."""
+    results = Results("test", default_on_step=False)
+    results.begin_batch(torch.zeros(1))
+    results.log("test_loss", torch.tensor(2.0), True, None, False, False, "mean", None)
+    results.log("test_loss", torch.tensor(4.0), True, None, False, False, "mean", None)
+    epoch = results.epoch_tensors(no_reduce, 1)
+    assert floats(epoch) == {"test_loss_epoch": 3.0}
+    assert floats(results.plain_names(epoch)) == {"test_loss": 3.0}
+
+
 @pytest.mark.parametrize("reduce_fx, expected", [("mean", (1 * 2 + 4 * 6) / 8), ("sum", 5.0), ("max", 4.0),
                                                   ("min", 1.0), (torch.max, 4.0), (sum, 5.0)])
 def test_epoch_reductions_and_the_mean_weighted_by_batch_size(reduce_fx, expected):

@@ -94,10 +94,14 @@ class Results:
             raise ValueError(f"self.log({name!r}, ...) takes a scalar, got a tensor of shape "
                              f"{tuple(value.shape)}; reduce it (e.g. .mean()) first.")
         on_step = self.default_on_step if on_step is None else on_step
-        on_epoch = (not self.default_on_step) if on_epoch is None else on_epoch
         if self.stage != "train":
-            on_step = False  # evaluation values are per epoch (per dataloader)
+            # Evaluation values are per epoch (per dataloader). One asked for per step and per
+            # epoch is named x_epoch (and x in callback_metrics), as in Lightning; one asked for
+            # per step alone keeps its name. Per-batch values are not published: reading them
+            # would sync the host in every evaluation batch.
+            on_step = on_step and on_epoch is not False
             on_epoch = True
+        on_epoch = (not self.default_on_step) if on_epoch is None else on_epoch
         if not self.in_step:
             on_step, on_epoch = False, True  # logged from an epoch hook: an epoch-level value
         if not (on_step or on_epoch):
