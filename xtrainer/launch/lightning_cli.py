@@ -34,8 +34,9 @@ from xtrainer.trainer import Trainer
 # subprocess, builtins' exec...) is enforced now rather than only warned about (its behaviour from
 # jsonargparse 5 on); and a value of an argument that takes anything (untyped, or ``Any``) stays
 # the dict it is, even with a ``class_path`` in it: only an argument typed with a class builds one
-# of that class's subclasses.
+# of that class's subclasses. (jsonargparse's settings are its process-wide ones.)
 set_parsing_settings(import_path_denylist=[], instantiate_subclass_spec_in_any=False)
+
 
 class ReduceLROnPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
     """torch's ``ReduceLROnPlateau`` with the metric it watches (``monitor``), so that
