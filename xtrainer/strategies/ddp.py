@@ -114,9 +114,17 @@ def rebuild_buckets(wrapped: nn.Module) -> None:
     next forward, but under manual optimization the backward runs inside the forward
     (``training_step`` is called through DDP), whose end arms the reducer for a backward that
     never comes; the rebuild then refuses ("``initialize_buckets`` must NOT be called during
-    autograd execution") and the second batch of a one-optimizer loop failed."""
-    if isinstance(wrapped, DistributedDataParallel) and torch.is_grad_enabled():
-        wrapped.reducer._rebuild_buckets()  # private torch API, as DDP's own forward calls it
+    autograd execution") and the second batch of a one-optimizer loop failed.
+
+    Called only while a rebuild is due (DDP rebuilds once, and never with
+    ``find_unused_parameters`` on a dynamic graph): the call releases the GIL, and the CPU
+    runtime's thread replicas crashed more often (glibc heap corruption, 2 runs of 8 under load
+    against none of 18) with a call after every backward (``strategies/process.py`` on that race)."""
+    if isinstance(wrapped, DistributedDataParallel) and torch.is_grad_enabled() \
+            and not getattr(wrapped, "_has_rebuilt_buckets", False) \
+            and (wrapped.static_graph or not wrapped.find_unused_parameters):
+        if wrapped.reducer._rebuild_buckets():  # private torch API, as DDP's own forward calls it
+            wrapped._has_rebuilt_buckets = True
 
 
 @contextlib.contextmanager
