@@ -213,7 +213,7 @@ def skipped_batch(trainer: "Trainer", batch_idx: int, accumulate: int, hooks: Ba
                          "nothing was trained. Return the loss (does training_step end without `return loss`?); "
                          "None skips a batch on purpose, not all of them.")
     if accumulate == 1 or batch_idx % accumulate == 0:
-        trainer._optim.zero_grad(trainer, batch_idx, hooks)
+        optim.zero_grad(trainer, batch_idx, hooks)
     trainer._results.in_step = False
     return {}, None
 
