@@ -203,9 +203,10 @@ def skipped_batch(trainer: "Trainer", batch_idx: int, accumulate: int, hooks: Ba
             "together: the others would wait for this one's gradients (Lightning does not skip with several "
             "devices either). Return a loss that changes nothing instead, e.g. `loss * 0`, or drop the batch in "
             "the dataset or its collate_fn.")
-    rank_zero_warn("training_step returned None: the batch is skipped (no backward), as in Lightning; the optimizer "
-                   "still steps. If this was on purpose, ignore this warning (shown once).")
     optim = trainer._optim
+    if not optim.skipped:  # once per fit, not a warnings call on every skipped batch
+        rank_zero_warn("training_step returned None: the batch is skipped (no backward), as in Lightning; the "
+                       "optimizer still steps. If this was on purpose, ignore this warning (shown once).")
     optim.skipped += 1
     if optim.skipped == trainer.loop.batches_done + 1 and optim.skipped >= min(trainer.num_training_batches, 1000):
         # Every batch of this fit so far, a whole epoch's worth: a step that forgot to return its loss.
