@@ -342,6 +342,31 @@ def test_the_native_strategies_refuse_what_they_cannot_run(tmp_path):
             native_run_strategy("native_ddp", agreement_seconds=seconds)
 
 
+class _Graph:
+    """A batch class with its own ``to`` that is no collection (a graph library's batch)."""
+
+    def __init__(self, edges: torch.Tensor) -> None:
+        self.edges = edges
+
+    def to(self, device):
+        return _Graph(self.edges.to(device))
+
+
+def test_the_native_loader_moves_every_tensor_and_every_object_with_a_to_method_as_lightning_does():
+    """A native strategy on an accelerator moves what the loader yields (here onto torch's meta
+    device, which every torch build has): tensors in containers and objects with ``to``; strings
+    and numbers stay; on the CPU, or for a module with its own transfer hooks, nothing moves."""
+    from xtrainer.strategies.torch_native import _OnDevice
+
+    batch = {"x": torch.ones(2), "graph": _Graph(torch.zeros(3)), "names": ["a", "b"], "n": 4}
+    [moved] = list(_OnDevice([batch], torch.device("meta")))
+    assert moved["x"].device.type == "meta" and moved["graph"].edges.device.type == "meta"
+    assert moved["names"] == ["a", "b"] and moved["n"] == 4
+    for device in (torch.device("cpu"), None):
+        [kept] = list(_OnDevice([batch], device))
+        assert kept is batch
+
+
 @pytest.mark.parametrize("fold_after", [1024, 3], ids=["read", "folded-between-reads"])
 def test_a_nan_loss_is_reported_with_its_step_without_a_host_sync_per_step(tmp_path, monkeypatch, fold_after):
     from xtrainer.loop.publishing import DeferredWatch

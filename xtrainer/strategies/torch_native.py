@@ -37,6 +37,7 @@ from torch import nn
 from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
 from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
 from xtrainer.launch import interrupts
+from xtrainer.module import move_data_to_device
 from xtrainer.strategies import launch, torch_devices
 from xtrainer.strategies.base import CompilerNames, Strategy, check_wrapper_kwargs
 from xtrainer.strategies.collectives import Collectives
@@ -502,8 +503,10 @@ class NativeSingle(Strategy):
 
 
 class _OnDevice:
-    """A host loader's batches moved to ``device`` as they are drawn (non-blocking copies; the
-    CPU's batches pass unchanged; None: left on the host, for the module's batch-transfer hooks).
+    """A host loader's batches moved to ``device`` as they are drawn (``move_data_to_device``:
+    every tensor and every object with a ``to`` method, as Lightning moves them; non-blocking
+    copies; the CPU's batches pass unchanged; None: left on the host, for the module's
+    batch-transfer hooks).
     A loader's exception is raised with a note naming the batch."""
 
     def __init__(self, loader: Iterable, device: torch.device | None, start: int = 0) -> None:
@@ -523,7 +526,7 @@ class _OnDevice:
                 err.add_note(f"(raised while loading batch index {index} of {what}; the batches before it were used)")
                 raise
             if self.device is not None and self.device.type != "cpu":
-                batch = apply_to_collection(batch, torch.Tensor, lambda t: t.to(self.device, non_blocking=True))
+                batch = move_data_to_device(batch, self.device)
             yield batch
             index += 1
 
