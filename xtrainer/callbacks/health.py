@@ -258,11 +258,14 @@ _FIGURES = {"compiles": "compilations", "compile_s": "compile_seconds", "executi
             "transfers": "transfers_to_host", "graph_breaks": "graph_breaks"}
 
 
+_NO_DATA_COUNTERS: dict[str, float] = {"data_compiles": 0, "data_compile_s": 0.0, "data_reads": 0}  # read, never changed
+
+
 def _data_counters(trainer: "Trainer") -> dict[str, float]:
     """Graphs compiled while a dataset ran ops on the XLA device during loading (host counters;
     zeros for a strategy that does not compile with XLA)."""
     if not trainer.strategy.compiles_with_xla:
-        return {"data_compiles": 0, "data_compile_s": 0.0, "data_reads": 0}
+        return _NO_DATA_COUNTERS
     counters = _xla.data_loading_counters()
     return {"data_compiles": counters["compiles"], "data_compile_s": counters["compile_s"],
             "data_reads": counters["reads"]}

@@ -250,7 +250,8 @@ class Results:
 
 def _scalar(value: torch.Tensor) -> torch.Tensor:
     """A logged one-element tensor as it is kept: detached, 0-dim, float32."""
-    value = value.detach()
+    if value.requires_grad:  # the loss a step logs; the Trainer's own copy is detached already
+        value = value.detach()
     if value.dim():
         value = value.reshape(())
     return value if value.dtype == torch.float32 else value.float()

@@ -23,6 +23,7 @@ per ``log_every_n_steps`` (``add_step_closure`` runs the read at that step's ``s
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import warnings
@@ -277,20 +278,34 @@ TORCH_COMPILE = CompilerNames("torch_compile", "torch.compile",
                               "run with TORCH_LOGS=recompiles to see the guard that failed")
 
 
-def torch_compile_counters() -> dict[str, float]:
-    """This process's torch.compile counters so far (host counters, read only where XlaHealth
-    reads XLA's): graphs Dynamo compiled (a recompilation is one more), the seconds spent
-    compiling them, and graph breaks. Read from ``torch._dynamo.utils`` (private: its ``counters``
-    and ``compilation_time_metrics``, checked with torch 2.9 and 2.13); zeros if they moved."""
+@functools.cache
+def _dynamo_utils() -> Any:
+    """``torch._dynamo.utils`` (private), imported once; None for a torch without Dynamo."""
     try:
         from torch._dynamo import utils as dynamo_utils
-    except ImportError:  # a torch without Dynamo: nothing compiled
-        return {"compiles": 0, "compile_s": 0.0, "graph_breaks": 0}
+    except ImportError:
+        return None
+    return dynamo_utils
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo compiled in this process so far (a recompilation is one more): the one
+    counter XlaHealth reads after every batch; 0 if it moved."""
+    counters = getattr(_dynamo_utils(), "counters", None)
+    stats = counters.get("stats") if isinstance(counters, dict) else None
+    return int(stats.get("unique_graphs", 0)) if stats else 0
+
+
+def torch_compile_counters() -> dict[str, float]:
+    """This process's torch.compile counters so far (host counters, read only where XlaHealth
+    reads XLA's): graphs Dynamo compiled (``compiled_graphs``), the seconds spent compiling them,
+    and graph breaks. Read from ``torch._dynamo.utils`` (private: its ``counters`` and
+    ``compilation_time_metrics``, checked with torch 2.9 and 2.13); zeros if they moved."""
+    dynamo_utils = _dynamo_utils()
     counters = getattr(dynamo_utils, "counters", {})
     times = getattr(dynamo_utils, "compilation_time_metrics", {})
     seconds = times.get("_compile.compile_inner") or times.get("entire_frame_compile") or []
-    return {"compiles": int(counters["stats"]["unique_graphs"]) if "stats" in counters else 0,
-            "compile_s": float(sum(seconds)),
+    return {"compiles": compiled_graphs(), "compile_s": float(sum(seconds)),
             "graph_breaks": int(sum(counters["graph_break"].values())) if "graph_break" in counters else 0}
 
 
@@ -475,7 +490,7 @@ class NativeSingle(Strategy):
         return torch_compile_counters()
 
     def compile_count(self) -> int:
-        return int(torch_compile_counters()["compiles"]) if self.compile else 0
+        return compiled_graphs() if self.compile else 0
 
     def compile_seconds(self) -> float:
         return torch_compile_counters()["compile_s"] if self.compile else 0.0
