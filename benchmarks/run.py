@@ -501,9 +501,25 @@ def hf_trainer_loop(workload: str, contender: str, loader: DataLoader, steps: in
     return summarize(marks.state(uses_foreach(trainer.optimizer)), loader.batch_size)
 
 
+def callgrind_window(step: int) -> None:
+    """Under ``instructions.py`` (``XTRAINER_BENCH_CALLGRIND=first,last``): valgrind's callgrind
+    counts this process's instructions from the mark at step ``first`` to the one at ``last``,
+    then writes them out; nothing otherwise."""
+    window = os.environ.get("XTRAINER_BENCH_CALLGRIND")
+    if not window:
+        return
+    first, last = (int(x) for x in window.split(","))
+    if step in (first, last):
+        pid = str(os.getpid())
+        subprocess.run(["callgrind_control", "-i", "on" if step == first else "off", pid], capture_output=True)
+        if step == last:
+            subprocess.run(["callgrind_control", "-d", "window", pid], capture_output=True)
+
+
 def mark(step: int) -> tuple:
     """The clocks at a host read: wall, the process's CPU time, and its user and system time and
     context switches (voluntary: it waited; involuntary: the scheduler took its core)."""
+    callgrind_window(step)
     use = resource.getrusage(resource.RUSAGE_SELF)
     return (step, time.perf_counter(), time.process_time(), use.ru_utime, use.ru_stime, use.ru_nvcsw, use.ru_nivcsw)
 
