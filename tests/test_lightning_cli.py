@@ -187,6 +187,22 @@ def test_a_class_path_outside_its_places_type_is_refused_and_never_called(tmp_pa
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("parser_mode", ["yaml", "omegaconf"])
+def test_an_alias_bomb_is_refused_at_once_in_both_parser_modes(tmp_path, capsys, parser_mode):
+    """Nine levels of aliases of aliases (9**9 strings once expanded): refused as a parse error
+    before anything expands them; jsonargparse alone was still expanding after two minutes."""
+    text = 'a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        text += f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n"
+    config = tmp_path / "bomb.yaml"
+    config.write_text("trainer:\n  plugins:\n" + "".join(f"    {line}\n" for line in text.splitlines()))
+    with pytest.raises(SystemExit) as exit:
+        LightningCLI(Regressor, Data, args=["fit", "--config", str(config), *quiet(tmp_path)],
+                     parser_kwargs={"parser_mode": parser_mode})
+    assert exit.value.code == 2
+    assert "its anchors and aliases expand to more than 100,000 values" in capsys.readouterr().err
+
+
 class Untyped(Regressor):
     def __init__(self, lr: float = 0.05, extra=None):  # noqa: ANN001 - untyped, as in many Lightning modules
         super().__init__(lr=lr)

@@ -12,6 +12,7 @@ The ``xtrainer`` command (``launch/cli.py``) is the other way in: OmegaConf file
 
 from __future__ import annotations
 
+import functools
 import importlib
 import random
 import sys
@@ -19,11 +20,13 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import yaml
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, get_loader, set_loader, set_parsing_settings
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.checkpoint import fs, read_hyperparameters
+from xtrainer.config.loading import check_yaml
+from xtrainer.config.schema import ConfigError
 from xtrainer.config.redaction import redact
 from xtrainer.datamodule import XDataModule
 from xtrainer.loop.checkpoints import seed_everything
@@ -36,6 +39,42 @@ from xtrainer.trainer import Trainer
 # the dict it is, even with a ``class_path`` in it: only an argument typed with a class builds one
 # of that class's subclasses. (jsonargparse's settings are its process-wide ones.)
 set_parsing_settings(import_path_denylist=[], instantiate_subclass_spec_in_any=False)
+
+
+def _checked_yaml(load: Callable[[str], Any]) -> Callable[[str], Any]:
+    """jsonargparse's YAML loader, after the checks every configuration of xtrainer's passes
+    (``check_yaml``): aliases of aliases that expand past ``MAX_NODES`` values, nesting deeper
+    than ``MAX_DEPTH``, integers beyond 64 bits are refused at once, before anything expands them
+    (a nine-level alias bomb kept jsonargparse busy for minutes)."""
+    @functools.wraps(load)
+    def checked(stream: str) -> Any:
+        if isinstance(stream, str):
+            try:
+                check_yaml(stream, "its YAML")
+            except ConfigError as err:  # a YAML error to jsonargparse: a parse error with its usage
+                raise yaml.YAMLError(str(err)) from None
+        return load(stream)
+
+    checked.xtrainer_checked = True
+    return checked
+
+
+def _check_yaml_loaders() -> None:
+    """The checks before each YAML loader of jsonargparse's: the default parser mode's, and
+    OmegaConf's (``parser_mode="omegaconf"``, which Lightning's docs suggest), whose loader
+    jsonargparse makes only when first used (``get_omegaconf_loader``, private: where it moved,
+    that mode goes unchecked)."""
+    if not getattr(get_loader("yaml"), "xtrainer_checked", False):
+        set_loader("yaml", _checked_yaml(get_loader("yaml")), (yaml.YAMLError,))
+    try:
+        from jsonargparse._optionals import get_omegaconf_loader, omegaconf_support
+    except ImportError:
+        return
+    for mode in ("omegaconf", "omegaconf+") if omegaconf_support else ():
+        set_loader(mode, _checked_yaml(get_omegaconf_loader(mode)), (yaml.YAMLError,))
+
+
+_check_yaml_loaders()
 
 
 class ReduceLROnPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
