@@ -515,3 +515,37 @@ def test_device_indices_other_than_the_first_are_refused_with_what_to_do():
 
     with pytest.raises(ValueError, match=r"devices=\[1, 3\]: xtrainer uses the first devices .*CUDA_VISIBLE_DEVICES=1,3"):
         TrainerSettings(devices=[1, 3]).check()
+
+
+class LossLogger(LightningModule):
+    """Logs a value of its own under the name ``loss`` (many Lightning projects do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch).pow(2).mean()
+        self.log("loss", loss * 0 + 123.0, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_value_the_module_logs_as_loss_is_its_own_metric(tmp_path, capsys):
+    """``self.log("loss", ...)`` reaches callback_metrics, the loggers, the progress bar and a
+    checkpoint's monitor, as in Lightning; the loop's own training loss does not replace it."""
+    from xtrainer.loggers import CSVLogger
+
+    checkpoint = ModelCheckpoint(monitor="loss", filename="{epoch}-{loss:.1f}")
+    trainer = Trainer(strategy="native", max_epochs=1, log_every_n_steps=1, default_root_dir=tmp_path,
+                      callbacks=[checkpoint], enable_model_summary=False, logger=CSVLogger(tmp_path))
+    trainer.fit(LossLogger(), DataLoader(torch.randn(8, 4), batch_size=2))
+    assert float(trainer.callback_metrics["loss"]) == float(trainer.logged_metrics["loss"]) == 123.0
+    assert trainer.progress_bar_metrics["loss"] == 123.0
+    assert os.path.basename(checkpoint.best_model_path) == "epoch=0-loss=123.0.ckpt"
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        header, *rows = [line.strip().split(",") for line in f]
+    assert header.count("loss") == 1 and {row[header.index("loss")] for row in rows} == {"123.0"}
+    assert "loss=123" in capsys.readouterr().out

@@ -7,7 +7,6 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from xtrainer.callbacks.base import Callback
-from xtrainer.loop.publishing import LOSS_KEY
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -108,8 +107,9 @@ class ProgressBar(Callback):
 
     def _values(self, trainer: "Trainer", mid_epoch: bool) -> str:
         shown = {k: v for k, v in trainer.progress_bar_metrics.items() if not (mid_epoch and k in self._stale)}
-        if len(shown.keys() - THROUGHPUT_KEYS) > 1:  # the user shows a loss of their own
-            shown.pop(LOSS_KEY, None)
+        loss = trainer._publisher.loop_loss
+        if loss is not None and not shown.keys() - THROUGHPUT_KEYS:  # nothing of the module's on the bar
+            shown["loss"] = loss
         return " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
 
     def _show(self, trainer: "Trainer", completed: int | None, where: str, mid_epoch: bool = True) -> None:

@@ -39,7 +39,10 @@ from xtrainer.loop.results import to_floats
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
 
-LOSS_KEY = "loss"
+#: The loop's own entry for the step's training loss (what ``training_step`` returned): read with
+#: the logged values for the progress bar, never published as a metric, so that a value the
+#: module logs as ``"loss"`` is the module's, as in Lightning.
+LOSS_KEY = "xtrainer/loss"
 _STOP_KEY = "xtrainer/should_stop"
 _NEXT_KEY = "xtrainer/next_agreement_step"
 
@@ -193,6 +196,7 @@ class Publisher:
         self.watch: NonFiniteWatch | None = None
         self.stop_agreed = False
         self.several = False  # the fit has more than one replica (set at its start)
+        self.loop_loss: float | None = None  # the latest read of the step's training loss (LOSS_KEY)
         self.counts_steps = False  # the watch must be told of each optimizer step
         self._checked_step, self._first_bad = -1, NonFiniteWatch.NEVER
         # The replicas' agreement started at a logging step: what finishes it, and the count of
@@ -213,6 +217,7 @@ class Publisher:
         self._vote, self.vote_due = None, -1
         self._next_vote, self._voted = 0, None
         self.several = trainer.world_size > 1
+        self.loop_loss = None
         if trainer.is_global_zero and trainer.module._log_hyperparams:
             for logger in trainer.loggers:
                 logger.log_hyperparams(trainer.hyperparameters())
@@ -279,9 +284,12 @@ class Publisher:
             trainer.should_stop = self.stop_agreed = True
         if watched:
             self._report_nonfinite(trainer, self.watch.first_step(values))
+        loop_loss = values.pop(LOSS_KEY, None)
+        if loop_loss is not None:
+            self.loop_loss = loop_loss
         prog = trainer._results.prog_bar_names()
         trainer.progress_bar_metrics.update({k: v for k, v in values.items() if k in prog})
-        public = {k: v for k, v in values.items() if k != LOSS_KEY}
+        public = values
         trainer.callback_metrics.update({**public, **trainer._results.plain_names(public)})
         trainer.logged_metrics.update(public)
         if public and trainer.state != "predict" and not trainer.sanity_checking:
