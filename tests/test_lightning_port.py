@@ -549,3 +549,41 @@ def test_a_value_the_module_logs_as_loss_is_its_own_metric(tmp_path, capsys):
         header, *rows = [line.strip().split(",") for line in f]
     assert header.count("loss") == 1 and {row[header.index("loss")] for row in rows} == {"123.0"}
     assert "loss=123" in capsys.readouterr().out
+
+
+class MultiStep(LightningModule):
+    """torch's MultiStepLR keeps its milestones in a collections.Counter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 3], gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize("strategy", ["native", "xla_native", "native_fsdp"])
+def test_a_multisteplr_is_checkpointed_and_resumes_exactly(tmp_path, strategy):
+    """MultiStepLR's state (a Counter of milestones) is saved and read back: a fit stopped after
+    two steps and resumed ends where one uninterrupted fit does, at the same learning rate."""
+    data = torch.randn(10, 4, generator=torch.Generator().manual_seed(1))
+
+    def fit(root, max_steps, ckpt_path=None):
+        trainer = Trainer(strategy=strategy, max_steps=max_steps, default_root_dir=root, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False)
+        module = MultiStep()
+        trainer.fit(module, DataLoader(data, batch_size=2), ckpt_path=ckpt_path)
+        return trainer, {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    whole, expected = fit(tmp_path / "whole", 4)
+    fit(tmp_path / "parts", 2)
+    resumed, got = fit(tmp_path / "parts", 4, ckpt_path="last")
+    assert resumed.global_step == 4 and resumed.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
+    assert resumed.lr_scheduler_configs[0].scheduler.milestones == {2: 1, 3: 1}
+    assert all(torch.equal(expected[k], got[k]) for k in expected)

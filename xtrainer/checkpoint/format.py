@@ -72,7 +72,8 @@ class UnreadableCheckpointError(CheckpointError):
 
 
 _LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device)
-_CONTAINERS = (dict, collections.OrderedDict, list, tuple, set, torch.Size)
+_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)  # Counter: MultiStepLR's milestones
+_CONTAINERS = (*_MAPPINGS, list, tuple, set, torch.Size)
 
 
 def check_savable(value: Any, where: str = "checkpoint") -> None:
@@ -97,7 +98,7 @@ def check_savable(value: Any, where: str = "checkpoint") -> None:
         if len(active) > 64:
             raise CheckpointError(f"{path} is nested more than 64 levels deep: is it a cycle?")
         active = active | {id(item)}
-        if kind in (dict, collections.OrderedDict):
+        if kind in _MAPPINGS:
             for key, sub in item.items():
                 if not isinstance(key, (str, int, float, bool, type(None), tuple)):
                     raise CheckpointError(f"{path} has a key of type {type(key).__name__}; checkpoints hold "
