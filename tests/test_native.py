@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -471,3 +472,33 @@ def test_health_reports_torch_compiles_compilations_graph_breaks_and_recompilati
     recompiled = health.recompilations[0]["graphs"]  # both graphs around the break, for the new shape
     assert "torch.compile compilations" in line and f"{recompiled} after the first epoch" in line, line
     assert "graph break(s)" in line and "transfers" not in line, line
+
+
+def test_a_process_of_devices_2_that_dies_importing_the_script_ends_the_fit_with_what_happened(tmp_path):
+    """A replica process that fails while importing the script (before reading its job) ends the
+    caller's fit with an error: the job (weights past a pipe's 64 KiB) used to go through the
+    process's start pipe, whose write then blocked for good, and no signal ended the caller."""
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.utils.data import DataLoader\n"
+        "from xtrainer import Trainer, XModule\n"
+        "if __name__ == '__mp_main__':\n"
+        "    raise ImportError('the replica cannot import this script')\n"
+        "class M(XModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.layer = torch.nn.Linear(512, 512)\n"
+        "    def training_step(self, batch, batch_idx):\n"
+        "        return self.layer(batch).sum()\n"
+        "    def configure_optimizers(self):\n"
+        "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+        "if __name__ == '__main__':\n"
+        "    Trainer(strategy='native_ddp', devices=2, max_steps=1, logger=False, enable_checkpointing=False,\n"
+        f"            default_root_dir={str(tmp_path)!r}).fit(M(), DataLoader(torch.randn(8, 512), batch_size=2))\n")
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "xtrainer-job-*")))
+    run = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "the replica cannot import this script" in run.stderr
+    assert "The replicas' process ended with exit code 1" in run.stderr
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "xtrainer-job-*"))) <= before  # the job's file is gone

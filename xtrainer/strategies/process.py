@@ -12,6 +12,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
@@ -77,45 +78,38 @@ def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[di
     # memory, and a tensor made only while pickling (a torch.Generator's state, from its __reduce__)
     # is freed in the caller before a process can map it ("unable to resize file" there).
     unpickling = marker + ".unpickling"  # where a process that cannot rebuild the job says why
-    # In a list that each process empties once it has rebuilt the job, and the caller once every
-    # process has it: the pickled bytes are as large as the job (an in-memory dataset, say), and
-    # multiprocessing keeps a process's arguments for as long as it runs.
-    payload: list[bytes] = []
+    # Handed over in a private folder, one hard link per process that it reads and removes: the
+    # bytes are as large as the job (an in-memory dataset, say). Not through the process's start
+    # pipe: multiprocessing keeps its end open while writing, so a process that died while
+    # importing the script (before reading) left start() blocked for good on a job past the
+    # pipe's 64 KiB, and no signal ended the caller.
+    folder = tempfile.mkdtemp(prefix="xtrainer-job-")
     try:
-        payload.append(pickle.dumps((target, args)))
-        child_args: tuple = (_unpickled_main, (payload, unpickling, hookless_tensors), os.getpid())
-    except (pickle.PicklingError, AttributeError, TypeError) as err:
-        raise TypeError(_unpicklable(what, err)) from err
-    processes: list = []
-    try:
-        for env in envs:
-            with _environ({**env, _UNGUARDED_MARKER: marker}):
-                process = context.Process(target=_child_main, args=child_args, name="xtrainer-replicas")
-                try:
-                    process.start()  # pickles the job: trainer, module, callbacks, dataloaders
-                except RuntimeError as err:
-                    if "bootstrapping phase" not in str(err) or inherited_marker is None:
-                        raise
-                    # This is the started process, importing the caller's unguarded script: tell the caller.
-                    with open(inherited_marker, "w"):
-                        pass
-                    raise RuntimeError(_UNGUARDED_MESSAGE) from err
-                except (pickle.PicklingError, AttributeError, TypeError) as err:
-                    raise TypeError(_unpicklable(what, err)) from err
-                processes.append(process)
-    except BaseException:
-        _end(processes)
-        raise
+        job = os.path.join(folder, "job")
+        try:
+            data = pickle.dumps((target, args))
+        except (pickle.PicklingError, AttributeError, TypeError) as err:
+            raise TypeError(_unpicklable(what, err)) from err
+        try:
+            with open(job, "wb") as f:
+                f.write(data)
+        except OSError as err:
+            raise OSError(err.errno, f"{what} hands the pickled job ({len(data) / 2**20:.1f} MiB) to its processes "
+                                     f"through a file in {tempfile.gettempdir()}, and writing it failed: "
+                                     f"{err.strerror}. Free space there, or point TMPDIR elsewhere.") from err
+        del data
+        processes = _start_all(context, envs, job, marker, inherited_marker, unpickling, hookless_tensors)
+        os.remove(job)  # each process reads its own link
+        try:
+            with contextlib.ExitStack() as stack:
+                for process in processes:  # SIGTERM/SIGINT reach the replicas through here
+                    stack.enter_context(interrupts.forwarding_to(process.pid))
+                exitcode = _join_all(processes)
+        except BaseException:  # a second Ctrl-C: do not leave the replicas running
+            _end(processes)
+            raise
     finally:
-        payload.clear()  # each started process has its copy: start() wrote it into the process's pipe
-    try:
-        with contextlib.ExitStack() as stack:
-            for process in processes:  # SIGTERM/SIGINT reach the replicas through here
-                stack.enter_context(interrupts.forwarding_to(process.pid))
-            exitcode = _join_all(processes)
-    except BaseException:  # a second Ctrl-C: do not leave the replicas running
-        _end(processes)
-        raise
+        shutil.rmtree(folder, ignore_errors=True)  # the links of processes that never read theirs
     if codes is not None:
         codes[:] = [None if getattr(process, "ended_by_caller", False) else process.exitcode
                     for process in processes]
@@ -141,13 +135,46 @@ def _unpicklable(what: str, err: BaseException) -> str:
             "under `if __name__ == '__main__':`.")
 
 
-def _unpickled_main(payload: list[bytes], unpickling: str, hookless_tensors: bool) -> None:
-    """In a started process: the target and its arguments, pickled by the caller (the one item of
-    ``payload``, taken out of it so that the bytes are freed once rebuilt), then run. If they
-    cannot be rebuilt here, the error goes to the file ``unpickling`` for the caller to raise."""
+def _start_all(context: Any, envs: list[dict[str, str]], job: str, marker: str, inherited_marker: str | None,
+               unpickling: str, hookless_tensors: bool) -> list:
+    """One started process per item of ``envs``, each given a hard link to the pickled ``job``."""
+    processes: list = []
     try:
-        data = io.BytesIO(payload.pop())  # the caller's own job, handed over by multiprocessing
+        for index, env in enumerate(envs):
+            link = f"{job}.{index}"
+            try:
+                os.link(job, link)
+            except OSError:  # a file system without hard links: a copy
+                shutil.copyfile(job, link)
+            child_args = (_unpickled_main, (link, unpickling, hookless_tensors), os.getpid())
+            with _environ({**env, _UNGUARDED_MARKER: marker}):
+                process = context.Process(target=_child_main, args=child_args, name="xtrainer-replicas")
+                try:
+                    process.start()
+                except RuntimeError as err:
+                    if "bootstrapping phase" not in str(err) or inherited_marker is None:
+                        raise
+                    # This is the started process, importing the caller's unguarded script: tell the caller.
+                    with open(inherited_marker, "w"):
+                        pass
+                    raise RuntimeError(_UNGUARDED_MESSAGE) from err
+                processes.append(process)
+    except BaseException:
+        _end(processes)
+        raise
+    return processes
+
+
+def _unpickled_main(job: str, unpickling: str, hookless_tensors: bool) -> None:
+    """In a started process: the target and its arguments, pickled by the caller into the file
+    ``job`` (this process's own link to it, removed once read), then run. If they cannot be
+    rebuilt here, the error goes to the file ``unpickling`` for the caller to raise."""
+    try:
+        with open(job, "rb") as f:
+            data = io.BytesIO(f.read())
+        os.remove(job)
         target, args = (_JobUnpickler(data) if hookless_tensors else pickle.Unpickler(data)).load()
+        del data
     except Exception as err:  # noqa: BLE001 - told to the caller, which raises it with what to do
         with contextlib.suppress(OSError), open(unpickling, "x") as f:
             f.write(f"{type(err).__name__}: {err}")
