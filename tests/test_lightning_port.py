@@ -587,3 +587,26 @@ def test_a_multisteplr_is_checkpointed_and_resumes_exactly(tmp_path, strategy):
     assert resumed.global_step == 4 and resumed.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
     assert resumed.lr_scheduler_configs[0].scheduler.milestones == {2: 1, 3: 1}
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_after_a_stage_the_trainer_keeps_its_module_and_only_that_stages_metrics(tmp_path):
+    """As in Lightning: ``trainer.lightning_module`` after fit, ``test()``'s metrics without the
+    fit's, ``all_gather`` on one replica without a new dimension, and DDP named with its option."""
+    from xtrainer.strategies import XlaDDP, resolve_strategy
+
+    class Gathers(LitRegressor):
+        def test_step(self, batch, batch_idx):
+            x, y = batch
+            assert self.all_gather(y.sum()).shape == () and self.all_gather({"y": y})["y"].shape == y.shape
+            self.log("test_loss", nn.functional.mse_loss(self(x), y))
+
+    module = Gathers()
+    trainer = Trainer(strategy="native", max_epochs=1, default_root_dir=tmp_path, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    data = make_data(32)
+    trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    assert trainer.lightning_module is module and "val_loss" in trainer.callback_metrics
+    trainer.test(module, DataLoader(data, batch_size=8), verbose=False)
+    assert set(trainer.callback_metrics) == set(trainer.logged_metrics) == {"test_loss"}
+    strategy = resolve_strategy("ddp_find_unused_parameters_true")
+    assert isinstance(strategy, XlaDDP) and strategy.ddp_kwargs["find_unused_parameters"] is True

@@ -143,6 +143,9 @@ def test_two_processes_end_bitwise_equal_to_one_on_the_same_global_batches(tmp_p
     trainer, model = native_run.fit(strategy, 2, str(tmp_path), STEPS, 8 // (2 if kwargs else 1), **kwargs)
     assert trainer.global_step == STEPS
     _assert_bitwise(_weights(model), one_process)  # rank 0's weights came back to the caller
+    # and its metrics, all three kinds, as Lightning's processes leave them in the caller's Trainer
+    assert "train_loss_epoch" in trainer.callback_metrics and "train_loss_epoch" in trainer.logged_metrics
+    assert trainer.lightning_module is model
     steps = sorted(open(p).read() for p in glob.glob(str(tmp_path / "rank-*.step")))
     assert steps == [str(STEPS)] * 2  # two real processes, each at the same step
     if strategy == "native_fsdp":  # each process wrote its own shards into one checkpoint

@@ -243,11 +243,13 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
     def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
         """Every replica's ``data`` (tensors, or a collection of them), stacked on a new first
         dimension of size ``world_size``, inside the graph (no host sync). One replica: the data
-        with that dimension added (size 1), as in Lightning."""
+        as it is, without that dimension, as in Lightning."""
         if group is not None:
             raise ValueError("self.all_gather(group=...) is not supported: it gathers over every replica.")
         if sync_grads:
             raise ValueError("self.all_gather(sync_grads=True) is not supported on XLA; gather outside autograd.")
+        if self.trainer.world_size == 1:
+            return data
         return self.trainer.strategy.collectives.all_gather_tensors(data)
 
     @classmethod

@@ -217,6 +217,7 @@ class Trainer:
         self._stage_data: dict[str, list[Any]] = {}  # a run's loaders, as the strategy delivers them
         # Set inside a run (per replica).
         self._module: XModule | None = None
+        self._last_module: XModule | None = None  # the last stage's module (lightning_module after it)
         self._wrapped: nn.Module | None = None
         self._transfer: Any = None  # the batch-transfer hooks (loop.steps.BatchTransfer), where overridden
         self._optim = Optimization()
@@ -359,6 +360,9 @@ class Trainer:
 
     @property
     def lightning_module(self) -> XModule:
+        """The module of the stage running, or of the last one (as in Lightning)."""
+        if self._module is None and self._last_module is not None:
+            return self._last_module
         return self.module
 
     @property
@@ -626,6 +630,6 @@ class Trainer:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_module=None, _wrapped=None, _optim=Optimization(), _hooks=HookTable())
+        state.update(_module=None, _last_module=None, _wrapped=None, _optim=Optimization(), _hooks=HookTable())
         return state
 

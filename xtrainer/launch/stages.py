@@ -78,6 +78,9 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
     # epoch) and each replica's XLA random generator (with its rank).
     trainer.loop.seed = torch.initial_seed() % 2**31
     trainer.interrupted = False
+    trainer._last_module = model  # trainer.lightning_module once the stage is over, as in Lightning
+    # Each stage's metrics are its own (Lightning resets them as a stage starts).
+    trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics = {}, {}, {}
     try:
         result = trainer.strategy.launcher.launch(functools.partial(replica.run, trainer), stage, model, sources,
                                                   resolved)
@@ -91,6 +94,8 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
         trainer.loop = result["loop"]
         trainer.should_stop = result["should_stop"]
         trainer.callback_metrics = result["callback_metrics"]
+        trainer.logged_metrics = result["logged_metrics"]
+        trainer.progress_bar_metrics = result["progress_bar_metrics"]
         for cb in trainer.callbacks:
             cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
     return result["outputs"]

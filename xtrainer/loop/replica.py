@@ -85,7 +85,8 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
             result.update(
                 state_dict=trainer.strategy.to_cpu(trainer.strategy.full_module_state_dict(trainer._wrapped)),  # host sync
                 loop=dataclasses.replace(trainer.loop), should_stop=trainer.should_stop,
-                callback_metrics=dict(trainer.callback_metrics),
+                callback_metrics=dict(trainer.callback_metrics), logged_metrics=dict(trainer.logged_metrics),
+                progress_bar_metrics=dict(trainer.progress_bar_metrics),
                 callbacks={cb.state_key: cb.state_dict() for cb in trainer.callbacks})
         return result
     except BaseException as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 from xtrainer.strategies.base import Strategy
 from xtrainer.strategies.ddp import XlaDDP
@@ -36,6 +37,15 @@ LIGHTNING_NAMES: dict[str, str] = {
 }
 
 
+#: Lightning's names of DDP with an option (what its users name to fix DDP's "unused parameters" error).
+_LIGHTNING_DDP_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddp_find_unused_parameters_true": (XlaDDP.name, {"find_unused_parameters": True}),
+    "ddp_find_unused_parameters_false": (XlaDDP.name, {"find_unused_parameters": False}),
+    "ddp_spawn_find_unused_parameters_true": (XlaDDP.name, {"find_unused_parameters": True}),
+    "ddp_spawn_find_unused_parameters_false": (XlaDDP.name, {"find_unused_parameters": False}),
+}
+
+
 def resolve_strategy(strategy: "str | Strategy") -> Strategy:
     """A ``Strategy`` instance for a name from ``STRATEGIES`` (or Lightning's name of one), or the
     instance given."""
@@ -47,9 +57,13 @@ def resolve_strategy(strategy: "str | Strategy") -> Strategy:
         strategy = LIGHTNING_NAMES.get(strategy, strategy)
     if isinstance(strategy, str) and strategy in STRATEGIES:
         return STRATEGIES[strategy]()
+    if isinstance(strategy, str) and strategy in _LIGHTNING_DDP_OPTIONS:  # Lightning's DDP with options in its name
+        name, kwargs = _LIGHTNING_DDP_OPTIONS[strategy]
+        return STRATEGIES[name](**kwargs)
     hint = did_you_mean(strategy, STRATEGIES) if isinstance(strategy, str) else ""
     raise ValueError(f"Unknown strategy {strategy!r}.{hint} Valid names: {', '.join(sorted(STRATEGIES))} "
-                     f"(Lightning's {', '.join(sorted(LIGHTNING_NAMES))} map to them); or pass a Strategy instance.")
+                     f"(Lightning's {', '.join(sorted([*LIGHTNING_NAMES, *_LIGHTNING_DDP_OPTIONS]))} map to them); or "
+                     "pass a Strategy instance.")
 
 
 __all__ = ["LIGHTNING_NAMES", "STRATEGIES", "NativeDDP", "NativeFSDP", "NativeSingle", "Strategy", "XlaDDP", "XlaFSDP", "XlaFSDPv2", "XlaNative", "XlaSPMD", "resolve_strategy"]
