@@ -18,7 +18,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 
@@ -499,9 +498,11 @@ def test_a_process_of_devices_2_that_dies_importing_the_script_ends_the_fit_with
         "if __name__ == '__main__':\n"
         "    Trainer(strategy='native_ddp', devices=2, max_steps=1, logger=False, enable_checkpointing=False,\n"
         f"            default_root_dir={str(tmp_path)!r}).fit(M(), DataLoader(torch.randn(8, 512), batch_size=2))\n")
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "xtrainer-job-*")))
-    run = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=120)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    run = subprocess.run([sys.executable, str(script)], env={**_env(), "TMPDIR": str(temporary)},
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "the replica cannot import this script" in run.stderr
     assert "The replicas' process ended with exit code 1" in run.stderr
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "xtrainer-job-*"))) <= before  # the job's file is gone
+    assert not glob.glob(str(temporary / "xtrainer-job-*"))  # the job's file is gone
