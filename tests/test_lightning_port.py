@@ -610,3 +610,41 @@ def test_after_a_stage_the_trainer_keeps_its_module_and_only_that_stages_metrics
     assert set(trainer.callback_metrics) == set(trainer.logged_metrics) == {"test_loss"}
     strategy = resolve_strategy("ddp_find_unused_parameters_true")
     assert isinstance(strategy, XlaDDP) and strategy.ddp_kwargs["find_unused_parameters"] is True
+
+
+class Draws(LightningModule):
+    """A step that draws from the host's generators, as an RL agent's exploration does."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.draws = []
+
+    def training_step(self, batch, batch_idx):
+        import random
+
+        import numpy
+
+        self.draws.append((random.random(), float(numpy.random.rand()), float(torch.rand(()))))
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_counting_the_steps_flops_leaves_the_hosts_random_draws_as_they_were(tmp_path):
+    """The FLOP count runs training_step once more on the meta device; the real steps draw the
+    same numbers as in a run without the count."""
+    import random
+
+    import numpy
+
+    draws = []
+    for health in (True, False):
+        random.seed(0), numpy.random.seed(0), torch.manual_seed(0)
+        module = Draws()
+        Trainer(strategy="native", max_steps=3, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                enable_checkpointing=False, enable_model_summary=False, enable_xla_health=health
+                ).fit(module, DataLoader(torch.randn(8, 4), batch_size=2))
+        draws.append(module.draws)
+    assert len(draws[0]) == 3 and draws[0] == draws[1]

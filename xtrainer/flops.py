@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any
+import random
+import sys
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -93,10 +95,27 @@ def count_training_step(module: nn.Module, batch: Any, batch_idx: int, keep: tup
     context = precision.step_context() if precision is not None else contextlib.nullcontext()
     batch = _meta_like(batch)
     batch = precision.convert_input(batch) if precision is not None else batch  # as the step sees it
-    with counter, torch.device("meta"), context:
+    with _random_state_kept(), counter, torch.device("meta"), context:
         args = (batch_idx,)[:max(0, positional_count(twin.training_step) - 1)]  # as the step dispatcher does
         out = twin.training_step(batch, *args)
         loss = out.get("loss") if isinstance(out, dict) else out
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()
     return float(counter.get_total_flops())
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """The host's random generators (Python's, NumPy's, torch's CPU one) as they were before the
+    counted step: a step that draws from them (an RL environment, a random crop) must not leave
+    the run it counts for on another draw than a run without the count."""
+    state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
