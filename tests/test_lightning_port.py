@@ -648,3 +648,55 @@ def test_counting_the_steps_flops_leaves_the_hosts_random_draws_as_they_were(tmp
                 ).fit(module, DataLoader(torch.randn(8, 4), batch_size=2))
         draws.append(module.draws)
     assert len(draws[0]) == 3 and draws[0] == draws[1]
+
+
+class OwnHooks(LightningModule):
+    """Overrides Lightning's less common module hooks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 1)
+        self.dropout = nn.Dropout(0.5)
+        self.calls = []
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.calls.append(("dropout on in validation", self.dropout.training))
+        self.log("val", self.layer(batch).sum())
+
+    def backward(self, loss, *args, **kwargs):
+        self.calls.append("backward")
+        (loss * 2).backward(*args, **kwargs)  # gradients doubled: SGD moves twice as far
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.calls.append(("clip", gradient_clip_val))
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm="value")
+
+    def lr_scheduler_step(self, scheduler, metric):
+        self.calls.append("lr_scheduler_step")
+        scheduler.step()
+
+    def on_validation_model_eval(self):
+        super().on_validation_model_eval()
+        self.dropout.train()  # Monte-Carlo dropout in validation
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1)]
+
+
+@pytest.mark.parametrize("strategy", ["native", "xla_native"])
+def test_lightnings_backward_clipping_scheduler_step_and_model_mode_hooks_run_when_overridden(tmp_path, strategy):
+    module = OwnHooks()
+    start = module.layer.weight.detach().clone()
+    data = DataLoader(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), batch_size=4)
+    Trainer(strategy=strategy, max_epochs=1, gradient_clip_val=1e-3, default_root_dir=tmp_path, logger=False,
+            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+            num_sanity_val_steps=0).fit(module, data, data)
+    assert module.calls == ["backward", ("clip", 1e-3), ("dropout on in validation", True), "lr_scheduler_step"]
+    moved = (module.layer.weight.detach().cpu() - start).abs()
+    assert torch.allclose(moved, torch.full_like(moved, 0.1 * 1e-3), rtol=1e-3)  # each doubled gradient clipped to 1e-3
+    assert module.training and not module.on_gpu

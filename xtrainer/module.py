@@ -313,6 +313,59 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
         backward of a step), between the ``on_before_backward``/``on_after_backward`` hooks."""
         self.trainer.manual_backward(loss, *args, **kwargs)
 
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """The backward pass of ``loss`` (``loss.backward()``), in the strategy's backward and in
+        ``manual_backward``: override it to change how backward runs, as in Lightning."""
+        loss.backward(*args, **kwargs)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clips the gradients before each optimizer step under automatic optimization, with the
+        Trainer's ``gradient_clip_val``/``gradient_clip_algorithm``: override it to clip otherwise
+        (``self.clip_gradients(optimizer, ...)``), as in Lightning."""
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Steps one scheduler where its interval is due (``metric``: a ``ReduceLROnPlateau``'s
+        monitored value, else None): override it for a scheduler with another ``step`` signature
+        (timm's, say), as in Lightning."""
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
+    # ---- the evaluation loops' model modes (Lightning's, module-only hooks) ----------------------
+    def on_validation_model_eval(self) -> None:
+        """Puts the model in eval mode as a validation starts; override to keep parts training."""
+        self.trainer.model.eval()
+
+    def on_validation_model_train(self) -> None:
+        """Puts the model back in training mode after a fit's validation."""
+        self.trainer.model.train()
+
+    def on_validation_model_zero_grad(self) -> None:
+        """Called before a fit's validation. The Trainer keeps the step's gradients through it
+        (Lightning's default drops them here); a module that overrides it to keep them, or to do
+        something else there, runs as in Lightning."""
+
+    def on_test_model_eval(self) -> None:
+        """Puts the model in eval mode as a test starts."""
+        self.trainer.model.eval()
+
+    def on_test_model_train(self) -> None:
+        """Puts the model back in training mode after a test that ran during a fit."""
+        self.trainer.model.train()
+
+    def on_predict_model_eval(self) -> None:
+        """Puts the model in eval mode as a prediction starts."""
+        self.trainer.model.eval()
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the module's parameters are on a CUDA device (Lightning's property)."""
+        return self.device.type == "cuda"
+
     def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str | None = None) -> None:
         """Clip ``optimizer``'s gradients by ``"norm"`` (default) or ``"value"``. Applied to the
@@ -474,4 +527,7 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
 
 #: Hooks an ``XModule`` may override, besides the ``*_step`` methods and ``configure_*``: its
 #: ``on_*`` methods, each also a ``Callback`` hook of the same name (the module's runs first).
-MODULE_HOOKS = frozenset(name for name in vars(XModule) if name.startswith("on_"))
+MODULE_HOOKS = frozenset(name for name, value in vars(XModule).items()
+                         if name.startswith("on_") and callable(value) and "_model_" not in name)
+#: The evaluation loops' model-mode hooks: the module's alone (Lightning has no callback hooks of these names).
+MODEL_MODE_HOOKS = frozenset(name for name in vars(XModule) if name.startswith("on_") and "_model_" in name)

@@ -21,9 +21,11 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
     ``in_fit``: a fit's validation, no longer pending once its batches have run (a checkpoint
     written in its end hooks resumes after it)."""
     hook = _HOOK_STAGE[stage]
-    wrapped = trainer.model
+    wrapped, module = trainer.model, trainer.module
     was_training = wrapped.training
-    wrapped.eval()
+    if in_fit:
+        module.on_validation_model_zero_grad()
+    getattr(module, f"on_{hook}_model_eval")()  # Lightning's: the model in eval mode
     results = trainer._results = Results(stage, default_on_step=False)
     predictions: list[list[Any]] = []
     trainer._call(f"on_{hook}_start")
@@ -57,7 +59,9 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
         trainer.loop.validation_pending = False
     metrics = end_epoch(trainer, stage, f"on_{hook}_epoch_end")
     trainer._call(f"on_{hook}_end")
-    if was_training:
+    if was_training and stage != "predict":
+        getattr(module, f"on_{hook}_model_train")()  # back in training mode, as the fit left it
+    elif was_training:
         wrapped.train()
     if stage == "predict":
         return predictions[0] if len(predictions) == 1 else predictions

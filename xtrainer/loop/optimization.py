@@ -28,6 +28,7 @@ class Optimization:
         self.manual_optimizers: list[StrategyOptimizer] = []  # what self.optimizers() gives the module
         self.automatic = True
         self._needs_before_step = False
+        self._clips_itself = False  # the module overrides configure_gradient_clipping
         self._custom_step = False
         self.skipped = 0  # batches whose training_step returned None (Lightning's skip)
 
@@ -63,7 +64,8 @@ class Optimization:
             StrategyOptimizer(opt, strategy, lambda opt=opt: trainer._call("on_before_optimizer_step", opt),
                               lambda: self._manual_stepped(trainer))
             for opt in self.optimizers]
-        self._needs_before_step = trainer.gradient_clip_val is not None or _overrides(
+        self._clips_itself = type(module).configure_gradient_clipping is not XModule.configure_gradient_clipping
+        self._needs_before_step = trainer.gradient_clip_val is not None or self._clips_itself or _overrides(
             module, trainer.callbacks, "on_before_optimizer_step")
         self._custom_step = (type(module).optimizer_step is not XModule.optimizer_step
                              or type(module).optimizer_zero_grad is not XModule.optimizer_zero_grad)
@@ -120,13 +122,19 @@ class Optimization:
 
     def _before_step(self, trainer: "Trainer") -> None:
         trainer._call("on_before_optimizer_step", self.optimizers[0])
-        if trainer.gradient_clip_val is not None:
+        if self._clips_itself:  # Lightning's hook, with the Trainer's settings
+            trainer.module.configure_gradient_clipping(self.optimizers[0], trainer.gradient_clip_val,
+                                                       trainer.gradient_clip_algorithm)
+        elif trainer.gradient_clip_val is not None:
             trainer.strategy.clip_gradients(trainer.model, self.optimizers[0], trainer.gradient_clip_val,
                                             trainer.gradient_clip_algorithm)
 
     def step_schedulers(self, trainer: "Trainer", interval: str) -> None:
         count = trainer.global_step if interval == "step" else trainer.current_epoch + 1
-        step_schedulers(self.schedulers, interval, count, trainer.callback_metrics)
+        module = trainer.module
+        own = type(module).lr_scheduler_step is not XModule.lr_scheduler_step
+        step_schedulers(self.schedulers, interval, count, trainer.callback_metrics,
+                        module.lr_scheduler_step if own else None)
 
     # ---- manual optimization -----------------------------------------------------------------
     def _manual_stepped(self, trainer: "Trainer") -> None:
@@ -151,7 +159,8 @@ class Optimization:
     def clip_gradients_of(self, trainer: "Trainer", optimizer: Any, value: float | None,
                           algorithm: str | None) -> None:
         """``XModule.clip_gradients``: clip ``optimizer``'s gradients once they are reduced, just
-        before it steps (right away where the strategy reduced them in backward already)."""
+        before it steps (right away where the strategy reduced them in backward already, and under
+        automatic optimization, where ``configure_gradient_clipping`` runs just before the step)."""
         if value is None:
             return
         algorithm = algorithm or "norm"
@@ -160,7 +169,7 @@ class Optimization:
         raw = getattr(optimizer, "optimizer", optimizer)
         wrapper = next((w for w in self.manual_optimizers if w.optimizer is raw), None)
         clip = lambda: trainer.strategy.clip_gradients(trainer.model, raw, value, algorithm)  # noqa: E731
-        if wrapper is None:
+        if wrapper is None or self.automatic:  # automatic: called from configure_gradient_clipping, before the step
             clip()
         else:
             wrapper.pending_clip = clip

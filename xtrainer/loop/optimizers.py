@@ -176,15 +176,20 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def step_schedulers(schedulers: list[SchedulerConfig], interval: str, count: int, metrics: dict[str, Any]) -> None:
+def step_schedulers(schedulers: list[SchedulerConfig], interval: str, count: int, metrics: dict[str, Any],
+                    step: Callable[[Any, Any], None] | None = None) -> None:
     """Step the schedulers of ``interval`` whose frequency divides ``count`` (the global step, or
     the number of epochs done); a ``ReduceLROnPlateau`` (``reduce_on_plateau``) gets its monitored
-    metric from ``metrics``."""
+    metric from ``metrics``. ``step(scheduler, metric)``: the module's ``lr_scheduler_step``,
+    where it overrides it."""
     for config in schedulers:
         if config.interval != interval or count % config.frequency:
             continue
         if not config.reduce_on_plateau:
-            config.scheduler.step()
+            if step is not None:
+                step(config.scheduler, None)
+            else:
+                config.scheduler.step()
             continue
         if config.monitor not in metrics:
             message = (f"The scheduler monitors {config.monitor!r}, which was not logged. "
@@ -193,7 +198,10 @@ def step_schedulers(schedulers: list[SchedulerConfig], interval: str, count: int
                 raise KeyError(message + " Log it, or set 'strict': False in the lr_scheduler dict to skip the step.")
             rank_zero_warn(message + " The scheduler does not step ('strict': False).")
             continue
-        config.scheduler.step(metrics[config.monitor])
+        if step is not None:
+            step(config.scheduler, metrics[config.monitor])
+        else:
+            config.scheduler.step(metrics[config.monitor])
 
 
 class StrategyOptimizer:

@@ -21,10 +21,10 @@ from xtrainer.loop import fit as fit_loop
 from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.results import Results
 from xtrainer.loop.steps import StepDispatcher, batch_transfer
+from xtrainer.module import XModule
 from xtrainer.strategies.data import padded_samples
 
 if TYPE_CHECKING:
-    from xtrainer.module import XModule
     from xtrainer.trainer import Trainer
 
 
@@ -61,6 +61,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         trainer._wrapped = trainer.strategy.setup_module(StepDispatcher(module, trainer.precision))
         trainer._transfer = batch_transfer(module, trainer.datamodule, trainer.strategy.device)
         trainer.strategy.module_moves_batches = trainer._transfer is not None
+        trainer.strategy.module_backward = module.backward if type(module).backward is not XModule.backward else None
         data = trainer._stage_data = {name: [trainer._device_data(dl) for dl in dls] for name, dls in sources.items()}
         warn_padded_evaluation(trainer, data)
         if stage == "fit":
@@ -110,6 +111,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         finally:
             trainer.state = "idle"
             trainer._wrapped = trainer._module = None
+            trainer.strategy.module_backward = None
 
 
 def warn_padded_evaluation(trainer: "Trainer", data: dict[str, list]) -> None:

@@ -13,7 +13,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
 from xtrainer.callbacks.base import check_hook_names
-from xtrainer.module import MODULE_HOOKS, BatchTransferHooks, XModule
+from xtrainer.module import MODEL_MODE_HOOKS, MODULE_HOOKS, BatchTransferHooks, XModule
 from xtrainer.strategies.precision import Precision
 
 STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
@@ -87,7 +87,7 @@ def check_module(model: Any, stage: str) -> None:
     """Refuse, before anything starts, a module that cannot run ``stage``."""
     if not isinstance(model, XModule):
         raise TypeError(f"{stage}() takes an xtrainer.XModule, got {type(model).__name__}.")
-    check_hook_names(model, MODULE_HOOKS | set(TRANSFER_HOOKS), XModule)
+    check_hook_names(model, MODULE_HOOKS | MODEL_MODE_HOOKS | set(TRANSFER_HOOKS), XModule)
     if stage == "fit":
         if type(model).training_step is XModule.training_step:
             raise NotImplementedError(f"{type(model).__name__} has no training_step(self, batch, batch_idx).")

@@ -197,10 +197,18 @@ class Strategy(abc.ABC):
         del wrapped, enabled
         return contextlib.nullcontext()
 
+    #: The module's ``backward`` where it overrides ``XModule.backward`` (Lightning's hook), set
+    #: for a stage: run in place of ``loss.backward()``.
+    module_backward: Callable[..., None] | None = None
+
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """``loss.backward()``, with a message for an autograd engine started before the runtime."""
+        """``loss.backward()`` (or the module's ``backward``), with a message for an autograd
+        engine started before the runtime."""
         try:
-            loss.backward(*args, **kwargs)
+            if self.module_backward is not None:
+                self.module_backward(loss, *args, **kwargs)
+            else:
+                loss.backward(*args, **kwargs)
         except RuntimeError as err:
             if "device_ready_queues_" not in str(err):
                 raise

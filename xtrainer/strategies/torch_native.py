@@ -414,7 +414,10 @@ class NativeSingle(Strategy):
         return module
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        loss.backward(*args, **kwargs)
+        if self.module_backward is not None:
+            self.module_backward(loss, *args, **kwargs)
+        else:
+            loss.backward(*args, **kwargs)
 
     def clip_gradients(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, value: float,
                        algorithm: str) -> None:
