@@ -9,6 +9,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from xtrainer.callbacks.base import Callback
+from xtrainer.loop.publishing import automatic_lr_names
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -100,9 +101,8 @@ class LearningRateMonitor(Callback):
         the step's rates at a logging step, the epoch's at the epoch's end."""
         if trainer.state != "fit":
             return
-        for optimizer in trainer.optimizers:
-            for i in range(len(optimizer.param_groups)):
-                metrics.pop(f"lr-{type(optimizer).__name__}/pg{i}", None)
+        for name, _ in automatic_lr_names(trainer.optimizers):
+            metrics.pop(name, None)
         if self._in_validation:
             return
         if self._in_batch:

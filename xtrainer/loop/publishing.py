@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -45,6 +45,19 @@ if TYPE_CHECKING:
 LOSS_KEY = "xtrainer/loss"
 _STOP_KEY = "xtrainer/should_stop"
 _NEXT_KEY = "xtrainer/next_agreement_step"
+
+
+def automatic_lr_names(optimizers: list[Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The names every parameter group's learning rate is logged under without a
+    ``LearningRateMonitor``: ``lr-<Optimizer>/pg<i>``, and ``lr-<Optimizer>-<n>/pg<i>`` for the
+    n-th other optimizer of the same class (a GAN's two Adams), with each group."""
+    seen: dict[str, int] = {}
+    for optimizer in optimizers:
+        kind = type(optimizer).__name__
+        count = seen[kind] = seen.get(kind, -1) + 1
+        prefix = f"lr-{kind}" if not count else f"lr-{kind}-{count}"
+        for i, group in enumerate(optimizer.param_groups):
+            yield f"{prefix}/pg{i}", group
 
 
 class NonFiniteWatch:
@@ -325,11 +338,10 @@ class Publisher:
     def _hand_out(self, trainer: "Trainer", logged: dict[str, float]) -> None:
         if trainer.state == "fit":  # the epoch and every param group's learning rate ride along
             logged["epoch"] = float(trainer.current_epoch)
-            for optimizer in trainer.optimizers:
-                for i, group in enumerate(optimizer.param_groups):
-                    lr = group["lr"]
-                    if not _on_device(lr):  # an lr kept on the device is not read here
-                        logged[f"lr-{type(optimizer).__name__}/pg{i}"] = float(lr)
+            for name, group in automatic_lr_names(trainer.optimizers):
+                lr = group["lr"]
+                if not _on_device(lr):  # an lr kept on the device is not read here
+                    logged[name] = float(lr)
         module = trainer.module
         for cb in trainer.callbacks:
             cb.on_metrics(trainer, module, logged, trainer.global_step)
