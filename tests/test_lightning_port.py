@@ -700,3 +700,44 @@ def test_lightnings_backward_clipping_scheduler_step_and_model_mode_hooks_run_wh
     moved = (module.layer.weight.detach().cpu() - start).abs()
     assert torch.allclose(moved, torch.full_like(moved, 0.1 * 1e-3), rtol=1e-3)  # each doubled gradient clipped to 1e-3
     assert module.training and not module.on_gpu
+
+
+class BuiltLate(LightningModule):
+    """Builds its layer in configure_model and keeps extra state through the checkpoint hooks."""
+
+    def __init__(self, width: int = 4, wraps: bool = False):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = nn.Linear(width, 1) if wraps else None
+        self.loaded_extra = None
+
+    def configure_model(self):
+        if self.hparams.wraps:  # xla_fsdp's recipe: wraps with the trainer's strategy
+            self.layer = self.trainer.strategy.wrap(self.layer)
+        elif self.layer is None:
+            self.layer = nn.Linear(self.hparams.width, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["extra"] = 42
+
+    def on_load_checkpoint(self, checkpoint):
+        self.loaded_extra = checkpoint.get("extra")
+
+
+def test_load_from_checkpoint_runs_configure_model_and_on_load_checkpoint_first(tmp_path):
+    trainer = Trainer(strategy="native", max_steps=2, default_root_dir=tmp_path, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    module = BuiltLate()
+    trainer.fit(module, DataLoader(torch.randn(8, 4), batch_size=2))
+    path = trainer.checkpoint_callback.best_model_path
+    loaded = BuiltLate.load_from_checkpoint(path)
+    assert loaded.loaded_extra == 42 and torch.equal(loaded.layer.weight, module.layer.weight.detach().cpu())
+    with pytest.warns(UserWarning, match=r"configure_model\(\) needs a Trainer"):
+        wrapped = BuiltLate.load_from_checkpoint(path, wraps=True)  # built in __init__, wrapped in a fit only
+    assert torch.equal(wrapped.layer.weight, module.layer.weight.detach().cpu())

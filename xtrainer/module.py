@@ -180,6 +180,10 @@ class _Movable(abc.ABC):
         return callable(getattr(subclass, "to", None)) or NotImplemented
 
 
+class _Detached(RuntimeError):
+    """``XModule.trainer`` read where no Trainer is attached."""
+
+
 class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
     """Subclass this instead of ``lightning.LightningModule``; the hook names are the same.
 
@@ -196,7 +200,7 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
     @property
     def trainer(self) -> "Trainer":
         if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer yet.")
+            raise _Detached(f"{type(self).__name__} is not attached to a Trainer yet.")
         return self._trainer
 
     @trainer.setter
@@ -259,17 +263,25 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
         """A new module built from the hyperparameters a checkpoint recorded (``kwargs``
         override them), holding its weights. Any layout: a whole file, or a sharded folder
         (``xla_fsdp``, ``xla_fsdp2``/SPMD), whose shards are assembled. The file is read
-        weights-only and checked against its checksums: nothing in it runs."""
+        weights-only and checked against its checksums: nothing in it runs. As in Lightning, the
+        module's ``configure_model`` and ``on_load_checkpoint`` run before the weights are loaded."""
         from xtrainer.checkpoint import read_module
 
-        hparams, name, state_dict = read_module(checkpoint_path)
+        hparams, name, checkpoint = read_module(checkpoint_path)
         if hparams_file is not None:
             from omegaconf import OmegaConf
 
             hparams = OmegaConf.to_container(OmegaConf.load(os.fspath(hparams_file)), resolve=True)
         hparams = {**hparams, **kwargs}
         model = cls(**{name: hparams}) if name else cls(**hparams)
-        missing, unexpected = model.load_state_dict(state_dict, strict=strict)
+        # Lightning's order: the layers configure_model builds, then on_load_checkpoint, then the weights.
+        try:
+            model.configure_model()
+        except _Detached as err:  # it wraps with the trainer's strategy (xla_fsdp's recipe): no trainer here
+            rank_zero_warn(f"load_from_checkpoint: {type(model).__name__}.configure_model() needs a Trainer ({err}); "
+                           "it was skipped, and the weights load into the layers __init__ built.")
+        model.on_load_checkpoint(checkpoint)
+        missing, unexpected = model.load_state_dict(checkpoint["state_dict"], strict=strict)
         if missing or unexpected:
             rank_zero_warn(f"load_from_checkpoint({os.fspath(checkpoint_path)!r}, strict=False): missing keys "
                            f"{missing}, unexpected keys {unexpected}.")

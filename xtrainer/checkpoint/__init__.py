@@ -97,7 +97,8 @@ def _consolidate(path: str) -> dict[str, Any]:
 def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
     """What ``load_from_checkpoint`` needs from a checkpoint of any layout, checked against its
     checksums: the module's hyperparameters, the ``__init__`` argument that held them whole (or
-    None), and the full state dict."""
+    None), and the checkpoint (for ``on_load_checkpoint``) with the full state dict as its
+    ``state_dict``."""
     path = os.fspath(path)
     if not fs.exists(path):
         raise CheckpointNotFoundError(f"{path!r} does not exist.")
@@ -108,7 +109,7 @@ def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, di
             state = layout.trainer_state(pinned)
     if not isinstance(weights, dict):
         raise UnreadableCheckpointError(f"{path!r} has no state_dict.")
-    return (*_hyperparameters(state, path), weights)
+    return (*_hyperparameters(state, path), {**state, "state_dict": weights})
 
 
 def read_hyperparameters(path: str | os.PathLike) -> dict[str, Any]:
