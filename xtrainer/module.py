@@ -15,7 +15,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
-from xtrainer.loop.optimizers import clear_gradients
+from xtrainer.loop.optimizers import clear_gradients, step_scheduler
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
@@ -342,10 +342,7 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
         """Steps one scheduler where its interval is due (``metric``: a ``ReduceLROnPlateau``'s
         monitored value, else None): override it for a scheduler with another ``step`` signature
         (timm's, say), as in Lightning."""
-        if metric is None:
-            scheduler.step()
-        else:
-            scheduler.step(metric)
+        step_scheduler(scheduler, metric)
 
     # ---- the evaluation loops' model modes (Lightning's, module-only hooks) ----------------------
     def on_validation_model_eval(self) -> None:

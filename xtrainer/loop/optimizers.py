@@ -182,14 +182,12 @@ def step_schedulers(schedulers: list[SchedulerConfig], interval: str, count: int
     the number of epochs done); a ``ReduceLROnPlateau`` (``reduce_on_plateau``) gets its monitored
     metric from ``metrics``. ``step(scheduler, metric)``: the module's ``lr_scheduler_step``,
     where it overrides it."""
+    step = step or step_scheduler
     for config in schedulers:
         if config.interval != interval or count % config.frequency:
             continue
         if not config.reduce_on_plateau:
-            if step is not None:
-                step(config.scheduler, None)
-            else:
-                config.scheduler.step()
+            step(config.scheduler, None)
             continue
         if config.monitor not in metrics:
             message = (f"The scheduler monitors {config.monitor!r}, which was not logged. "
@@ -198,10 +196,15 @@ def step_schedulers(schedulers: list[SchedulerConfig], interval: str, count: int
                 raise KeyError(message + " Log it, or set 'strict': False in the lr_scheduler dict to skip the step.")
             rank_zero_warn(message + " The scheduler does not step ('strict': False).")
             continue
-        if step is not None:
-            step(config.scheduler, metrics[config.monitor])
-        else:
-            config.scheduler.step(metrics[config.monitor])
+        step(config.scheduler, metrics[config.monitor])
+
+
+def step_scheduler(scheduler: Any, metric: Any) -> None:
+    """A scheduler's step, with the monitored metric where it has one (``XModule.lr_scheduler_step``'s default)."""
+    if metric is None:
+        scheduler.step()
+    else:
+        scheduler.step(metric)
 
 
 class StrategyOptimizer:
