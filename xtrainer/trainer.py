@@ -625,6 +625,12 @@ class Trainer:
             fn(self, module, *args)
         return answer
 
+    def _start_stage(self, model: XModule) -> None:
+        """As a stage starts (in the calling process): its metrics are its own (Lightning resets
+        them too), and ``model`` is ``lightning_module`` once it is over."""
+        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
+        self._last_module = model
+
     def _num_batches(self, data: Any, stage: str) -> float:
         return loaders.num_batches(data, self.limits["train" if stage == "fit" else stage], stage)
 

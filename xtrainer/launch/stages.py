@@ -78,9 +78,7 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
     # epoch) and each replica's XLA random generator (with its rank).
     trainer.loop.seed = torch.initial_seed() % 2**31
     trainer.interrupted = False
-    trainer._last_module = model  # trainer.lightning_module once the stage is over, as in Lightning
-    # Each stage's metrics are its own (Lightning resets them as a stage starts).
-    trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics = {}, {}, {}
+    trainer._start_stage(model)
     try:
         result = trainer.strategy.launcher.launch(functools.partial(replica.run, trainer), stage, model, sources,
                                                   resolved)
