@@ -581,7 +581,7 @@ def test_a_multisteplr_is_checkpointed_and_resumes_exactly(tmp_path, strategy):
         trainer.fit(module, DataLoader(data, batch_size=2), ckpt_path=ckpt_path)
         return trainer, {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
-    whole, expected = fit(tmp_path / "whole", 4)
+    _, expected = fit(tmp_path / "whole", 4)
     fit(tmp_path / "parts", 2)
     resumed, got = fit(tmp_path / "parts", 4, ckpt_path="last")
     assert resumed.global_step == 4 and resumed.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
