@@ -1,11 +1,13 @@
 """torchmetrics objects logged as Lightning users log them: states on the device, synced across
 replicas in the graph at the epoch's end, no host read per step."""
 
+import time
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from torchmetrics import MetricCollection
+from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from xtrainer import Trainer, XModule, _xla
@@ -96,3 +98,55 @@ def test_metric_states_are_synced_across_replicas(tmp_path):
     trainer, model = fit(tmp_path, devices=2)
     for name, value in expected(model, data(32, 1)).items():
         assert trainer.callback_metrics[name] == pytest.approx(value, abs=1e-6), name
+
+
+class Overlap:
+    """How many replica threads are inside a metric's compute at once (they share the process)."""
+    inside = 0
+    most = 0
+
+
+class MaskedMean(MeanMetric):
+    """A metric whose compute indexes with a boolean mask: XLA runs the pending graph from C++ there.
+    It writes the most replicas it saw computing at once to ``report``."""
+
+    def __init__(self, report):
+        super().__init__()
+        self.report = report
+
+    def compute(self):
+        Overlap.inside += 1
+        Overlap.most = max(Overlap.most, Overlap.inside)
+        time.sleep(0.2)  # the other replica reaches its epoch's end meanwhile
+        value = self.mean_value.clone()
+        value[value.isnan()] = 0.0
+        Overlap.inside -= 1
+        self.report.write_text(str(Overlap.most))
+        return value / self.weight
+
+
+class Masked(Classifier):
+    def __init__(self, report):
+        super().__init__()
+        self.masked = MaskedMean(report)
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.masked.update(self.net(batch[0]).sum(dim=1))
+        self.log("masked", self.masked)
+
+
+@pytest.mark.multi_device
+def test_replica_threads_compute_their_metrics_one_at_a_time(tmp_path):
+    # two replica threads running a boolean-mask compute at once crashed the process (signal 11)
+    # in one 60-epoch run of three: they now compute in turn, states gathered first
+    report = tmp_path / "most_computing_at_once"
+    model = Masked(report)
+    trainer = Trainer(devices=2, max_epochs=2, limit_train_batches=1, enable_progress_bar=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    trainer.fit(model, DataLoader(data(), batch_size=4), DataLoader(data(32, 1), batch_size=4))
+    assert report.read_text() == "1"
+    x, _ = data(32, 1).tensors
+    with torch.no_grad():
+        outputs = model.net(x).sum(dim=1)
+    assert trainer.callback_metrics["masked"] == pytest.approx(float(outputs.mean()), rel=1e-5)

@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+from xtrainer.strategies import shared_process
+
 
 REDUCE_FXS = ("mean", "sum", "max", "min")
 _REDUCE_CALLABLES = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min", sum: "sum",
@@ -257,6 +259,11 @@ def _scalar(value: torch.Tensor) -> torch.Tensor:
     return value if value.dtype == torch.float32 else value.float()
 
 
+def _holds_metrics(metric: Any) -> bool:
+    children = metric.modules() if isinstance(metric, torch.nn.Module) else ()
+    return any(child is not metric and _is_metric(child) for child in children)
+
+
 def _is_metric(value: Any) -> bool:
     """A torchmetrics ``Metric`` (told by its methods: torchmetrics need not be installed)."""
     return not isinstance(value, torch.Tensor) and all(
@@ -266,8 +273,22 @@ def _is_metric(value: Any) -> bool:
 def _compute_metric(metric: Any, world_size: int, gather: Callable[[torch.Tensor], torch.Tensor] | None
                     ) -> torch.Tensor:
     """``metric.compute()``, its states synced across replicas by ``gather`` (an all-gather in the
-    graph: torchmetrics' own sync would go through torch.distributed, which xla_native has not)."""
-    if world_size > 1 and gather is not None:
+    graph: torchmetrics' own sync would go through torch.distributed, which xla_native has not).
+
+    The states are gathered first, and the computation then runs as the process lets one replica
+    compute alone (``SharedProcess.computing_alone``): a compute may run the graph from C++ (a
+    boolean-mask index), which replica threads of one process must not do at once. A metric that
+    holds other metrics (torchmetrics' arithmetic of metrics) syncs inside its own compute."""
+    original = getattr(metric.compute, "__wrapped__", None)  # torchmetrics' compute, without its sync
+    if world_size > 1 and gather is not None and original is not None and not _holds_metrics(metric):
+        metric.sync(dist_sync_fn=lambda tensor, group=None: list(gather(tensor).unbind(0)),
+                    distributed_available=lambda: True)
+        try:
+            with shared_process.current().computing_alone():
+                value = original()
+        finally:
+            metric.unsync()
+    elif world_size > 1 and gather is not None:
         saved = metric.dist_sync_fn, metric.distributed_available_fn
         metric.dist_sync_fn = lambda tensor, group=None: list(gather(tensor).unbind(0))
         metric.distributed_available_fn = lambda: True

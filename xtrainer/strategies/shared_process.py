@@ -30,6 +30,12 @@ class SharedProcess:
         process-wide: replicas of one process take turns."""
         return contextlib.nullcontext()
 
+    def computing_alone(self) -> contextlib.AbstractContextManager:
+        """Held while a replica runs device work that torch's C++ may run and read outside the
+        graph cut (a boolean-mask index, ``nonzero``: a torchmetrics ``compute()``). Nothing
+        collective may be pending or run inside it."""
+        return contextlib.nullcontext()
+
     def wrap_ddp(self, module: nn.Module, kwargs: dict[str, Any]) -> DistributedDataParallel:
         """``DistributedDataParallel(module, **kwargs)``, started (shapes checked, rank 0's values
         given to every replica) as this process's replicas can do it."""

@@ -14,7 +14,7 @@ import faulthandler
 import functools
 import pickle
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ class ThreadReplicas(shared_process.SharedProcess):
 
     def __init__(self, devices: int) -> None:
         self.devices = devices
-        self.cut_lock = threading.Lock()  # one replica traces and compiles at a time
+        self.cut_lock = threading.RLock()  # one replica traces and compiles at a time
         self._construction_lock = threading.Lock()  # modules are built with the global CPU RNG
         self.meeting = threading.Barrier(devices)
         self.payloads: list[bytes] = [b""] * devices
@@ -68,6 +68,17 @@ class ThreadReplicas(shared_process.SharedProcess):
     def construction_lock(self) -> contextlib.AbstractContextManager:
         """Replica threads share torch's CPU random generator: they build modules in turn."""
         return self._construction_lock
+
+    @contextlib.contextmanager
+    def computing_alone(self) -> Iterator[None]:
+        """Device work that C++ runs and reads outside the serialised cut (torchmetrics' boolean-mask
+        index in a macro F1's ``compute()`` runs the pending graph from C++): two replicas doing it
+        at once crashed the process (signal 11) in one 60-epoch run of three. The pending graph
+        (an all-gather of the metric's states) is cut first, as every replica does it, and the
+        work then runs holding the cut's lock: its own cuts and reads take it again."""
+        self.sync()
+        with self.cut_lock:
+            yield
 
     def wrap_ddp(self, module: nn.Module, kwargs: dict[str, Any]) -> DistributedDataParallel:
         """DDP's start-up (``init_sync``) reads XLA tensors outside the serialised graph cut: it is
