@@ -150,3 +150,27 @@ def test_replica_threads_compute_their_metrics_one_at_a_time(tmp_path):
     with torch.no_grad():
         outputs = model.net(x).sum(dim=1)
     assert trainer.callback_metrics["masked"] == pytest.approx(float(outputs.mean()), rel=1e-5)
+
+
+class LocalAccuracy(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.local_acc = MulticlassAccuracy(3, average="micro", validate_args=False, sync_on_compute=False)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.local_acc.update(self.net(x), y)
+        self.log("local_acc", self.local_acc)
+
+
+@pytest.mark.multi_device
+def test_a_metric_built_not_to_sync_gives_each_replica_its_own_value(tmp_path):
+    model = LocalAccuracy()
+    trainer = Trainer(devices=2, max_epochs=1, enable_progress_bar=False, enable_checkpointing=False,
+                      num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    trainer.fit(model, DataLoader(data(), batch_size=4), DataLoader(data(32, 1), batch_size=4))
+    x, y = data(32, 1).tensors
+    with torch.no_grad():
+        right = (model.net(x).argmax(dim=1) == y).float()
+    assert float(right[0::2].mean()) != float(right.mean())  # rank 0's half differs from the whole
+    assert trainer.callback_metrics["local_acc"] == pytest.approx(float(right[0::2].mean()), abs=1e-6)

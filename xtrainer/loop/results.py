@@ -281,13 +281,16 @@ def _compute_metric(metric: Any, world_size: int, gather: Callable[[torch.Tensor
     holds other metrics (torchmetrics' arithmetic of metrics) syncs inside its own compute."""
     original = getattr(metric.compute, "__wrapped__", None)  # torchmetrics' compute, without its sync
     if world_size > 1 and gather is not None and original is not None and not _holds_metrics(metric):
-        metric.sync(dist_sync_fn=lambda tensor, group=None: list(gather(tensor).unbind(0)),
-                    distributed_available=lambda: True)
+        syncs = getattr(metric, "sync_on_compute", True)  # False: each replica's own value, as in torchmetrics
+        if syncs:
+            metric.sync(dist_sync_fn=lambda tensor, group=None: list(gather(tensor).unbind(0)),
+                        distributed_available=lambda: True)
         try:
             with shared_process.current().computing_alone():
                 value = original()
         finally:
-            metric.unsync()
+            if syncs:
+                metric.unsync()
     elif world_size > 1 and gather is not None:
         saved = metric.dist_sync_fn, metric.distributed_available_fn
         metric.dist_sync_fn = lambda tensor, group=None: list(gather(tensor).unbind(0))
