@@ -49,7 +49,7 @@ class ThreadReplicas(shared_process.SharedProcess):
 
     def __init__(self, devices: int) -> None:
         self.devices = devices
-        self.cut_lock = threading.RLock()  # one replica traces and compiles at a time
+        self.cut_lock = threading.RLock()  # one replica traces and compiles at a time (computing_alone re-enters)
         self._construction_lock = threading.Lock()  # modules are built with the global CPU RNG
         self.meeting = threading.Barrier(devices)
         self.payloads: list[bytes] = [b""] * devices
