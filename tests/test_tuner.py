@@ -8,6 +8,7 @@ from conftest import Regressor, make_loader
 from torch import nn
 
 from xtrainer import Trainer
+from xtrainer import XDataModule as LightningDataModule
 from xtrainer import XModule as LightningModule
 from xtrainer.tuner import Tuner
 
@@ -44,6 +45,20 @@ class HparamsRegressor(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.learning_rate)
+
+
+class BothLr(HparamsRegressor):
+    """``lr`` saved as a hyperparameter and kept as an attribute too: both are updated."""
+
+    def __init__(self, lr: float = 0.01):
+        LightningModule.__init__(self)
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = nn.Linear(8, 1)
+        self.lr = lr
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
 
 class NoLr(HparamsRegressor):
@@ -106,7 +121,7 @@ def test_linear_mode_and_an_early_stop_on_a_diverging_loss(tmp_path):
 
 def test_update_attr_sets_the_suggestion_on_the_attribute_and_in_hparams(tmp_path):
     model = Regressor(lr=0.05)
-    trainer = Trainer(strategy="native", **quiet(tmp_path))
+    trainer = Trainer(strategy="native", max_epochs=1, **quiet(tmp_path))
     finder = Tuner(trainer).lr_find(model, make_loader(), min_lr=1e-4, max_lr=1e-1, num_training=25)
     assert model.lr == finder.suggestion() and 1e-4 <= model.lr <= 1e-1
 
@@ -114,6 +129,11 @@ def test_update_attr_sets_the_suggestion_on_the_attribute_and_in_hparams(tmp_pat
     finder = Tuner(trainer).lr_find(saved, make_loader(), min_lr=1e-4, max_lr=1e-1, num_training=25)
     assert saved.hparams.learning_rate == finder.suggestion() != 0.01
     trainer.fit(saved, make_loader())  # configure_optimizers reads the new value
+    assert trainer.global_step == 8
+
+    both = BothLr()
+    finder = Tuner(trainer).lr_find(both, make_loader(), min_lr=1e-4, max_lr=1e-1, num_training=25)
+    assert both.lr == both.hparams.lr == finder.suggestion() != 0.01
     assert trainer.lightning_module is saved
 
 
@@ -139,6 +159,36 @@ def test_attr_name_and_the_errors_that_say_what_to_do(tmp_path):
         Tuner(trainer).scale_batch_size(model)
     with pytest.raises(TypeError, match="xtrainer Trainer"):
         Tuner(object())
+
+
+class Data(LightningDataModule):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def setup(self, stage):
+        self.calls.append(f"setup:{stage}")
+
+    def train_dataloader(self):
+        return make_loader()
+
+    def teardown(self, stage):
+        self.calls.append(f"teardown:{stage}")
+
+
+def test_data_from_a_data_module_or_the_modules_own_hooks(tmp_path):
+    trainer = Trainer(strategy="native", max_epochs=1, **quiet(tmp_path))
+    data = Data()
+    finder = Tuner(trainer).lr_find(Regressor(), datamodule=data, num_training=12, update_attr=False)
+    assert len(finder.results["loss"]) == 12 and data.calls == ["setup:fit", "teardown:fit"]
+
+    class OwnData(Regressor):
+        def train_dataloader(self):
+            return make_loader()
+
+    with pytest.raises(ValueError, match="pass train_dataloaders="):
+        Tuner(trainer).lr_find(OwnData(), dataloaders=make_loader())
+    assert len(Tuner(trainer).lr_find(OwnData(), num_training=12, update_attr=False).results["lr"]) == 12
 
 
 def test_too_few_points_give_no_suggestion_with_a_warning(tmp_path):
