@@ -141,7 +141,8 @@ def test_attr_name_and_the_errors_that_say_what_to_do(tmp_path):
     trainer = Trainer(strategy="native", **quiet(tmp_path))
     model = NoLr()
     before = weights(model)
-    with pytest.raises(AttributeError, match=r"has no attribute 'lr' or 'learning_rate'.*attr_name=.*update_attr=False"):
+    with pytest.raises(AttributeError,
+                       match=r"has no attribute 'lr' or 'learning_rate'.*attr_name=.*update_attr=False"):
         Tuner(trainer).lr_find(model, make_loader())
     with pytest.raises(AttributeError, match=r"attr_name='rate'\): NoLr has no attribute 'rate'"):
         Tuner(trainer).lr_find(model, make_loader(), attr_name="rate")

@@ -107,10 +107,9 @@ class Tuner:
         """Not supported: choose the batch size yourself."""
         del args, kwargs
         raise NotImplementedError(
-            "Tuner.scale_batch_size is not supported: on XLA every batch size tried would compile new graphs, "
-            "and a batch that does not fit fails at compilation rather than with an out-of-memory error to "
-            "catch. Set the batch size by hand (in your DataLoader or data module), e.g. the largest that "
-            "a short fit with max_steps=... runs with.")
+            "Tuner.scale_batch_size is not supported: on XLA every batch size it tried would compile new graphs. "
+            "Set the batch size by hand (in your DataLoader or data module): e.g. the largest with which a short "
+            "fit (max_steps=...) runs.")
 
 
 class _LRFinder:
