@@ -238,7 +238,7 @@ MISSING = {
     "StochasticWeightAveraging": "keep an averaged copy with torch.optim.swa_utils.AveragedModel in your module",
     "ModelPruning": "prune with torch.nn.utils.prune in configure_model or a callback of your own",
     "BatchSizeFinder": "choose the batch size yourself: every new batch size compiles new graphs on XLA",
-    "LearningRateFinder": "sweep the learning rate with short fits (max_steps=...)",
+    "LearningRateFinder": "run xtrainer.tuner.Tuner(trainer).lr_find(model) before fit",
     "OnExceptionCheckpoint": "a signal (SIGTERM/SIGINT) already writes a checkpoint before the fit stops",
     "ThroughputMonitor": "XlaHealth logs throughput/steps_per_second and throughput/samples_per_second",
     "SpikeDetection": "detect_nonfinite='raise' stops at a NaN or infinite loss",
