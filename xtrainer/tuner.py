@@ -232,7 +232,10 @@ class _LRSweep(Callback):
         if trainer.world_size > 1:
             mean = trainer.strategy.collectives.reduce(mean, "sum") / trainer.world_size
         # A host sync on purpose, once per step: the search decides after each step whether to stop.
-        value = float(mean.item())
+        # Through the strategy's read (one batched transfer; on the CPU runtime's replica threads,
+        # through their serialised graph cut: an .item() ran the all-reduce from C++ in two threads
+        # at once and crashed the process).
+        value = float(trainer.strategy.collectives.to_cpu(mean))
         self._average = _BETA * self._average + (1 - _BETA) * value
         smoothed = self._average / (1 - _BETA ** (step + 1))
         self.losses.append(smoothed)
