@@ -95,7 +95,7 @@ def count_training_step(module: nn.Module, batch: Any, batch_idx: int, keep: tup
     context = precision.step_context() if precision is not None else contextlib.nullcontext()
     batch = _meta_like(batch)
     batch = precision.convert_input(batch) if precision is not None else batch  # as the step sees it
-    with _random_state_kept(), counter, torch.device("meta"), context:
+    with host_random_state_kept(), counter, torch.device("meta"), context:
         args = (batch_idx,)[:max(0, positional_count(twin.training_step) - 1)]  # as the step dispatcher does
         out = twin.training_step(batch, *args)
         loss = out.get("loss") if isinstance(out, dict) else out
@@ -105,10 +105,10 @@ def count_training_step(module: nn.Module, batch: Any, batch_idx: int, keep: tup
 
 
 @contextlib.contextmanager
-def _random_state_kept() -> Iterator[None]:
-    """The host's random generators (Python's, NumPy's, torch's CPU one) as they were before the
-    counted step: a step that draws from them (an RL environment, a random crop) must not leave
-    the run it counts for on another draw than a run without the count."""
+def host_random_state_kept() -> Iterator[None]:
+    """The host's random generators (Python's, NumPy's, torch's CPU one) left as they were: a
+    counted step (or the learning-rate finder's fit) that draws from them (an RL environment, a
+    random crop) must not leave the run it precedes on another draw than a run without it."""
     state = random.getstate()
     numpy = sys.modules.get("numpy")
     numpy_state = numpy.random.get_state() if numpy is not None else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
 from xtrainer.callbacks.base import Callback
+from xtrainer.flops import host_random_state_kept
 
 if TYPE_CHECKING:
     from xtrainer.datamodule import XDataModule
@@ -85,7 +85,8 @@ class Tuner:
         root = tempfile.mkdtemp(prefix="xtrainer_lr_find_")
         try:
             tuning = _tuning_trainer(trainer, sweep, root, num_training)
-            tuning.fit(model, train_dataloaders, val_dataloaders, datamodule=datamodule)
+            with host_random_state_kept():
+                tuning.fit(model, train_dataloaders, val_dataloaders, datamodule=datamodule)
         finally:
             saved.restore(model)
             strategy.connect(strategy_devices, strategy_precision)  # the strategy is the user's Trainer's again
@@ -294,23 +295,19 @@ def _tuning_trainer(trainer: "Trainer", sweep: _LRSweep, root: str, num_training
 
 class _ModuleState:
     """What a fit changes on a module, kept on the host: its weights and buffers (a copy), each
-    submodule's train/eval mode, the Trainer it is attached to; and the host's random generators."""
+    submodule's train/eval mode, the Trainer it is attached to."""
 
     def __init__(self, model: "XModule") -> None:
         self.weights = {name: value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor)
                         else copy.deepcopy(value) for name, value in model.state_dict().items()}
         self.modes = [(module, module.training) for module in model.modules()]
         self.trainer = model.__dict__.get("_trainer")
-        self.torch_rng = torch.get_rng_state()
-        self.python_rng = random.getstate()
 
     def restore(self, model: "XModule") -> None:
         model.load_state_dict(self.weights)
         for module, training in self.modes:
             module.training = training  # each its own: train() would set the children's too
         model.trainer = self.trainer
-        torch.set_rng_state(self.torch_rng)
-        random.setstate(self.python_rng)
 
 
 def _has_attr(model: "XModule", name: str) -> bool:

@@ -279,28 +279,27 @@ def _compute_metric(metric: Any, world_size: int, gather: Callable[[torch.Tensor
     compute alone (``SharedProcess.computing_alone``): a compute may run the graph from C++ (a
     boolean-mask index), which replica threads of one process must not do at once. A metric that
     holds other metrics (torchmetrics' arithmetic of metrics) syncs inside its own compute."""
+    sync_fn = lambda tensor, group=None: list(gather(tensor).unbind(0))  # noqa: E731
     original = getattr(metric.compute, "__wrapped__", None)  # torchmetrics' compute, without its sync
-    if world_size > 1 and gather is not None and original is not None and not _holds_metrics(metric):
+    if world_size == 1 or gather is None:
+        value = metric.compute()
+    elif original is not None and not _holds_metrics(metric):
         syncs = getattr(metric, "sync_on_compute", True)  # False: each replica's own value, as in torchmetrics
         if syncs:
-            metric.sync(dist_sync_fn=lambda tensor, group=None: list(gather(tensor).unbind(0)),
-                        distributed_available=lambda: True)
+            metric.sync(dist_sync_fn=sync_fn, distributed_available=lambda: True)
         try:
             with shared_process.current().computing_alone():
                 value = original()
         finally:
             if syncs:
                 metric.unsync()
-    elif world_size > 1 and gather is not None:
+    else:
         saved = metric.dist_sync_fn, metric.distributed_available_fn
-        metric.dist_sync_fn = lambda tensor, group=None: list(gather(tensor).unbind(0))
-        metric.distributed_available_fn = lambda: True
+        metric.dist_sync_fn, metric.distributed_available_fn = sync_fn, lambda: True
         try:
             value = metric.compute()
         finally:
             metric.dist_sync_fn, metric.distributed_available_fn = saved
-    else:
-        value = metric.compute()
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         raise ValueError(f"A logged {type(metric).__name__} computed a value of type {type(value).__name__}; "
                          "self.log takes metrics whose compute() gives a scalar.")
