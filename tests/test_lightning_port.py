@@ -741,3 +741,74 @@ def test_load_from_checkpoint_runs_configure_model_and_on_load_checkpoint_first(
     with pytest.warns(UserWarning, match=r"configure_model\(\) needs a Trainer"):
         wrapped = BuiltLate.load_from_checkpoint(path, wraps=True)  # built in __init__, wrapped in a fit only
     assert torch.equal(wrapped.layer.weight, module.layer.weight.detach().cpu())
+
+
+#: Hooks that a callback and the module both have; Lightning calls the callbacks' first.
+BOTH_HOOKS = ["on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start", "on_before_zero_grad",
+              "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_train_batch_end",
+              "on_validation_start", "on_validation_batch_start", "on_validation_batch_end", "on_validation_end",
+              "on_train_end", "on_fit_end", "on_save_checkpoint", "on_exception"]
+
+
+def _recording(name, seen, base):
+    def hook(hook_name):
+        return lambda self, *args: seen.append((hook_name, name))
+    return type(f"Recording{name}", (base,), {hook_name: hook(hook_name) for hook_name in BOTH_HOOKS})
+
+
+class FailsAtStep(LitRegressor):
+    def training_step(self, batch):
+        if self.trainer.global_step == 10:  # in the second epoch, after a checkpoint
+            raise RuntimeError("bad batch")
+        return super().training_step(batch)
+
+
+def test_callbacks_hooks_run_before_the_modules_as_in_lightning(tmp_path):
+    seen = []
+    first, second = _recording("callback1", seen, Callback)(), _recording("callback2", seen, Callback)()
+    module = _recording("module", seen, FailsAtStep)()
+    trainer = Trainer(max_epochs=3, callbacks=[first, second], **quiet(tmp_path))
+    data = RegressionDataModule()
+    with pytest.raises(RuntimeError, match="bad batch"):
+        trainer.fit(module, datamodule=data)
+    called = {hook for hook, _ in seen}
+    assert called == set(BOTH_HOOKS) - {"on_train_end", "on_fit_end"}  # it failed in its second epoch
+    runs = [seen[i:i + 3] for i in range(0, len(seen), 3)]
+    assert all([who for _, who in run] == ["callback1", "callback2", "module"] and len({h for h, _ in run}) == 1
+               for run in runs), runs
+
+
+class Renamed(LitRegressor):
+    """LitRegressor with its layers under another name: its on_load_checkpoint renames the keys of
+    a checkpoint of the old layout before the weights are loaded, as Lightning lets it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.body = self.net
+        del self.net
+
+    def forward(self, x):
+        return self.body(x)
+
+    def on_load_checkpoint(self, checkpoint):
+        checkpoint["state_dict"] = {key.replace("net.", "body.", 1): value
+                                    for key, value in checkpoint["state_dict"].items()}
+
+
+def test_on_load_checkpoint_can_change_the_weights_before_they_are_loaded(tmp_path):
+    first = Trainer(max_epochs=1, **quiet(tmp_path / "a"))
+    first.fit(LitRegressor(), datamodule=RegressionDataModule())
+    path = first.checkpoint_callback.last_model_path or first.checkpoint_callback.best_model_path
+    resumed = Trainer(max_epochs=2, **quiet(tmp_path / "b"))
+    renamed = Renamed()
+    resumed.fit(renamed, datamodule=RegressionDataModule(), ckpt_path=path)
+    again = Trainer(max_epochs=2, **quiet(tmp_path / "c"))
+    same = LitRegressor()
+    again.fit(same, datamodule=RegressionDataModule(), ckpt_path=path)
+    assert resumed.global_step == again.global_step > first.global_step
+    for mine, theirs in zip(renamed.body.parameters(), same.net.parameters()):
+        assert torch.equal(mine, theirs)
+    scores = Trainer(**quiet(tmp_path / "d")).validate(Renamed(), datamodule=RegressionDataModule(), ckpt_path=path)
+    expected = Trainer(**quiet(tmp_path / "e")).validate(LitRegressor(), datamodule=RegressionDataModule(),
+                                                         ckpt_path=path)
+    assert scores == expected

@@ -92,7 +92,8 @@ class Skipping(Regressor):
         return -1 if batch_idx == 2 else None
 
 
-def test_batch_hooks_run_module_then_callbacks_in_order_and_a_callback_added_in_a_batch_joins_at_the_next(tmp_path):
+def test_batch_hooks_run_callbacks_then_module_in_order_and_a_callback_added_in_a_batch_joins_at_the_next(tmp_path):
+    """Lightning's order: every callback's hook, then the module's (whose -1 stops the epoch)."""
     seen = []
     late = Recording("late", seen)
 
@@ -107,12 +108,12 @@ def test_batch_hooks_run_module_then_callbacks_in_order_and_a_callback_added_in_
     trainer.fit(Skipping(seen), make_loader(64, 8))
     assert trainer.global_step == 2  # batch 2's start said -1: batches 2 to 7 skipped
     assert seen == [
-        ("module", "start", 0), ("a", "start", 0), ("b", "start", 0),
+        ("a", "start", 0), ("b", "start", 0), ("module", "start", 0),
         ("a", "before_backward", 0), ("b", "before_backward", 0), ("a", "end", 0), ("b", "end", 0),
-        ("module", "start", 1), ("a", "start", 1), ("b", "start", 1), ("late", "start", 1),
+        ("a", "start", 1), ("b", "start", 1), ("late", "start", 1), ("module", "start", 1),
         ("a", "before_backward", 1), ("b", "before_backward", 1), ("late", "before_backward", 1),
         ("a", "end", 1), ("b", "end", 1), ("late", "end", 1),
-        ("module", "start", 2), ("a", "start", 2), ("b", "start", 2), ("late", "start", 2),
+        ("a", "start", 2), ("b", "start", 2), ("late", "start", 2), ("module", "start", 2),
     ]
 
 

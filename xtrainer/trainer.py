@@ -560,9 +560,8 @@ class Trainer:
         if self._module is None:
             return
         module = self._module
-        hooks = [(f"{type(module).__name__}.on_exception", lambda: module.on_exception(err))] + [
-            (f"{type(cb).__name__}.on_exception", functools.partial(cb.on_exception, self, module, err))
-            for cb in self.callbacks]
+        hooks = [(f"{type(cb).__name__}.on_exception", functools.partial(cb.on_exception, self, module, err))
+                 for cb in self.callbacks] + [(f"{type(module).__name__}.on_exception", lambda: module.on_exception(err))]
         replica.run_cleanup(hooks, err)  # one that fails is a note on err, which goes on
 
     def hyperparameters(self) -> dict[str, Any]:
@@ -616,14 +615,13 @@ class Trainer:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> Any:
-        """Call ``hook`` on the module, then on every callback, in order; the module's answer.
-        Only those that override the no-op are called (``xtrainer/loop/hooks.py``)."""
+        """Call ``hook`` on every callback, in order, then on the module, as Lightning does; the
+        module's answer. Only those that override the no-op are called (``xtrainer/loop/hooks.py``)."""
         module = self._module if self._module is not None else self.module  # (the property says what is wrong)
         own, callbacks = self._hooks.entry(hook, module, self.callbacks)
-        answer = own(*args) if own is not None else None
         for fn in callbacks:
             fn(self, module, *args)
-        return answer
+        return own(*args) if own is not None else None
 
     def _start_stage(self, model: XModule) -> None:
         """As a stage starts (in the calling process): its metrics are its own (Lightning resets

@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 class Callback:
     """Base class of callbacks: every hook is a no-op; override the ones you need.
 
-    ``Trainer.fit`` calls the hooks in this order (the module's hook of the same name runs
-    first, then each callback's, in the order given to the Trainer; the documentation's "The
-    training loop" page shows the same block, and a test keeps the two equal)::
+    ``Trainer.fit`` calls the hooks in this order (each callback's, in the order given to the
+    Trainer, then the module's hook of the same name, as in Lightning; at an epoch's end the
+    module's first, so that callbacks see what it logs. The documentation's "The training loop"
+    page shows the same block, and a test keeps the two equal)::
 
         on_fit_start
         sanity check: validation loop on num_sanity_val_steps batches   # on_sanity_check_start/end around it

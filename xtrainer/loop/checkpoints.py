@@ -72,9 +72,9 @@ def save(trainer: "Trainer", path: str, weights_only: bool = False) -> None:
     module = trainer.module
     with trainer.strategy.rng_state_kept():  # the run goes on from the state the checkpoint records, as a resumed one does
         checkpoint = build_checkpoint(trainer)
-        module.on_save_checkpoint(checkpoint)
-        for cb in trainer.callbacks:
+        for cb in trainer.callbacks:  # the callbacks, then the module, as in Lightning
             cb.on_save_checkpoint(trainer, module, checkpoint)
+        module.on_save_checkpoint(checkpoint)
         if weights_only:
             keep_weights_only(checkpoint)
         compiles = trainer.strategy.device_counters()["compiles"]
@@ -186,6 +186,9 @@ def fitted_checkpoint(trainer: "Trainer", model: Any) -> dict[str, Any]:
 def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: str) -> None:
     """Put ``checkpoint`` (read from ``path``) back into this replica's run of ``stage``."""
     strategy = trainer.strategy
+    # Lightning's order: the module's hook first, so that it can change what is loaded (rename
+    # keys of a layer that moved, say); in a fit, the callbacks' hooks before their own states.
+    trainer.module.on_load_checkpoint(checkpoint)
     try:
         strategy.load_module_state_dict(trainer.model, checkpoint)
     except CheckpointError as err:
@@ -220,14 +223,14 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
             saved = epoch_results_of_replica(checkpoint.get("epoch_results"), rank, size)
             trainer._train_results.load_state_dict(saved, trainer.strategy.device)
             trainer._restored_data_state = of_this_replica(checkpoint.get("data_state"), rank, size)
+    if trainer.datamodule is not None and "datamodule" in checkpoint:
+        trainer.datamodule.load_state_dict(checkpoint["datamodule"])
+    if stage == "fit":
+        for cb in trainer.callbacks:
+            cb.on_load_checkpoint(trainer, trainer.module, checkpoint)
         for cb in trainer.callbacks:
             if cb.state_key in checkpoint.get("callbacks", {}):
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
-    if trainer.datamodule is not None and "datamodule" in checkpoint:
-        trainer.datamodule.load_state_dict(checkpoint["datamodule"])
-    trainer.module.on_load_checkpoint(checkpoint)
-    for cb in trainer.callbacks:
-        cb.on_load_checkpoint(trainer, trainer.module, checkpoint)
 
 
 def warn_if_the_epoch_continues_differently(trainer: "Trainer", checkpoint: dict[str, Any]) -> None:

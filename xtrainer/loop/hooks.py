@@ -90,11 +90,10 @@ class HookTable:
 
 
 def _in_order(own: Callable[..., Any] | None, callbacks: tuple[Callable[..., Any], ...], *args: Any) -> Any:
-    """The module's hook, then the callbacks' (bound to the trainer and module); the module's answer."""
-    answer = own(*args) if own is not None else None
+    """The callbacks' hooks (bound to the trainer and module), then the module's; the module's answer."""
     for fn in callbacks:
         fn(*args)
-    return answer
+    return own(*args) if own is not None else None
 
 
 def _overriding(obj: Any, base: type, hook: str) -> Callable[..., Any] | None:
