@@ -504,7 +504,15 @@ def hf_trainer_loop(workload: str, contender: str, loader: DataLoader, steps: in
 def callgrind_window(step: int) -> None:
     """Under ``instructions.py`` (``XTRAINER_BENCH_CALLGRIND=first,last``): valgrind's callgrind
     counts this process's instructions from the mark at step ``first`` to the one at ``last``,
-    then writes them out; nothing otherwise."""
+    then writes them out. Under ``perf record -D -1 --control=fifo:FIFO``
+    (``XTRAINER_BENCH_PERF=first,last,FIFO``): perf samples from the mark at ``first`` to the one
+    at ``last`` only, the steady state without start-up and exit. Nothing otherwise."""
+    perf = os.environ.get("XTRAINER_BENCH_PERF")
+    if perf:
+        first, last, fifo = perf.split(",", 2)
+        if step in (int(first), int(last)):
+            with open(fifo, "w") as control:
+                control.write("enable\n" if step == int(first) else "disable\n")
     window = os.environ.get("XTRAINER_BENCH_CALLGRIND")
     if not window:
         return
