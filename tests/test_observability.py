@@ -86,6 +86,22 @@ def test_a_recompilation_is_reported_with_its_step_and_shapes(tmp_path):
         strict.fit(Regressor(), ShapeShifter(6))
 
 
+def test_a_recompilation_after_a_first_epoch_that_compiled_nothing_names_the_right_cause(tmp_path):
+    """The first epoch's graphs were compiled by an earlier fit of this process, so it compiled
+    none itself; from the second epoch on, gradients accumulate over 2 batches (a new graph for the
+    same shapes). The warning says that the shapes are those of the first epoch, not that they are new."""
+    from xtrainer.callbacks import GradientAccumulationScheduler
+
+    kwargs = dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False, enable_checkpointing=False)
+    Trainer(max_epochs=1, **kwargs).fit(Regressor(), make_loader())  # compiles the first epoch's graphs
+    health = XlaHealth()
+    trainer = Trainer(max_epochs=2, callbacks=[health, GradientAccumulationScheduler({1: 2})], **kwargs)
+    with pytest.warns(UserWarning, match="recompiled .* the inputs' shapes are as in the first epoch"):
+        trainer.fit(Regressor(), make_loader())
+    assert health.recompilations and all("first epoch, so something inside" in r["reason"]
+                                         for r in health.recompilations), health.recompilations
+
+
 def test_a_steady_run_reports_no_recompilation_and_a_summary(tmp_path, capsys):
     health = XlaHealth(on_recompile="raise")
     trainer = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,

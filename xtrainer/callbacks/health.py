@@ -144,24 +144,26 @@ class XlaHealth(Callback):
 
     def _check(self, trainer: "Trainer", where: str, batch: Any) -> None:
         """Report the graphs compiled since the last check, once warm. ``batch`` (None at an
-        epoch's end) is looked at only when graphs were compiled: in the first epoch its shapes
-        join those graphs were compiled for (XLA compiles for every new shape; torch.compile with
-        dynamic shapes may run one on a graph compiled for another), after it they tell whether
-        the shapes are new."""
+        epoch's end): in the first epoch its shapes join those the steps ran with, whether they
+        compiled a graph or found one already compiled (in this process, or in the persistent
+        cache); after it, looked at only when graphs were compiled, they tell whether the shapes
+        are new (XLA compiles for every new shape; torch.compile with dynamic shapes may run one
+        on a graph compiled for another)."""
         count, data = self._step_compiles(trainer)
         new_data, self._data_compiles_seen = data - self._data_compiles_seen, data
         if self._warm and new_data > 0:
             self._report(trainer, f"{where}, while loading data", new_data,
                          "the dataset ran ops on the device while it was loaded, and one of its graphs differed from "
                          "those of the first epoch (a shape, a Python number, or a host read at a new place)")
+        if not self._warm:
+            if batch is not None:
+                self._first_epoch_shapes.add(_shapes(batch))
+            self._compiles_seen = count
+            return
         if count == self._compiles_seen:
             return
         new, self._compiles_seen = count - self._compiles_seen, count
         shapes = _shapes(batch) if batch is not None else None
-        if not self._warm:
-            if shapes is not None:
-                self._first_epoch_shapes.add(shapes)
-            return
         if shapes is not None and shapes not in self._first_epoch_shapes:
             seen = ", ".join(str(s) for s in sorted(self._first_epoch_shapes, key=str)[:4])
             why = f"this batch's shapes {shapes} had no graph compiled for them in the first epoch (there: {seen})"
