@@ -371,14 +371,15 @@ def test_learning_rates_under_lightnings_names(tmp_path):
     fit(tmp_path / "a", [LearningRateMonitor()], epochs=2, module=Regressor(optimizer="adam", lr=0.01),
         logger=every_step, log_every_n_steps=1)
     keyed = [(step, m["lr-Adam"]) for step, m in every_step.rows if "lr-Adam" in m]
-    # at each logging step (and, without a scheduler, with the epoch's values too), never the automatic key
-    assert [step for step, _ in keyed] == [1, 2, 2, 3, 4, 4] and {lr for _, lr in keyed} == {0.01}
+    # at each logging step, and, without a scheduler, at each epoch's start too (steps 0 and 2, as
+    # Lightning logs them), never the automatic key
+    assert [step for step, _ in keyed] == [0, 1, 2, 2, 3, 4] and {lr for _, lr in keyed} == {0.01}
     assert not any(key.startswith("lr-Adam/") for _, m in every_step.rows for key in m)
 
     logger, monitor = Recording(), LearningRateMonitor(log_momentum=True, log_weight_decay=True)
     trainer = fit(tmp_path / "b", [monitor], epochs=3, module=TwoGroups(), logger=logger, log_every_n_steps=1)
     logged = [m for _, m in logger.rows if "lr-SGD/pg1" in m]
-    # an epoch scheduler: the rate of each epoch, once, at its end; pg1 and pg2 are the two groups
+    # an epoch scheduler: the rate of each epoch, once, as it starts; pg1 and pg2 are the two groups
     assert [m["lr-SGD/pg1"] for m in logged] == pytest.approx([0.05, 0.025, 0.0125])
     assert [m["lr-SGD/pg2"] for m in logged] == pytest.approx([0.01, 0.005, 0.0025])
     assert all(m["lr-SGD/pg1-momentum"] == 0.9 and m["lr-SGD/pg2-weight_decay"] == 0 for m in logged)

@@ -799,6 +799,8 @@ def test_on_load_checkpoint_can_change_the_weights_before_they_are_loaded(tmp_pa
     first = Trainer(max_epochs=1, **quiet(tmp_path / "a"))
     first.fit(LitRegressor(), datamodule=RegressionDataModule())
     path = first.checkpoint_callback.last_model_path or first.checkpoint_callback.best_model_path
+    saved = torch.load(path, weights_only=True)  # Lightning's top-level keys, for scripts that read them
+    assert (saved["epoch"], saved["global_step"]) == (0, first.global_step) == (0, 8)
     resumed = Trainer(max_epochs=2, **quiet(tmp_path / "b"))
     renamed = Renamed()
     resumed.fit(renamed, datamodule=RegressionDataModule(), ckpt_path=path)
@@ -812,3 +814,65 @@ def test_on_load_checkpoint_can_change_the_weights_before_they_are_loaded(tmp_pa
     expected = Trainer(**quiet(tmp_path / "e")).validate(LitRegressor(), datamodule=RegressionDataModule(),
                                                          ckpt_path=path)
     assert scores == expected
+
+
+class KeepsItsLoss(LitRegressor):
+    """Returns the loss alone, or a dict with another entry (``as_dict``); keeps what it returned."""
+
+    def __init__(self, as_dict: bool = False):
+        super().__init__()
+        self.as_dict, self.returned = as_dict, []
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        out = {"loss": loss, "batch_rows": torch.tensor(len(x))} if self.as_dict else loss
+        self.returned.append(out)
+        return out
+
+
+class ManualKeepsItsLoss(KeepsItsLoss):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = super().training_step(batch)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_on_train_batch_end_receives_lightnings_outputs_dict(tmp_path, as_dict):
+    """Lightning's ``{"loss": the loss detached and divided by accumulate_grad_batches, **the
+    other entries}``, so that ``outputs["loss"]`` in a callback ports."""
+    seen = []
+
+    class Reads(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append(outputs)
+
+    module = KeepsItsLoss(as_dict)
+    Trainer(strategy="native", max_steps=3, accumulate_grad_batches=2, callbacks=[Reads()],
+            **quiet(tmp_path)).fit(module, datamodule=RegressionDataModule())
+    assert len(seen) == len(module.returned) == 6
+    for outputs, returned in zip(seen, module.returned):
+        loss = returned["loss"] if as_dict else returned
+        assert type(outputs) is dict and list(outputs)[0] == "loss"
+        assert not outputs["loss"].requires_grad and torch.equal(outputs["loss"], loss.detach() / 2)
+        assert set(outputs) == ({"loss", "batch_rows"} if as_dict else {"loss"})
+        if as_dict:
+            assert outputs["batch_rows"] is returned["batch_rows"]
+
+    seen.clear()
+    manual = ManualKeepsItsLoss()
+    Trainer(strategy="native", max_steps=2, callbacks=[Reads()], **quiet(tmp_path)).fit(
+        manual, datamodule=RegressionDataModule())
+    assert [set(o) for o in seen] == [{"loss"}] * 2
+    assert all(not o["loss"].requires_grad and torch.equal(o["loss"], r.detach()) for o, r in zip(seen, manual.returned))

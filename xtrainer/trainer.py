@@ -60,7 +60,8 @@ class Trainer:
         gradient_clip_val, gradient_clip_algorithm: clip the reduced gradients by ``"norm"``
             (global L2 norm) or ``"value"`` before each optimizer step.
         precision: ``"32"`` or ``"bf16"`` (parameters, optimizer state and inputs in bfloat16).
-        callbacks: ``Callback`` instances, called after the module's hook of the same name.
+        callbacks: ``Callback`` instances, called before the module's hook of the same name,
+            in their order, the checkpoint callbacks last (as in Lightning).
         logger: ``True`` (TensorBoard in the run folder), ``False``, or a ``Logger``.
         default_root_dir: where run folders (``version_N``, or ``<name>/version_N`` for a
             ``TensorBoardLogger(name=...)``) are made; default ``./xtrainer_logs``.

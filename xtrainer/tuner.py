@@ -212,10 +212,11 @@ class _LRSweep(Callback):
 
     def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        loss = outputs if isinstance(outputs, torch.Tensor) else \
-            outputs.get("loss") if isinstance(outputs, Mapping) else None
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().float().reshape(-1)[0]
+            if module.automatic_optimization:  # the loop divided it by the window's length
+                loss = loss * trainer.accumulate_grad_batches
             self._window = loss if self._window is None else self._window + loss
             self._micro_batches += 1
         if not trainer.loop.stepped:  # inside an accumulation window: the step comes later

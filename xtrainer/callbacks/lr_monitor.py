@@ -29,7 +29,7 @@ class LearningRateMonitor(Callback):
 
     When, as Lightning's: ``logging_interval="step"``: at every logging step
     (``log_every_n_steps``), the rate the step used; ``"epoch"``: once per epoch, the rate at the
-    epoch's start (logged with the epoch's values, at its end); ``None``: each rate at its
+    epoch's start, logged then (at the step the epoch starts from); ``None``: each rate at its
     scheduler's interval, and the rate of an optimizer without a scheduler at both.
 
     How it relates to the automatic logging: without this callback xtrainer already logs every
@@ -56,7 +56,6 @@ class LearningRateMonitor(Callback):
         self.last_weight_decay_values: dict[str, float | None] = {}
         self._in_batch = self._in_validation = False
         self._step_stats: dict[str, float] = {}
-        self._epoch_stats: dict[str, float] = {}
         self._kinds: dict[str, str] = {}  # "<name>-momentum": "momentum", ...
 
     # ---- hooks ----------------------------------------------------------------------------------
@@ -75,7 +74,7 @@ class LearningRateMonitor(Callback):
         self.last_momentum_values = {f"{name}-momentum": None for name in names}
         self.last_weight_decay_values = {f"{name}-weight_decay": None for name in names}
         self._in_batch = self._in_validation = False
-        self._step_stats, self._epoch_stats = {}, {}
+        self._step_stats = {}
 
     def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
         self._in_batch = True
@@ -87,8 +86,17 @@ class LearningRateMonitor(Callback):
         self._in_batch = False
 
     def on_train_epoch_start(self, trainer: "Trainer", module: "XModule") -> None:
-        if self.logging_interval != "step":
-            self._epoch_stats = self._extract(trainer, "epoch" if self.logging_interval is None else "any")
+        """The rates the epoch starts with, logged now at the current step, as Lightning logs
+        them (host floats: no sync)."""
+        if self.logging_interval == "step":
+            return
+        stats = self._extract(trainer, "epoch" if self.logging_interval is None else "any")
+        if not stats:
+            return
+        self._record(trainer, stats)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(dict(stats), trainer.global_step)
 
     def on_validation_start(self, trainer: "Trainer", module: "XModule") -> None:
         self._in_validation = True
@@ -98,20 +106,22 @@ class LearningRateMonitor(Callback):
 
     def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
         """Replace the automatic ``lr-<Optimizer>/pg<i>`` keys by Lightning's, when they are due:
-        the step's rates at a logging step, the epoch's at the epoch's end."""
+        the step's rates at a logging step (the epoch's were logged as it started)."""
         if trainer.state != "fit":
             return
         for name, _ in automatic_lr_names(trainer.optimizers):
             metrics.pop(name, None)
-        if self._in_validation:
+        if self._in_validation or not self._in_batch:
             return
-        if self._in_batch:
-            stats, self._step_stats = self._step_stats, {}
-        else:
-            stats, self._epoch_stats = self._epoch_stats, {}
+        stats, self._step_stats = self._step_stats, {}
         if not stats:
             return
         metrics.update(stats)
+        self._record(trainer, stats)
+
+    def _record(self, trainer: "Trainer", stats: dict[str, float]) -> None:
+        """``stats`` into ``trainer.callback_metrics`` (monitorable) and into ``lrs`` and the last
+        momentum and weight decay values."""
         trainer.callback_metrics.update(stats)
         for name, value in stats.items():
             kind = self._kinds.get(name)

@@ -74,7 +74,14 @@ def with_defaults(settings: TrainerSettings, given: list[Any]) -> list[Callback]
         found.append(ProgressBar())
     if settings.profiler is not None:
         found.append(profiler_callback(settings.profiler))
-    return found
+    return checkpoints_last(found)
+
+
+def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` with the checkpoint callbacks moved to the end, each group in its order, as
+    Lightning orders them: a checkpoint then holds what the other callbacks did in the same hook."""
+    return ([cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
+            + [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)])
 
 
 def with_module_callbacks(callbacks: list[Callback], model: Any) -> list[Callback]:
@@ -90,9 +97,7 @@ def with_module_callbacks(callbacks: list[Callback], model: Any) -> list[Callbac
                             "not a Callback.")
         check_hook_names(cb, CALLBACK_HOOKS, Callback)
     types_ = {type(cb) for cb in extra}
-    kept = [cb for cb in callbacks if type(cb) not in types_]
-    rest = [cb for cb in kept + extra if not isinstance(cb, ModelCheckpoint)]
-    return rest + [cb for cb in kept + extra if isinstance(cb, ModelCheckpoint)]
+    return checkpoints_last([cb for cb in callbacks if type(cb) not in types_] + extra)
 
 
 def as_list(items: Any) -> list:

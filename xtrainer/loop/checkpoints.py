@@ -45,6 +45,7 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
     return {
         "format": ckpt_format.FORMAT, "format_version": ckpt_format.FORMAT_VERSION,
         "xtrainer_version": __version__, "strategy": strategy.name, "world_size": trainer.world_size,
+        "epoch": trainer.current_epoch, "global_step": trainer.global_step,  # Lightning's keys, for scripts that read them
         "state_dict": strategy.module_state_dict(trainer.model),
         "optimizer_states": [strategy.optimizer_state_dict(opt) for opt in trainer.optimizers],
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -173,6 +174,7 @@ def fitted_checkpoint(trainer: "Trainer", model: Any) -> dict[str, Any]:
     checkpoint = {
         "format": ckpt_format.FORMAT, "format_version": ckpt_format.FORMAT_VERSION,
         "xtrainer_version": __version__, "strategy": trainer.strategy.name, "world_size": 1,
+        "epoch": trainer.current_epoch, "global_step": trainer.global_step,
         "state_dict": model.state_dict(),
         "loops": {"global_step": trainer.global_step, "epoch": max(0, trainer.current_epoch - 1),
                   "batches_in_epoch": 0, "epoch_finished": True, "seed": trainer.loop.seed},
@@ -187,7 +189,7 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
     """Put ``checkpoint`` (read from ``path``) back into this replica's run of ``stage``."""
     strategy = trainer.strategy
     # Lightning's order: the module's hook first, so that it can change what is loaded (rename
-    # keys of a layer that moved, say); in a fit, the callbacks' hooks before their own states.
+    # keys of a layer that moved, say); the callbacks' hooks before their own states.
     trainer.module.on_load_checkpoint(checkpoint)
     try:
         strategy.load_module_state_dict(trainer.model, checkpoint)
@@ -225,9 +227,9 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
             trainer._restored_data_state = of_this_replica(checkpoint.get("data_state"), rank, size)
     if trainer.datamodule is not None and "datamodule" in checkpoint:
         trainer.datamodule.load_state_dict(checkpoint["datamodule"])
+    for cb in trainer.callbacks:
+        cb.on_load_checkpoint(trainer, trainer.module, checkpoint)
     if stage == "fit":
-        for cb in trainer.callbacks:
-            cb.on_load_checkpoint(trainer, trainer.module, checkpoint)
         for cb in trainer.callbacks:
             if cb.state_key in checkpoint.get("callbacks", {}):
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -164,8 +165,9 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHo
 def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate: int, hooks: BatchHooks
                      ) -> tuple[Any, torch.Tensor | None]:
     """The module's ``training_step`` (through the strategy's wrapper), the loss kept for the
-    non-finite watch and the log, zero_grad where a window starts, and backward: what
-    ``training_step`` returned, and the loss (None for a batch it skipped)."""
+    non-finite watch and the log, zero_grad where a window starts, and backward: the outputs for
+    ``on_train_batch_end`` (Lightning's ``{"loss": ..., **other keys}``), and the loss (None for
+    a batch it skipped)."""
     outputs = trainer._wrapped("train", batch, batch_idx)  # forward: the module's training_step
     if outputs is None:
         return skipped_batch(trainer, batch_idx, accumulate, hooks)
@@ -179,6 +181,7 @@ def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate:
     results.log_loss(LOSS_KEY, value)
     if accumulate > 1:
         loss = loss / accumulate
+    outputs = batch_end_outputs(outputs, value if accumulate == 1 else loss.detach())
     if accumulate == 1 or batch_idx % accumulate == 0:  # an accumulation window starts: Lightning's place
         trainer._optim.zero_grad(trainer, batch_idx, hooks)
     if hooks.on_before_backward is not None:
@@ -242,7 +245,27 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: 
     trainer.strategy.sync()  # the graph cut: one execution per training_step call
     loop.batches_in_epoch = batch_idx + 1
     if hooks.on_train_batch_end is not None:
-        hooks.on_train_batch_end(outputs, batch, batch_idx)
+        hooks.on_train_batch_end(manual_batch_end_outputs(outputs), batch, batch_idx)
+
+
+def batch_end_outputs(outputs: Any, loss: torch.Tensor) -> dict[str, Any]:
+    """What ``on_train_batch_end`` receives under automatic optimization, as in Lightning: the
+    loss, detached and divided by ``accumulate_grad_batches`` (``loss``), with the other entries
+    of a dict ``training_step`` returned, as they are."""
+    if isinstance(outputs, Mapping):
+        return {"loss": loss, **{key: value for key, value in outputs.items() if key != "loss"}}
+    return {"loss": loss}
+
+
+def manual_batch_end_outputs(outputs: Any) -> dict[str, Any]:
+    """Under manual optimization, as in Lightning: what ``training_step`` returned as a dict (a
+    tensor as ``{"loss": ...}``, nothing as ``{}``), its ``loss`` detached."""
+    if outputs is None:
+        return {}
+    outputs = dict(outputs) if isinstance(outputs, Mapping) else {"loss": outputs}
+    if isinstance(outputs.get("loss"), torch.Tensor):
+        outputs["loss"] = outputs["loss"].detach()
+    return outputs
 
 
 def publish_step_values(trainer: "Trainer") -> None:
