@@ -60,9 +60,15 @@ class StopAt(Callback):
                 and trainer.current_epoch == int(self.event.split(":")[1]):
             self._signal(trainer, signal.SIGTERM)
 
-    def on_validation_end(self, trainer, module):
-        if self.event.startswith("kill@valend:") and not trainer.sanity_checking \
-                and trainer.global_step == int(self.event.split(":")[1]):
+
+class KilledAfterValidation(DropoutRegressor):
+    """``kill@valend:S``: SIGKILL in the module's ``on_validation_end``, which runs after every
+    callback's (the checkpoint callback's included), as in Lightning."""
+
+    kill_step = -1
+
+    def on_validation_end(self):
+        if not self.trainer.sanity_checking and self.trainer.global_step == self.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -79,7 +85,11 @@ def loader(sampler, batch_size):
 
 def run(spec):
     torch.manual_seed(0)
+    event = spec.get("event") or ""
     model = DropoutRegressor()
+    if event.startswith("kill@valend:"):
+        KilledAfterValidation.kill_step = int(event.split(":")[1])
+        model = KilledAfterValidation()
     devices = spec.get("devices", 1)
     checkpoint = spec.get("checkpoint")
     callbacks = [StopAt(spec.get("event"))]
