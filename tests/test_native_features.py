@@ -619,3 +619,38 @@ def test_under_torch_profiler_the_zero_grad_range_is_recorded(tmp_path):
     cleared without it."""
     names = _clearing_fit(tmp_path, _PartlyOptimized(), torch.randn(6, 3), profile=True)
     assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 4  # 3 steps, and the drop after the fit
+
+
+class _DrawsInItsSteps(XModule):
+    """Draws from torch's generator in its steps, as a GAN's generator draws its noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.drawn = []
+
+    def training_step(self, batch, batch_idx):
+        self.drawn.append(torch.rand(3))
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_steps_on_the_cpu_go_on_from_the_hosts_generator_as_in_lightning(tmp_path):
+    """One process on the CPU, where the device's generator is the host's: the steps' draws go
+    on from where the module's initialisation left the generator (as in Lightning), not from
+    the seed again, which would hand the steps the initialisation's numbers."""
+    from torch.utils.data import DataLoader
+
+    from xtrainer import Trainer, seed_everything
+
+    seed_everything(7)
+    module = _DrawsInItsSteps()
+    after_init = torch.get_rng_state()
+    Trainer(strategy="native", max_steps=2, default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+            enable_checkpointing=False, enable_model_summary=False).fit(module, DataLoader(torch.ones(4, 3), batch_size=2))
+    torch.set_rng_state(after_init)
+    assert all(torch.equal(drawn, torch.rand(3)) for drawn in module.drawn)
+    seed_everything(7)
+    assert not torch.equal(module.drawn[0], torch.rand(3))  # what a re-seeded generator gives first

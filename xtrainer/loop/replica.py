@@ -44,7 +44,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         trainer.log_dir, trainer.loop.seed = trainer.strategy.collectives.broadcast((trainer.log_dir, trainer.loop.seed))
         if own != trainer.log_dir:
             remove_if_empty(own)
-    trainer.strategy.set_rng_state(trainer.loop.seed + trainer.global_rank)
+    trainer.strategy.seed_replica(trainer.loop.seed, trainer.global_rank)
     trainer.state, trainer.should_stop, trainer._publisher.stop_agreed = stage, False, False
     module.trainer = trainer
     trainer._module = module

@@ -278,6 +278,11 @@ class Strategy(abc.ABC):
         """Set this replica's device random generator: a state from ``rng_state()``, or an int seed."""
         _xla.set_rng_state(state)
 
+    def seed_replica(self, seed: int, rank: int) -> None:
+        """As a stage starts: this replica's device generator seeded with the run's seed plus its
+        rank, so that replicas draw differently and a run draws the same as its repeat."""
+        self.set_rng_state(seed + rank)
+
     def rng_state_kept(self) -> contextlib.AbstractContextManager:
         """Leave this replica's device generator as it was found (see ``_xla.rng_state_kept``)."""
         return _xla.rng_state_kept()

@@ -469,6 +469,16 @@ class NativeSingle(Strategy):
     def set_rng_state(self, state: Any) -> None:
         torch_devices.set_rng_state(self.device, state)
 
+    def seed_replica(self, seed: int, rank: int) -> None:
+        """On the CPU the device's generator is the host's, which the calling process has drawn
+        from already (the module's initialisation, after ``seed_everything``): rank 0 running in
+        that process goes on from where it stands, as in Lightning, instead of seeding it again
+        and drawing the initialisation's numbers once more in its steps. Other ranks, and
+        processes of their own, are seeded with the run's seed plus their rank."""
+        if self.device.type == "cpu" and rank == 0 and self.launcher.runs_in_caller:
+            return
+        super().seed_replica(seed, rank)
+
     @contextlib.contextmanager
     def rng_state_kept(self) -> Iterator[None]:
         state = self.rng_state()
