@@ -196,6 +196,20 @@ def test_fast_dev_run_writes_nothing(tmp_path):
     assert not any(files for _, _, files in os.walk(tmp_path))
 
 
+class WritesHistograms(LitRegressor):
+    def training_step(self, batch):
+        self.logger.experiment.add_histogram("weights", self.net[0].weight, self.global_step)
+        return super().training_step(batch)
+
+
+def test_fast_dev_run_keeps_a_logger_that_writes_nothing_as_lightning_does(tmp_path):
+    """A step that writes to the logger's experiment itself still runs under fast_dev_run."""
+    trainer = Trainer(fast_dev_run=2, default_root_dir=str(tmp_path), enable_progress_bar=False)
+    trainer.fit(WritesHistograms(), datamodule=RegressionDataModule())
+    assert trainer.global_step == 2 and len(trainer.loggers) == 1
+    assert not any(files for _, _, files in os.walk(tmp_path))
+
+
 def test_a_broken_validation_step_fails_in_the_sanity_check_before_training(tmp_path):
     class Broken(LitRegressor):
         def validation_step(self, batch, batch_idx):

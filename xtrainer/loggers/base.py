@@ -88,6 +88,34 @@ class Logger:
         self.save()
 
 
+class DummyLogger(Logger):
+    """What ``fast_dev_run`` puts in place of the run's loggers, as Lightning does: it writes
+    nothing, and its ``experiment`` takes any call (a step's
+    ``self.logger.experiment.add_histogram(...)`` still runs)."""
+
+    name = version = ""
+
+    @property
+    def experiment(self) -> "_DummyExperiment":
+        return _DummyExperiment()
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        del metrics, step
+
+
+class _DummyExperiment:
+    """Any attribute, call or item of it is itself: nothing happens."""
+
+    def __getattr__(self, name: str) -> "_DummyExperiment":
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_DummyExperiment":
+        return self
+
+    def __getitem__(self, key: Any) -> "_DummyExperiment":
+        return self
+
+
 _warned: set[str] = set()
 
 
