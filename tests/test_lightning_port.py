@@ -890,3 +890,43 @@ def test_on_train_batch_end_receives_lightnings_outputs_dict(tmp_path, as_dict):
         manual, datamodule=RegressionDataModule())
     assert [set(o) for o in seen] == [{"loss"}] * 2
     assert all(not o["loss"].requires_grad and torch.equal(o["loss"], r.detach()) for o, r in zip(seen, manual.returned))
+
+
+class UnfreezesOnLoad(LightningModule):
+    """Its backbone is frozen when built; a checkpoint says whether it was trained, and only what
+    trains is optimized."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.backbone.requires_grad_(False)
+        self.optimized = None
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["backbone_trains"] = self.backbone.weight.requires_grad
+
+    def on_load_checkpoint(self, checkpoint):
+        self.backbone.requires_grad_(checkpoint["backbone_trains"])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        self.optimized = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.Adam(self.optimized, lr=0.01)
+
+
+@pytest.mark.parametrize("strategy", ["xla_native", "native"])
+def test_on_load_checkpoint_runs_before_configure_optimizers_on_resume(tmp_path, strategy):
+    """Lightning's order on a resumed fit: the module's on_load_checkpoint (here: unfreeze the
+    backbone the checkpoint trained), then configure_optimizers, then the optimizer's state."""
+    first = UnfreezesOnLoad()
+    first.backbone.requires_grad_(True)
+    trainer = Trainer(strategy=strategy, max_epochs=1, **quiet(tmp_path / "a"))
+    trainer.fit(first, datamodule=RegressionDataModule())
+    resumed = UnfreezesOnLoad()
+    again = Trainer(strategy=strategy, max_epochs=2, **quiet(tmp_path / "b"))
+    again.fit(resumed, datamodule=RegressionDataModule(), ckpt_path=trainer.checkpoint_callback.last_model_path)
+    assert len(resumed.optimized) == 4 and again.global_step == 2 * trainer.global_step

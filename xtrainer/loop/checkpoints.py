@@ -185,14 +185,14 @@ def fitted_checkpoint(trainer: "Trainer", model: Any) -> dict[str, Any]:
     return checkpoint
 
 
-def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: str) -> None:
-    """Put ``checkpoint`` (read from ``path``) back into this replica's run of ``stage``."""
-    strategy = trainer.strategy
-    # Lightning's order: the module's hook first, so that it can change what is loaded (rename
-    # keys of a layer that moved, say); the callbacks' hooks before their own states.
+def restore_module(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: str) -> None:
+    """What Lightning restores before the optimizers are made: the module's ``on_load_checkpoint``
+    (first, so that it can change what is loaded: rename the keys of a layer that moved, or
+    unfreeze what ``configure_optimizers`` will then optimize), its weights, the data module's
+    state, and the callbacks' ``on_load_checkpoint`` and, in a fit, their states."""
     trainer.module.on_load_checkpoint(checkpoint)
     try:
-        strategy.load_module_state_dict(trainer.model, checkpoint)
+        trainer.strategy.load_module_state_dict(trainer.model, checkpoint)
     except CheckpointError as err:
         raise CheckpointError(f"Cannot resume from {path!r}: {err}") from None
     if stage == "fit" and checkpoint.get("weights_only"):
@@ -200,31 +200,6 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
             f"{path!r} holds the module's weights only (save_weights_only=True, or Trainer.save_checkpoint(..., "
             "weights_only=True)): no optimizer or loop state to resume a fit from. Start a new fit from its weights "
             "with Model.load_from_checkpoint(path), or evaluate it with validate/test(ckpt_path=path).")
-    if stage == "fit":
-        states = checkpoint.get("optimizer_states", [])
-        if len(states) != len(trainer.optimizers):
-            raise CheckpointError(f"{path!r} holds {len(states)} optimizer states; this module configures "
-                                  f"{len(trainer.optimizers)} optimizers.")
-        for optimizer, state in zip(trainer.optimizers, states):
-            with keeping_foreach(optimizer):
-                strategy.load_optimizer_state_dict(optimizer, state)
-        for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
-            config.scheduler.load_state_dict(state)
-        loops = checkpoint["loops"]
-        if not loops["epoch_finished"]:
-            warn_if_the_epoch_continues_differently(trainer, checkpoint)
-        trainer.loop.load_state_dict(loops)
-        set_rng_states(checkpoint.get("rng_states"), trainer.strategy)
-        metrics = loops.get("callback_metrics") or {}
-        trainer.callback_metrics.update(metrics)
-        if loops.get("epoch_schedulers_due") and loops["epoch_finished"] and trainer._optim.automatic:
-            # Saved at the epoch's end, before its schedulers stepped: they step now, as they did then.
-            step_schedulers(trainer.lr_scheduler_configs, "epoch", loops["epoch"] + 1, metrics)
-        if not loops["epoch_finished"]:  # inside an epoch: its accumulated values and its data order go on
-            rank, size = trainer.global_rank, trainer.world_size
-            saved = epoch_results_of_replica(checkpoint.get("epoch_results"), rank, size)
-            trainer._train_results.load_state_dict(saved, trainer.strategy.device)
-            trainer._restored_data_state = of_this_replica(checkpoint.get("data_state"), rank, size)
     if trainer.datamodule is not None and "datamodule" in checkpoint:
         trainer.datamodule.load_state_dict(checkpoint["datamodule"])
     for cb in trainer.callbacks:
@@ -233,6 +208,36 @@ def restore(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: st
         for cb in trainer.callbacks:
             if cb.state_key in checkpoint.get("callbacks", {}):
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
+
+
+def restore_training(trainer: "Trainer", checkpoint: dict[str, Any], path: str) -> None:
+    """A fit's state once its optimizers are made: theirs, the schedulers', the loop's position,
+    the generators, and inside an epoch its accumulated values and data order."""
+    strategy = trainer.strategy
+    states = checkpoint.get("optimizer_states", [])
+    if len(states) != len(trainer.optimizers):
+        raise CheckpointError(f"{path!r} holds {len(states)} optimizer states; this module configures "
+                              f"{len(trainer.optimizers)} optimizers.")
+    for optimizer, state in zip(trainer.optimizers, states):
+        with keeping_foreach(optimizer):
+            strategy.load_optimizer_state_dict(optimizer, state)
+    for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
+        config.scheduler.load_state_dict(state)
+    loops = checkpoint["loops"]
+    if not loops["epoch_finished"]:
+        warn_if_the_epoch_continues_differently(trainer, checkpoint)
+    trainer.loop.load_state_dict(loops)
+    set_rng_states(checkpoint.get("rng_states"), trainer.strategy)
+    metrics = loops.get("callback_metrics") or {}
+    trainer.callback_metrics.update(metrics)
+    if loops.get("epoch_schedulers_due") and loops["epoch_finished"] and trainer._optim.automatic:
+        # Saved at the epoch's end, before its schedulers stepped: they step now, as they did then.
+        step_schedulers(trainer.lr_scheduler_configs, "epoch", loops["epoch"] + 1, metrics)
+    if not loops["epoch_finished"]:  # inside an epoch: its accumulated values and its data order go on
+        rank, size = trainer.global_rank, trainer.world_size
+        saved = epoch_results_of_replica(checkpoint.get("epoch_results"), rank, size)
+        trainer._train_results.load_state_dict(saved, trainer.strategy.device)
+        trainer._restored_data_state = of_this_replica(checkpoint.get("data_state"), rank, size)
 
 
 def warn_if_the_epoch_continues_differently(trainer: "Trainer", checkpoint: dict[str, Any]) -> None:

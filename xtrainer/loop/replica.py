@@ -69,10 +69,15 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
             trainer._train_data, trainer._restored_data_state = data["train"][0], None
             trainer.num_training_batches = trainer._num_batches(data["train"][0], "train")
             trainer._num_val_batches = [trainer._num_batches(d, "validate") for d in data["validate"]]
+        # Lightning's order: the checkpoint's module and callback states, then the optimizers
+        # (configure_optimizers sees what on_load_checkpoint did), then theirs and the loop's.
+        checkpoint = load_checkpoint(trainer, ckpt_path, stage) if ckpt_path is not None else None
+        if stage == "fit":
             trainer._optim = Optimization()
             trainer._optim.setup(trainer)
-        if ckpt_path is not None:
-            restore(trainer, ckpt_path, stage)
+            if checkpoint is not None:
+                trainer._optim.prepare_resume(trainer, checkpoint)  # parameter groups added during the saved fit
+                checkpoints.restore_training(trainer, checkpoint, ckpt_path)
         # an explicit metric.compute() in a hook syncs in the graph, on every replica alike
         with metric_sync.synced_through(module, trainer.strategy.collectives.all_gather_tensors, trainer.world_size):
             if stage == "fit":
@@ -154,12 +159,12 @@ def run_cleanup(steps: list[tuple[str, Callable[[], Any]]], error: BaseException
         raise first
 
 
-def restore(trainer: "Trainer", path: str, stage: str) -> None:
-    """Load the checkpoint at ``path`` (checked in the calling process) into this replica."""
+def load_checkpoint(trainer: "Trainer", path: str, stage: str) -> dict[str, Any]:
+    """Read the checkpoint at ``path`` (checked in the calling process) in this replica and
+    restore what comes before the optimizers (``checkpoints.restore_module``)."""
     checkpoint = trainer.strategy.checkpoint_layout.load(trainer.strategy.collectives, path)
-    if stage == "fit" and not checkpoint.get("weights_only"):
-        trainer._optim.prepare_resume(trainer, checkpoint)  # parameter groups added during the saved fit
-    checkpoints.restore(trainer, checkpoint, path, stage)
+    checkpoints.restore_module(trainer, checkpoint, path, stage)
+    return checkpoint
 
 
 def remove_if_empty(path: str) -> None:
