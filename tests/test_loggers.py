@@ -744,3 +744,17 @@ def test_trainer_resumed_into_a_named_version_appends_to_its_csv(tmp_path):
     rows = read_csv(os.path.join(again.log_dir, "metrics.csv"))[1]
     assert rows[:len(before)] == before and len(rows) > len(before)
     assert int(rows[-1]["step"]) == 8
+
+
+def test_rows_of_validate_and_test_after_a_fit_carry_the_epoch_as_lightnings_do(tmp_path):
+    logger = CSVLogger(tmp_path)
+    trainer = Trainer(max_epochs=2, logger=logger, enable_progress_bar=False, enable_checkpointing=False,
+                      default_root_dir=str(tmp_path))
+    model = Regressor()
+    trainer.fit(model, make_loader())
+    trainer.validate(model, make_loader(n=16, seed=1))
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    validated = [row for row in rows if row.get("val_loss")]
+    assert validated and validated[-1]["epoch"] not in ("", None)
+    assert float(validated[-1]["epoch"]) == trainer.current_epoch

@@ -3,8 +3,10 @@
 import glob
 import io
 import os
+import time
 
 import pytest
+import torch
 from conftest import Regressor, make_data, make_loader
 from tbparse import SummaryReader
 from torch import nn
@@ -86,18 +88,29 @@ def test_a_recompilation_is_reported_with_its_step_and_shapes(tmp_path):
         strict.fit(Regressor(), ShapeShifter(6))
 
 
+class ChangesItsStepAfterTheFirstEpoch(Regressor):
+    """From the third batch of the second epoch on, its step holds an op of a size no other run
+    has used (a new graph for the same inputs; the second epoch's first step still warms up)."""
+
+    size = 1000 + os.getpid() % 1000 + int(time.time() * 1000) % 997
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.current_epoch >= 1 and batch_idx >= 2:
+            loss = loss + torch.zeros(self.size, device=loss.device).sum()
+        return loss
+
+
 def test_a_recompilation_after_a_first_epoch_that_compiled_nothing_names_the_right_cause(tmp_path):
     """The first epoch's graphs were compiled by an earlier fit of this process, so it compiled
-    none itself; from the second epoch on, gradients accumulate over 2 batches (a new graph for the
-    same shapes). The warning says that the shapes are those of the first epoch, not that they are new."""
-    from xtrainer.callbacks import GradientAccumulationScheduler
-
+    none itself; its second epoch compiles a new graph for the same shapes. The warning says that
+    the shapes are those of the first epoch, not that they are new."""
     kwargs = dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False, enable_checkpointing=False)
-    Trainer(max_epochs=1, **kwargs).fit(Regressor(), make_loader())  # compiles the first epoch's graphs
+    Trainer(max_epochs=1, **kwargs).fit(ChangesItsStepAfterTheFirstEpoch(), make_loader())  # the first epoch's graphs
     health = XlaHealth()
-    trainer = Trainer(max_epochs=2, callbacks=[health, GradientAccumulationScheduler({1: 2})], **kwargs)
+    trainer = Trainer(max_epochs=2, callbacks=[health], **kwargs)
     with pytest.warns(UserWarning, match="recompiled .* the inputs' shapes are as in the first epoch"):
-        trainer.fit(Regressor(), make_loader())
+        trainer.fit(ChangesItsStepAfterTheFirstEpoch(), make_loader())
     assert health.recompilations and all("first epoch, so something inside" in r["reason"]
                                          for r in health.recompilations), health.recompilations
 

@@ -336,8 +336,8 @@ class Publisher:
         return step + max(1, math.ceil(ahead)) if ahead < NonFiniteWatch.NEVER else NonFiniteWatch.NEVER
 
     def _hand_out(self, trainer: "Trainer", logged: dict[str, float]) -> None:
-        if trainer.state == "fit":  # the epoch and every param group's learning rate ride along
-            logged["epoch"] = float(trainer.current_epoch)
+        logged["epoch"] = float(trainer.current_epoch)  # as Lightning adds it, in every stage
+        if trainer.state == "fit":  # every param group's learning rate rides along
             for name, group in automatic_lr_names(trainer.optimizers):
                 lr = group["lr"]
                 if not _on_device(lr):  # an lr kept on the device is not read here
