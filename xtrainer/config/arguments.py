@@ -42,7 +42,8 @@ def resolve(values: dict[str, Any], callbacks: Any, logger: Any, plugins: Any, m
         settings.max_steps, settings.max_epochs, settings.num_sanity_val_steps = n, 1, 0
         settings.val_check_interval, settings.check_val_every_n_epoch = 1.0, 1
         settings.enable_goodput, settings.hang_timeout = False, None  # no goodput.json, no hang reports
-        logger = DummyLogger() if logger is not False and logger != [] else False  # Lightning's: writes nothing
+        # Lightning's: where the run has loggers (None and False mean none here), one that writes nothing
+        logger = DummyLogger() if logger not in (None, False) and as_list(logger) else False
         # As in Lightning, the checkpoint callbacks stay (trainer.checkpoint_callback is the
         # user's, best_model_path ""); they save nothing under fast_dev_run.
         rank_zero_info(f"xtrainer: fast_dev_run: {n} batch(es) of each loop, 1 epoch; no logs, no checkpoints.")
