@@ -181,7 +181,10 @@ def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate:
     results.log_loss(LOSS_KEY, value)
     if accumulate > 1:
         loss = loss / accumulate
-    outputs = batch_end_outputs(outputs, value if accumulate == 1 else loss.detach())
+    if accumulate == 1 and type(outputs) is torch.Tensor:  # batch_end_outputs' answer, without the call
+        outputs = {"loss": value}
+    else:
+        outputs = batch_end_outputs(outputs, value if accumulate == 1 else loss.detach())
     if accumulate == 1 or batch_idx % accumulate == 0:  # an accumulation window starts: Lightning's place
         trainer._optim.zero_grad(trainer, batch_idx, hooks)
     if hooks.on_before_backward is not None:

@@ -67,7 +67,9 @@ class HookTable:
         """The hooks of a training batch, for ``module`` and ``callbacks``: built again only when
         they are not those the table was built for."""
         hooks = self._batch
-        if hooks is None or self._stale(module, callbacks):
+        # _stale, inline: this runs on every batch
+        if (hooks is None or module is not self.module or callbacks is not self.callbacks
+                or list(map(id, callbacks)) != self.members):
             hooks = BatchHooks(*(self._caller(trainer, hook, module, callbacks) for hook in BatchHooks._fields))
             self._batch = hooks  # after the entries, which start the table again if it was stale
         return hooks

@@ -542,21 +542,18 @@ class _OnDevice:
 
     def __iter__(self) -> Iterator[Any]:
         index = self.start
-        iterator = iter(self.loader)
-        while True:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            except Exception as err:
-                dataset = getattr(self.loader, "dataset", None)
-                what = type(self.loader).__name__ + (f" over {type(dataset).__name__}" if dataset is not None else "")
-                err.add_note(f"(raised while loading batch index {index} of {what}; the batches before it were used)")
-                raise
-            if self.device is not None and self.device.type != "cpu":
-                batch = move_data_to_device(batch, self.device)
-            yield batch
-            index += 1
+        device = self.device if self.device is not None and self.device.type != "cpu" else None
+        try:
+            # What the loop does with a batch happens outside this generator: an exception here
+            # comes from the loader or the move.
+            for batch in self.loader:
+                yield batch if device is None else move_data_to_device(batch, device)
+                index += 1
+        except Exception as err:
+            dataset = getattr(self.loader, "dataset", None)
+            what = type(self.loader).__name__ + (f" over {type(dataset).__name__}" if dataset is not None else "")
+            err.add_note(f"(raised while loading batch index {index} of {what}; the batches before it were used)")
+            raise
 
 
 def _rank_zero_only_rank(rank: int) -> None:
