@@ -930,3 +930,73 @@ def test_on_load_checkpoint_runs_before_configure_optimizers_on_resume(tmp_path,
     again = Trainer(strategy=strategy, max_epochs=2, **quiet(tmp_path / "b"))
     again.fit(resumed, datamodule=RegressionDataModule(), ckpt_path=trainer.checkpoint_callback.last_model_path)
     assert len(resumed.optimized) == 4 and again.global_step == 2 * trainer.global_step
+
+
+def record_read(path, who, trainer, stage, value):
+    """One line per read, in a file: replicas may run in another process."""
+    with open(path, "a") as f:
+        f.write(f"{who} {trainer.global_rank} {stage} {trainer.sanity_checking} "
+                f"{'none' if value is None else value.item()!r}\n")
+
+
+class ReadsItsEpochValues(LightningModule):
+    """Reads ``self.trainer.callback_metrics`` in its own epoch-end hooks, as an epoch summary does."""
+
+    def __init__(self, path, sync_dist=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(8, 1)
+        self.path, self.sync_dist = str(path), sync_dist
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=self.sync_dist)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.mse_loss(self.layer(batch[0]), batch[1]), sync_dist=self.sync_dist)
+
+    def on_validation_epoch_end(self):
+        record_read(self.path, "module", self.trainer, "val", self.trainer.callback_metrics.get("val_loss"))
+
+    def on_train_epoch_end(self):
+        record_read(self.path, "module", self.trainer, "train", self.trainer.callback_metrics.get("train_loss"))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class SeesEpochValues(Callback):
+    def __init__(self, path):
+        self.path = str(path)
+
+    def on_validation_epoch_end(self, trainer, module):
+        record_read(self.path, "callback", trainer, "val", trainer.callback_metrics.get("val_loss"))
+
+    def on_train_epoch_end(self, trainer, module):
+        record_read(self.path, "callback", trainer, "train", trainer.callback_metrics.get("train_loss"))
+
+
+@pytest.mark.parametrize("strategy,devices", [("native", 1), ("xla_ddp", 2)])
+def test_the_modules_epoch_end_hooks_read_that_epochs_values(tmp_path, strategy, devices):
+    """As in Lightning, ``callback_metrics`` read in the module's own ``on_validation_epoch_end``
+    and ``on_train_epoch_end`` (which run before the callbacks') hold that epoch's values: the
+    values the callbacks then see, not the last epoch's or none. With ``sync_dist`` on two
+    replicas the read reduces on both (no replica waits for the other)."""
+    reads = tmp_path / "reads.txt"
+    module = ReadsItsEpochValues(reads, sync_dist=devices > 1)
+    trainer = Trainer(strategy=strategy, devices=devices, max_epochs=2, num_sanity_val_steps=1,
+                      callbacks=[SeesEpochValues(reads)], **quiet(tmp_path))
+    trainer.fit(module, datamodule=RegressionDataModule())
+    trainer.validate(module, datamodule=RegressionDataModule(), verbose=False)
+    lines = [line.split() for line in reads.read_text().splitlines()]
+    # sanity check, then per epoch: validation, training; then validate()
+    order = [["val", "True"], ["val", "False"], ["train", "False"], ["val", "False"], ["train", "False"],
+             ["val", "False"]]
+    for rank in map(str, range(devices)):
+        mine = [line[2:] for line in lines if line[:2] == ["module", rank]]
+        theirs = [line[2:] for line in lines if line[:2] == ["callback", rank]]
+        assert [m[:2] for m in mine] == [t[:2] for t in theirs] == order, rank
+        assert "none" not in [m[2] for m in mine], mine
+        assert mine == theirs
+        assert mine[1][2] != mine[3][2]  # each epoch's own value

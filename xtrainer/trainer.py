@@ -304,7 +304,10 @@ class Trainer:
 
     @property
     def callback_metrics(self) -> MetricValues:
-        """The latest logged values, each a 0-dim CPU tensor (``.item()``, ``float()``), as in Lightning."""
+        """The latest logged values, each a 0-dim CPU tensor (``.item()``, ``float()``), as in Lightning.
+        Read in the module's own epoch-end hook, they include that epoch's values (one host sync)."""
+        if self._publisher.previewing is not None:
+            self._publisher.preview(self)
         return self._callback_metrics
 
     @callback_metrics.setter

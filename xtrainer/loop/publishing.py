@@ -204,6 +204,10 @@ class DeferredWatch(NonFiniteWatch):
 class Publisher:
     """Reads logged values to the host and hands them out (see the module's docstring)."""
 
+    # The stage whose module's epoch-end hook is running (end_epoch): a read of callback_metrics
+    # there reads the epoch's values first (preview).
+    previewing: str | None = None
+
     def __init__(self, detect_nonfinite: str) -> None:
         self.detect_nonfinite = detect_nonfinite
         self.watch: NonFiniteWatch | None = None
@@ -309,6 +313,18 @@ class Publisher:
             self._hand_out(trainer, dict(public))
         return public
 
+    def preview(self, trainer: "Trainer") -> None:
+        """``trainer.callback_metrics`` read in the module's own epoch-end hook, which runs before
+        the epoch's values are published: they are read first, as Lightning computes them when
+        read, so that the hook sees this epoch's values (not the last epoch's, or none). Once
+        per hook; the loggers and callbacks get them after it, with whatever the hook logs. Every
+        replica runs the module's hook, so a read with ``sync_dist`` values reduces on all."""
+        stage, self.previewing = self.previewing, None
+        tensors = epoch_tensors(trainer, stage)
+        values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the hook asked for the values
+        values.pop(LOSS_KEY, None)
+        trainer.callback_metrics.update({**values, **trainer._results.plain_names(values)})
+
     def settle_vote(self, trainer: "Trainer") -> None:
         """Finish the agreement a logging step started: stop with the others if any replica
         asked to, report a non-finite loss any of them saw."""
@@ -390,15 +406,27 @@ def _on_device(value: Any) -> bool:
 
 
 def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
-    """An epoch's end: the module's hook (it may still log), then every epoch value read to the
-    host (one host sync), then the callbacks' hook, which sees the new ``callback_metrics``."""
-    getattr(trainer.module, hook)()
+    """An epoch's end: the module's hook (it may still log; if it reads ``callback_metrics``,
+    the epoch's values are read first, see ``Publisher.preview``), then every epoch value read to
+    the host (one host sync), then the callbacks' hook, which sees the new ``callback_metrics``."""
+    publisher = trainer._publisher
+    publisher.previewing = stage
+    try:
+        getattr(trainer.module, hook)()
+    finally:
+        publisher.previewing = None
+    metrics = publisher.publish(trainer, epoch_tensors(trainer, stage), check_loss=stage == "train")
+    for cb in trainer.callbacks:
+        getattr(cb, hook)(trainer, trainer.module)
+    return metrics
+
+
+def epoch_tensors(trainer: "Trainer", stage: str) -> dict[str, torch.Tensor]:
+    """The epoch's values on the device (each replica's combined where ``sync_dist`` asks),
+    with the latest per-step values at a training epoch's end."""
     collectives = trainer.strategy.collectives
     results = trainer._results
     tensors = results.epoch_tensors(collectives.reduce, trainer.world_size, collectives.all_gather_tensors)
     if stage == "train":  # the latest per-step values ride along in the same transfer
         tensors.update(results.step_tensors(collectives.reduce, trainer.world_size))
-    metrics = trainer._publisher.publish(trainer, tensors, check_loss=stage == "train")
-    for cb in trainer.callbacks:
-        getattr(cb, hook)(trainer, trainer.module)
-    return metrics
+    return tensors
