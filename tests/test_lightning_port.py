@@ -1000,3 +1000,37 @@ def test_the_modules_epoch_end_hooks_read_that_epochs_values(tmp_path, strategy,
         assert "none" not in [m[2] for m in mine], mine
         assert mine == theirs
         assert mine[1][2] != mine[3][2]  # each epoch's own value
+
+
+def lightning_written(path, module, **extra):
+    """A checkpoint as PyTorch Lightning 2.5 writes it (its keys, read off one it wrote), for
+    ``module`` built with its hyperparameters saved."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    checkpoint = {"epoch": 1, "global_step": 4, "pytorch-lightning_version": "2.5.6",
+                  "state_dict": module.state_dict(), "loops": {"fit_loop": {"state_dict": {}}}, "callbacks": {},
+                  "optimizer_states": [optimizer.state_dict()], "lr_schedulers": [],
+                  "hparams_name": "kwargs", "hyper_parameters": dict(module.hparams), **extra}
+    torch.save(checkpoint, path)
+    return checkpoint
+
+
+def test_a_lightning_checkpoint_loads_with_load_from_checkpoint(tmp_path):
+    """A project's checkpoints from before the port: load_from_checkpoint rebuilds the module
+    from their hyperparameters (as Lightning does: the ones __init__ takes) and loads the
+    weights; ckpt_path, which would need Lightning's optimizer and loop state, says to do that."""
+    written = LitRegressor(hidden=12, lr=0.01)
+    with torch.no_grad():
+        written.net[0].weight.add_(1.0)
+    path = tmp_path / "lightning.ckpt"
+    lightning_written(path, written, hyper_parameters={**written.hparams, "added_later": 3})
+    loaded = LitRegressor.load_from_checkpoint(path)
+    assert loaded.hparams.hidden == 12 and loaded.hparams.lr == 0.01
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), written.state_dict().values()))
+    assert LitRegressor.load_from_checkpoint(path, lr=0.5).hparams.lr == 0.5
+    with pytest.raises(CheckpointError, match=r"PyTorch Lightning 2\.5\.6.*load_from_checkpoint"):
+        Trainer(strategy="native", **quiet(tmp_path)).test(LitRegressor(hidden=12), datamodule=RegressionDataModule(),
+                                                           ckpt_path=str(path))
+    # still weights-only: a Lightning checkpoint that names code to run is refused, nothing runs
+    torch.save({**torch.load(path, weights_only=True), "evil": os.system}, path)
+    with pytest.raises(CheckpointError, match="refused"):
+        LitRegressor.load_from_checkpoint(path)

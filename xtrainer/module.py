@@ -273,6 +273,13 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
 
             hparams = OmegaConf.to_container(OmegaConf.load(os.fspath(hparams_file)), resolve=True)
         hparams = {**hparams, **kwargs}
+        # As Lightning builds it: the hyperparameters as the one argument that held them, else as
+        # keyword arguments (those __init__ does not take left out, unless it takes **kwargs).
+        parameters = inspect.signature(cls.__init__).parameters
+        if name not in parameters or parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            name = None
+        if not name and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            hparams = {k: v for k, v in hparams.items() if k in parameters and k != "self"}
         model = cls(**{name: hparams}) if name else cls(**hparams)
         # Lightning's order: the layers configure_model builds, then on_load_checkpoint, then the weights.
         try:

@@ -95,15 +95,16 @@ def _consolidate(path: str) -> dict[str, Any]:
 
 
 def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
-    """What ``load_from_checkpoint`` needs from a checkpoint of any layout, checked against its
-    checksums: the module's hyperparameters, the ``__init__`` argument that held them whole (or
+    """What ``load_from_checkpoint`` needs from a checkpoint of any layout (or a file PyTorch
+    Lightning wrote), checked against its checksums: the module's hyperparameters, the ``__init__`` argument that held them whole (or
     None), and the checkpoint (for ``on_load_checkpoint``) with the full state dict as its
     ``state_dict``."""
     path = os.fspath(path)
     if not fs.exists(path):
         raise CheckpointNotFoundError(f"{path!r} does not exist.")
     with storage.pinned(path) as pinned:  # what is verified is what is read
-        state = whole.read(pinned, verify=True) if not fs.isdir(pinned) else None
+        # A file may be PyTorch Lightning's too: its weights and hyperparameters are all this needs.
+        state = layout.read_file(pinned, verify=True, lightning=True) if not fs.isdir(pinned) else None
         weights = _consolidate(pinned) if state is None else state.get("state_dict")
         if state is None:
             state = layout.trainer_state(pinned)

@@ -145,8 +145,20 @@ def plain_hparams(hparams: Any) -> Any:
     return convert(dict(hparams))
 
 
+def lightning_checkpoint(checkpoint: Any) -> bool:
+    """Whether ``checkpoint`` is one PyTorch Lightning wrote (its version entry and a state dict)."""
+    return (isinstance(checkpoint, dict) and isinstance(checkpoint.get("pytorch-lightning_version"), str)
+            and isinstance(checkpoint.get(STATE_DICT), dict))
+
+
 def check_header(checkpoint: Any, path: str) -> None:
     """Refuse what is not an xtrainer checkpoint, or one newer than this xtrainer reads."""
+    if lightning_checkpoint(checkpoint) and checkpoint.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path!r} was written by PyTorch Lightning {checkpoint['pytorch-lightning_version']}: its weights "
+            "and hyperparameters load with YourModule.load_from_checkpoint(path). Pass that module to "
+            "validate/test/predict, or to fit without ckpt_path (the fit then starts its optimizer, schedulers "
+            "and loop afresh: Lightning's optimizer and loop state do not carry over).")
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise CheckpointError(
             f"{path!r} is not an xtrainer checkpoint (no 'format': 'xtrainer' entry). To start from "

@@ -24,7 +24,8 @@ from typing import Any, ClassVar, Protocol
 
 from xtrainer.checkpoint import fs, safe, storage
 from xtrainer.checkpoint.format import (FORMAT, FORMAT_VERSION, LOOPS, STRATEGY, WORLD_SIZE,
-                                        CheckpointError, UnreadableCheckpointError, check_header)
+                                        CheckpointError, UnreadableCheckpointError, check_header,
+                                        lightning_checkpoint)
 
 TRAINER_FILE = "trainer.pt"
 FILE, FSDP, DISTRIBUTED = "file", "fsdp", "distributed"
@@ -102,15 +103,17 @@ def layout_of(path: str) -> str:
     return layout
 
 
-def read_file(path: str, verify: bool = True) -> dict[str, Any]:
+def read_file(path: str, verify: bool = True, lightning: bool = False) -> dict[str, Any]:
     """A checkpoint written as one file (``FILE``), checked against its checksum first (unless the
-    caller just did) and checked to be xtrainer's; read weights-only."""
+    caller just did) and checked to be xtrainer's (or, with ``lightning``, PyTorch Lightning's);
+    read weights-only."""
     if not fs.exists(path):
         raise CheckpointError(f"The checkpoint {path!r} does not exist.")
     if verify:
         storage.verify_zip(path)
     checkpoint = safe.load(path, "checkpoint")
-    check_header(checkpoint, path)
+    if not (lightning and lightning_checkpoint(checkpoint)):
+        check_header(checkpoint, path)
     return checkpoint
 
 
