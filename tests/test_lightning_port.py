@@ -1034,3 +1034,43 @@ def test_a_lightning_checkpoint_loads_with_load_from_checkpoint(tmp_path):
     torch.save({**torch.load(path, weights_only=True), "evil": os.system}, path)
     with pytest.raises(CheckpointError, match="refused"):
         LitRegressor.load_from_checkpoint(path)
+
+
+class LogsGradNorms(LitRegressor):
+    """Logs its gradients' norms where Lightning's docs do, with Lightning's ``grad_norm``."""
+
+    def on_before_optimizer_step(self, optimizer):
+        from xtrainer.utilities import grad_norm
+
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
+def test_lightning_utilities_port_by_their_import(tmp_path):
+    """``from lightning.pytorch.utilities import grad_norm, rank_zero_only`` and the type aliases
+    port by changing the import; Lightning names with no counterpart say what to use."""
+    from xtrainer.utilities import grad_norm, rank_zero_only
+    from xtrainer.utilities.types import STEP_OUTPUT  # noqa: F401  (annotations in ported code)
+
+    calls = []
+
+    @rank_zero_only
+    def on_rank_zero():
+        calls.append(1)
+
+    on_rank_zero()
+    assert calls == [1]
+    trainer = Trainer(strategy="native", max_epochs=1, **quiet(tmp_path))
+    module = LogsGradNorms()
+    trainer.fit(module, datamodule=RegressionDataModule())
+    names = [f"grad_2.0_norm/{name}" for name, _ in module.named_parameters()] + ["grad_2.0_norm_total"]
+    assert set(names) <= set(trainer.callback_metrics)
+    norms = grad_norm(module, 2)  # the last step's gradients are dropped after fit
+    assert norms == {}
+    module(torch.randn(4, 8)).sum().backward()
+    norms = grad_norm(module, 2)
+    total = torch.cat([p.grad.flatten() for p in module.parameters()]).norm(2)
+    assert list(norms) == names and torch.allclose(norms["grad_2.0_norm_total"], total)
+    with pytest.raises(ImportError, match="WandbLogger.*subclass xtrainer.loggers.Logger"):
+        from xtrainer.loggers import WandbLogger  # noqa: F401
+    with pytest.raises(ImportError, match="CombinedLoader.*list of loaders"):
+        from xtrainer.utilities import CombinedLoader  # noqa: F401

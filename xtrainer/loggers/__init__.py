@@ -42,3 +42,15 @@ from xtrainer.loggers.tensorboard import TensorBoardLogger
 
 __all__ = ["CSVLogger", "Logger", "TensorBoardLogger", "claim_run_folder", "claim_version_dir",
            "move_run_folder", "run_folder_root"]
+
+#: Lightning's loggers with no counterpart here.
+MISSING = ("WandbLogger", "MLFlowLogger", "CometLogger", "NeptuneLogger")
+
+
+def __getattr__(name: str) -> object:
+    if name in MISSING:
+        raise ImportError(
+            f"xtrainer.loggers has no {name} (a Lightning logger with no counterpart here): use TensorBoardLogger or "
+            f"CSVLogger, or subclass xtrainer.loggers.Logger (log_metrics and log_hyperparams, called on rank 0 "
+            f"with values already on the host) to write to that service.")
+    raise AttributeError(f"module 'xtrainer.loggers' has no attribute {name!r}")
