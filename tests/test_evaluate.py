@@ -34,6 +34,30 @@ def test_validate_several_loaders(trainer_kwargs):
         assert math.isclose(r[f"val_loss/dataloader_idx_{i}"], mse(model, loader), rel_tol=1e-5)
 
 
+class NamesEachLoader(Regressor):
+    """Logs one value per loader under a name of its own (``add_dataloader_idx=False``), one with
+    the loader's suffix, and one both loaders share."""
+
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log(f"loss_of_{'ab'[dataloader_idx]}", loss, add_dataloader_idx=False)
+        self.log("loss", loss)
+        self.log("shared", loss, add_dataloader_idx=False)
+
+
+def test_several_loaders_each_result_holds_what_was_logged_in_its_loader(trainer_kwargs):
+    """As in Lightning: a value logged with add_dataloader_idx=False is in the result of the
+    loader it was logged in, not in every loader's."""
+    model = NamesEachLoader()
+    loaders = [make_loader(n=16, seed=1), make_loader(n=24, seed=2)]
+    results = Trainer(**trainer_kwargs).test(model, loaders, verbose=False)
+    assert [set(r) for r in results] == [{"loss_of_a", "loss/dataloader_idx_0", "shared"},
+                                         {"loss_of_b", "loss/dataloader_idx_1", "shared"}]
+    for i, (r, loader) in enumerate(zip(results, loaders)):
+        assert math.isclose(r[f"loss_of_{'ab'[i]}"], mse(model, loader), rel_tol=1e-5)
+
+
 def test_test_with_limit(trainer_kwargs):
     model = Regressor()
     loader = make_loader(n=64, batch_size=8)

@@ -3,6 +3,7 @@ results table ``validate``/``test`` print. Run by the Trainer in each replica.""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +36,7 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
             data.set_epoch(trainer.loop.current_epoch, trainer.loop.seed)
             extra = (dl_idx,) if len(datas) > 1 else ()
             results.suffix = f"/dataloader_idx_{dl_idx}" if len(datas) > 1 else ""
+            results.loader = dl_idx
             limit = trainer._num_batches(data, stage)
             limit = limit if cap is None else min(cap, limit)
             outputs_of_loader: list[Any] = []
@@ -67,8 +69,21 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
         return predictions[0] if len(predictions) == 1 else predictions
     if len(datas) == 1:
         return [metrics]
-    return [{k: v for k, v in metrics.items() if "/dataloader_idx_" not in k or k.endswith(f"_{i}")}
-            for i in range(len(datas))]
+    return [{k: v for k, v in metrics.items() if _logged_in(results, k, i)} for i in range(len(datas))]
+
+
+_LOADER_IN_NAME = re.compile(r"/dataloader_idx_(\d+)")
+
+
+def _logged_in(results: Results, key: str, loader: int) -> bool:
+    """Whether ``key`` goes in the result of dataloader ``loader``, as in Lightning: a name with
+    its ``/dataloader_idx_N`` in N's, one logged with ``add_dataloader_idx=False`` in the
+    dataloaders it was logged in, anything else (a callback's own figure) in every one."""
+    named = _LOADER_IN_NAME.search(key)
+    if named is not None:
+        return int(named.group(1)) == loader
+    loaders = results.logged_in.get(key, results.logged_in.get(key.removesuffix("_epoch")))
+    return loaders is None or loader in loaders
 
 
 def validate_during_fit(trainer: "Trainer", val: list) -> None:

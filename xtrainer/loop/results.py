@@ -55,6 +55,8 @@ class Results:
     batch: Any = None
     in_step: bool = False
     suffix: str = ""  # "/dataloader_idx_N" when an evaluation has several dataloaders
+    loader: int = 0  # the index of the evaluation's dataloader being run
+    logged_in: dict[str, set[int]] = field(default_factory=dict)  # name -> the loaders it was logged in
     # Batch sizes and identities as device tensors, made once per value. A Python number in the
     # graph would be deduplicated with any other scalar of equal value (a learning rate, an
     # optimizer step count): a different graph, so a recompilation, whenever two coincide.
@@ -109,6 +111,7 @@ class Results:
         if not (on_step or on_epoch):
             raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) logs nothing.")
         name = name + (self.suffix if add_dataloader_idx else "")
+        self.logged_in.setdefault(name, set()).add(self.loader)
         entry = self.entries.get(name)
         if entry is None:
             entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, sync_dist, reduce_fx, logger)
@@ -148,6 +151,7 @@ class Results:
         if self.stage != "train" or not self.in_step:
             on_step, on_epoch = False, True
         name = name + (self.suffix if add_dataloader_idx else "")
+        self.logged_in.setdefault(name, set()).add(self.loader)
         entry = self.entries.get(name)
         if entry is None:
             entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, False, "mean", logger, metric)
