@@ -403,6 +403,7 @@ def test_lightning_callback_names_work(tmp_path, capsys):
 
         def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
             self.epochs.append(len(predictions))
+            self.predictions = predictions
 
     class Predicting(HelloWorld):
         def predict_step(self, batch, batch_idx):
@@ -435,6 +436,11 @@ def test_lightning_callback_names_work(tmp_path, capsys):
     trainer = Trainer(callbacks=[writer], enable_checkpointing=False, **quiet(tmp_path))
     trainer.predict(Predicting())
     assert writer.batches == 2 and writer.epochs == [2] and trainer.prediction_writer_callbacks == [writer]
+    # with several dataloaders, one list of predictions per dataloader, as trainer.predict returns them
+    loaders = [DataLoader(make_data(16, seed=1), batch_size=8), DataLoader(make_data(12, seed=2), batch_size=8)]
+    returned = trainer.predict(Predicting(), loaders)
+    assert writer.epochs[-1] == 2 and [len(p) for p in writer.predictions] == [2, 2]
+    assert all(torch.equal(a, b) for mine, theirs in zip(writer.predictions, returned) for a, b in zip(mine, theirs))
     with pytest.raises(ImportError, match="no StochasticWeightAveraging.*AveragedModel"):
         from xtrainer.callbacks import StochasticWeightAveraging  # noqa: F401
 

@@ -201,13 +201,15 @@ class GradientAccumulationScheduler(Callback):
 class BasePredictionWriter(Callback):
     """Lightning's prediction writer: override ``write_on_batch_end`` (``write_interval="batch"``),
     ``write_on_epoch_end`` (``"epoch"``) or both (``"batch_and_epoch"``). Every replica writes its
-    own share; ``batch_indices`` is ``None`` (the distributed sampler's indices are not tracked)."""
+    own share. ``write_on_epoch_end`` gets the predictions as ``trainer.predict`` returns them:
+    a list of the batches' predictions, or one such list per dataloader when there are several.
+    ``batch_indices`` is ``None`` (the samplers' indices are not tracked)."""
 
     def __init__(self, write_interval: str = "batch") -> None:
         if write_interval not in ("batch", "epoch", "batch_and_epoch"):
             raise ValueError(f"write_interval={write_interval!r}: use 'batch', 'epoch' or 'batch_and_epoch'.")
         self.interval = write_interval
-        self._predictions: list[Any] = []
+        self._predictions: list[list[Any]] = []  # per dataloader
 
     def write_on_batch_end(self, trainer: "Trainer", pl_module: "XModule", prediction: Any, batch_indices: Any,
                            batch: Any, batch_idx: int, dataloader_idx: int) -> None:
@@ -225,11 +227,15 @@ class BasePredictionWriter(Callback):
         if self.interval in ("batch", "batch_and_epoch"):
             self.write_on_batch_end(trainer, module, outputs, None, batch, batch_idx, dataloader_idx)
         if self.interval in ("epoch", "batch_and_epoch"):
-            self._predictions.append(outputs)
+            while len(self._predictions) <= dataloader_idx:
+                self._predictions.append([])
+            self._predictions[dataloader_idx].append(outputs)
 
     def on_predict_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
         if self.interval in ("epoch", "batch_and_epoch"):
-            self.write_on_epoch_end(trainer, module, self._predictions, None)
+            loaders = max(len(trainer.num_predict_batches), len(self._predictions), 1)
+            predictions = self._predictions + [[] for _ in range(loaders - len(self._predictions))]
+            self.write_on_epoch_end(trainer, module, predictions[0] if loaders == 1 else predictions, None)
             self._predictions = []
 
 
