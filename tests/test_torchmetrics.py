@@ -174,3 +174,27 @@ def test_a_metric_built_not_to_sync_gives_each_replica_its_own_value(tmp_path):
         right = (model.net(x).argmax(dim=1) == y).float()
     assert float(right[0::2].mean()) != float(right.mean())  # rank 0's half differs from the whole
     assert trainer.callback_metrics["local_acc"] == pytest.approx(float(right[0::2].mean()), abs=1e-6)
+
+
+def test_a_metric_read_in_the_modules_epoch_end_hook_is_still_published_whole(tmp_path):
+    """The module's on_validation_epoch_end reads callback_metrics (the epoch's values are read
+    then): the metric object computed there is not reset before the epoch's publication, so the
+    callbacks and the result see the same accuracy, not one of an emptied metric."""
+    seen = {}
+
+    class Reads(Classifier):
+        def on_validation_epoch_end(self):
+            seen["module"] = float(self.trainer.callback_metrics["val_acc"])
+
+    class Sees(Callback):
+        def on_validation_epoch_end(self, trainer, module):
+            seen["callback"] = float(trainer.callback_metrics["val_acc"])
+
+    model = Reads()
+    result = Trainer(strategy="native", callbacks=[Sees()], default_root_dir=str(tmp_path), logger=False,
+                     enable_progress_bar=False).validate(model, DataLoader(data(seed=1), batch_size=16), verbose=False)
+    loader = DataLoader(data(seed=1), batch_size=64)
+    x, y = next(iter(loader))
+    with torch.no_grad():
+        expected = (model.net(x).argmax(1) == y).float().mean().item()
+    assert seen["module"] == seen["callback"] == pytest.approx(result[0]["val_acc"]) == pytest.approx(expected)

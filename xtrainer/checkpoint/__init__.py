@@ -96,9 +96,9 @@ def _consolidate(path: str) -> dict[str, Any]:
 
 def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
     """What ``load_from_checkpoint`` needs from a checkpoint of any layout (or a file PyTorch
-    Lightning wrote), checked against its checksums: the module's hyperparameters, the ``__init__`` argument that held them whole (or
-    None), and the checkpoint (for ``on_load_checkpoint``) with the full state dict as its
-    ``state_dict``."""
+    Lightning wrote), checked against its checksums: the module's hyperparameters, the
+    ``__init__`` argument that held them whole (or None), and the checkpoint (for
+    ``on_load_checkpoint``) with the full state dict as its ``state_dict``."""
     path = os.fspath(path)
     if not fs.exists(path):
         raise CheckpointNotFoundError(f"{path!r} does not exist.")

@@ -320,7 +320,7 @@ class Publisher:
         per hook; the loggers and callbacks get them after it, with whatever the hook logs. Every
         replica runs the module's hook, so a read with ``sync_dist`` values reduces on all."""
         stage, self.previewing = self.previewing, None
-        tensors = epoch_tensors(trainer, stage)
+        tensors = epoch_tensors(trainer, stage, reset=False)  # the metrics objects are reset when published
         values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the hook asked for the values
         values.pop(LOSS_KEY, None)
         trainer.callback_metrics.update({**values, **trainer._results.plain_names(values)})
@@ -421,12 +421,13 @@ def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
     return metrics
 
 
-def epoch_tensors(trainer: "Trainer", stage: str) -> dict[str, torch.Tensor]:
+def epoch_tensors(trainer: "Trainer", stage: str, reset: bool = True) -> dict[str, torch.Tensor]:
     """The epoch's values on the device (each replica's combined where ``sync_dist`` asks),
-    with the latest per-step values at a training epoch's end."""
+    with the latest per-step values at a training epoch's end; metrics logged by object are
+    reset after their ``compute`` unless ``reset`` is False."""
     collectives = trainer.strategy.collectives
     results = trainer._results
-    tensors = results.epoch_tensors(collectives.reduce, trainer.world_size, collectives.all_gather_tensors)
+    tensors = results.epoch_tensors(collectives.reduce, trainer.world_size, collectives.all_gather_tensors, reset)
     if stage == "train":  # the latest per-step values ride along in the same transfer
         tensors.update(results.step_tensors(collectives.reduce, trainer.world_size))
     return tensors

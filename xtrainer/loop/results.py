@@ -185,14 +185,16 @@ class Results:
         return out
 
     def epoch_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int,
-                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None, reset: bool = True
+                      ) -> dict[str, torch.Tensor]:
         """Epoch values, named ``x`` or ``x_epoch`` (if also logged per step). Metrics logged by
-        object are computed (their states gathered from every replica with ``gather``) and reset."""
+        object are computed (their states gathered from every replica with ``gather``) and, with
+        ``reset``, reset."""
         out = {}
         for name, entry in self.entries.items():
             if entry.metric is not None:
                 if entry.on_epoch:
-                    value = _compute_metric(entry.metric, world_size, gather)
+                    value = _compute_metric(entry.metric, world_size, gather, reset)
                     out[name + "_epoch" if entry.on_step else name] = value.detach().float().reshape(())
                 continue
             if not entry.on_epoch or entry.total is None:
@@ -274,8 +276,8 @@ def _is_metric(value: Any) -> bool:
         callable(getattr(value, name, None)) for name in ("update", "compute", "reset", "sync"))
 
 
-def _compute_metric(metric: Any, world_size: int, gather: Callable[[torch.Tensor], torch.Tensor] | None
-                    ) -> torch.Tensor:
+def _compute_metric(metric: Any, world_size: int, gather: Callable[[torch.Tensor], torch.Tensor] | None,
+                    reset: bool = True) -> torch.Tensor:
     """``metric.compute()``, its states synced across replicas by ``gather`` (an all-gather in the
     graph: torchmetrics' own sync would go through torch.distributed, which xla_native has not).
 
@@ -307,7 +309,8 @@ def _compute_metric(metric: Any, world_size: int, gather: Callable[[torch.Tensor
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         raise ValueError(f"A logged {type(metric).__name__} computed a value of type {type(value).__name__}; "
                          "self.log takes metrics whose compute() gives a scalar.")
-    metric.reset()
+    if reset:
+        metric.reset()
     return value
 
 
