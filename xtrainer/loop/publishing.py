@@ -317,13 +317,23 @@ class Publisher:
         """``trainer.callback_metrics`` read in the module's own epoch-end hook, which runs before
         the epoch's values are published: they are read first, as Lightning computes them when
         read, so that the hook sees this epoch's values (not the last epoch's, or none). Once
-        per hook; the loggers and callbacks get them after it, with whatever the hook logs. Every
-        replica runs the module's hook, so a read with ``sync_dist`` values reduces on all."""
+        per hook; the loggers and callbacks get them after it, with whatever the hook logs.
+
+        With several replicas the read is this replica's alone: no collective, since a hook may
+        read on rank 0 only (``if self.trainer.is_global_zero: print(...)``), and a reduction
+        there would wait for replicas that never make it. Values logged with ``sync_dist`` are
+        then this replica's own, and metric objects keep the value last published."""
         stage, self.previewing = self.previewing, None
-        tensors = epoch_tensors(trainer, stage, reset=False)  # the metrics objects are reset when published
+        results = trainer._results
+        if trainer.world_size == 1:
+            tensors = epoch_tensors(trainer, stage, reset=False)  # metric objects are reset when published
+        else:
+            tensors = results.epoch_tensors(_no_reduce, 1, reset=False, metrics=False)
+            if stage == "train":
+                tensors.update(results.step_tensors(_no_reduce, 1))
         values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the hook asked for the values
         values.pop(LOSS_KEY, None)
-        trainer.callback_metrics.update({**values, **trainer._results.plain_names(values)})
+        trainer.callback_metrics.update({**values, **results.plain_names(values)})
 
     def settle_vote(self, trainer: "Trainer") -> None:
         """Finish the agreement a logging step started: stop with the others if any replica
@@ -419,6 +429,12 @@ def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
     for cb in trainer.callbacks:
         getattr(cb, hook)(trainer, trainer.module)
     return metrics
+
+
+def _no_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """A replica's own value, as it is (never called with world_size=1; there for the signature)."""
+    del op
+    return tensor
 
 
 def epoch_tensors(trainer: "Trainer", stage: str, reset: bool = True) -> dict[str, torch.Tensor]:

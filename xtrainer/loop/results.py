@@ -185,15 +185,15 @@ class Results:
         return out
 
     def epoch_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int,
-                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None, reset: bool = True
-                      ) -> dict[str, torch.Tensor]:
+                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None, reset: bool = True,
+                      metrics: bool = True) -> dict[str, torch.Tensor]:
         """Epoch values, named ``x`` or ``x_epoch`` (if also logged per step). Metrics logged by
         object are computed (their states gathered from every replica with ``gather``) and, with
-        ``reset``, reset."""
+        ``reset``, reset; without ``metrics``, left out."""
         out = {}
         for name, entry in self.entries.items():
             if entry.metric is not None:
-                if entry.on_epoch:
+                if entry.on_epoch and metrics:
                     value = _compute_metric(entry.metric, world_size, gather, reset)
                     out[name + "_epoch" if entry.on_step else name] = value.detach().float().reshape(())
                 continue
