@@ -812,7 +812,8 @@ def native_table(results: Results, args: argparse.Namespace) -> list[str]:
         lines.append(f"| {workload} | {contender} | {n} | {median(mine, 'cpu_ms_per_step'):.2f} | {hand} "
                      f"| {median(base, 'cpu_ms_per_step') if base else float('nan'):.2f} "
                      f"| {overhead(mine, base, 'cpu_ms_per_step')} | {overhead(mine, base, 'loop_ms_per_step')} "
-                     f"| {best_of(mine, base, 'cpu_ms_per_step')} | {median(mine, 'steps_per_s'):.1f} | {median(mine, 'first_step_s'):.1f} |")
+                     f"| {best_of(mine, base, 'cpu_ms_per_step')} | {median(mine, 'steps_per_s'):.1f} "
+                     f"| {median(mine, 'first_step_s'):.1f} |")
     return lines + [""]
 
 
