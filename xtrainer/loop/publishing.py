@@ -324,16 +324,11 @@ class Publisher:
         there would wait for replicas that never make it. Values logged with ``sync_dist`` are
         then this replica's own, and metric objects keep the value last published."""
         stage, self.previewing = self.previewing, None
-        results = trainer._results
-        if trainer.world_size == 1:
-            tensors = epoch_tensors(trainer, stage, reset=False)  # metric objects are reset when published
-        else:
-            tensors = results.epoch_tensors(_no_reduce, 1, reset=False, metrics=False)
-            if stage == "train":
-                tensors.update(results.step_tensors(_no_reduce, 1))
+        # metric objects are reset when published; several replicas: each one's own values
+        tensors = epoch_tensors(trainer, stage, reset=False, local=trainer.world_size > 1)
         values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the hook asked for the values
         values.pop(LOSS_KEY, None)
-        trainer.callback_metrics.update({**values, **results.plain_names(values)})
+        trainer.callback_metrics.update({**values, **trainer._results.plain_names(values)})
 
     def settle_vote(self, trainer: "Trainer") -> None:
         """Finish the agreement a logging step started: stop with the others if any replica
@@ -431,19 +426,17 @@ def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
     return metrics
 
 
-def _no_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
-    """A replica's own value, as it is (never called with world_size=1; there for the signature)."""
-    del op
-    return tensor
-
-
-def epoch_tensors(trainer: "Trainer", stage: str, reset: bool = True) -> dict[str, torch.Tensor]:
+def epoch_tensors(trainer: "Trainer", stage: str, reset: bool = True, local: bool = False
+                  ) -> dict[str, torch.Tensor]:
     """The epoch's values on the device (each replica's combined where ``sync_dist`` asks),
     with the latest per-step values at a training epoch's end; metrics logged by object are
-    reset after their ``compute`` unless ``reset`` is False."""
+    reset after their ``compute`` unless ``reset`` is False. ``local``: this replica's own
+    values, with no collective (metric objects, which would sync, left out)."""
     collectives = trainer.strategy.collectives
     results = trainer._results
-    tensors = results.epoch_tensors(collectives.reduce, trainer.world_size, collectives.all_gather_tensors, reset)
+    world_size = 1 if local else trainer.world_size  # one replica reduces nothing
+    tensors = results.epoch_tensors(collectives.reduce, world_size, collectives.all_gather_tensors, reset,
+                                    metrics=not local)
     if stage == "train":  # the latest per-step values ride along in the same transfer
-        tensors.update(results.step_tensors(collectives.reduce, trainer.world_size))
+        tensors.update(results.step_tensors(collectives.reduce, world_size))
     return tensors

@@ -56,7 +56,8 @@ class Results:
     in_step: bool = False
     suffix: str = ""  # "/dataloader_idx_N" when an evaluation has several dataloaders
     loader: int = 0  # the index of the evaluation's dataloader being run
-    logged_in: dict[str, set[int]] = field(default_factory=dict)  # name -> the loaders it was logged in
+    # A name logged with add_dataloader_idx=False -> the evaluation's dataloaders it was logged in
+    logged_in: dict[str, set[int]] = field(default_factory=dict)
     # Batch sizes and identities as device tensors, made once per value. A Python number in the
     # graph would be deduplicated with any other scalar of equal value (a learning rate, an
     # optimizer step count): a different graph, so a recompilation, whenever two coincide.
@@ -110,8 +111,10 @@ class Results:
             on_step, on_epoch = False, True  # logged from an epoch hook: an epoch-level value
         if not (on_step or on_epoch):
             raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) logs nothing.")
-        name = name + (self.suffix if add_dataloader_idx else "")
-        self.logged_in.setdefault(name, set()).add(self.loader)
+        if add_dataloader_idx:
+            name = name + self.suffix
+        else:
+            self.logged_in.setdefault(name, set()).add(self.loader)
         entry = self.entries.get(name)
         if entry is None:
             entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, sync_dist, reduce_fx, logger)
@@ -150,8 +153,10 @@ class Results:
         on_epoch = (not self.default_on_step) if on_epoch is None else on_epoch
         if self.stage != "train" or not self.in_step:
             on_step, on_epoch = False, True
-        name = name + (self.suffix if add_dataloader_idx else "")
-        self.logged_in.setdefault(name, set()).add(self.loader)
+        if add_dataloader_idx:
+            name = name + self.suffix
+        else:
+            self.logged_in.setdefault(name, set()).add(self.loader)
         entry = self.entries.get(name)
         if entry is None:
             entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, False, "mean", logger, metric)
