@@ -387,18 +387,25 @@ def test_a_nan_loss_is_reported_with_its_step_without_a_host_sync_per_step(tmp_p
     assert len([w for w in record if "training goes on" in str(w.message)]) == 1
 
 
-def test_the_deferred_watch_tells_a_nan_or_infinite_loss_from_finite_losses_whose_sum_overflows():
+@pytest.mark.parametrize("on_host", [False, True], ids=["device", "cpu"])
+def test_the_deferred_watch_tells_a_nan_or_infinite_loss_from_finite_losses_whose_sum_overflows(on_host):
     """The losses kept between two reads are checked by their sum: an overflowing sum of finite
-    losses is not a non-finite loss, and a NaN or an infinity is found at its own step."""
+    losses is not a non-finite loss, and a NaN or an infinity is found at its own step. On the
+    CPU each loss is checked as it comes, and none is kept (``device``: the device's path, run
+    on CPU tensors)."""
     from xtrainer.loop.publishing import DeferredWatch
     from xtrainer.loop.results import to_floats
 
     def first_bad(losses, dtype=torch.float32):
         watch = DeferredWatch(torch.device("cpu"), 0)
+        watch.on_host = on_host
         for step, loss in enumerate(losses, start=1):
             watch.observe(torch.tensor(loss, dtype=dtype), step)
+        assert len(watch.losses) == (0 if on_host else len(losses))
         found = watch.first_step(to_floats(watch.local_tensors(), lambda values: values))
         assert watch.losses == [] and watch.steps == []  # read: the next interval starts afresh
+        if on_host:  # what several replicas reduce: the checks' finding (a device's comes from its losses)
+            assert int(watch.local_first()) == found
         return found
 
     huge = 3e38  # finite in float32; two of them sum to infinity
