@@ -184,9 +184,14 @@ def test_iterable_without_length_and_fractional_limit(trainer_kwargs):
     loader = DataLoader(Stream(), batch_size=8)
     with pytest.raises(ValueError, match="no length"):
         Trainer(limit_train_batches=0.5, **trainer_kwargs).fit(Regressor(), loader)
-    trainer = Trainer(max_epochs=2, **trainer_kwargs)
-    trainer.fit(Regressor(), loader)
+    trainer, model = Trainer(max_epochs=2, **trainer_kwargs), Regressor()
+    trainer.fit(model, loader)
     assert trainer.global_step == 16
+    # evaluated too, batch by batch as the stream gives them (the stream is read in the loop's thread)
+    plain = DataLoader(make_loader().dataset, batch_size=8)
+    assert trainer.validate(model, loader, verbose=False) == trainer.validate(model, plain, verbose=False)
+    predictions = trainer.predict(model, loader)
+    assert len(predictions) == 8 and all(torch.equal(a, b) for a, b in zip(predictions, trainer.predict(model, plain)))
 
 
 def test_several_torchrun_processes_on_the_cpu_runtime_are_refused(trainer_kwargs, monkeypatch):

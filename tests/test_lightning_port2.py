@@ -445,6 +445,77 @@ def test_lightning_callback_names_work(tmp_path, capsys):
         from xtrainer.callbacks import StochasticWeightAveraging  # noqa: F401
 
 
+from xtrainer.callbacks import BasePredictionWriter  # noqa: E402
+
+
+class IndexWriter(BasePredictionWriter):
+    """A prediction writer as Lightning's documentation writes one: each replica saves its
+    predictions and the batches' dataset indices to files of its own rank."""
+
+    def __init__(self, folder, interval):
+        super().__init__(interval)
+        self.folder = folder
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        torch.save({"indices": batch_indices, "x": batch[0]},
+                   os.path.join(self.folder, f"b{trainer.global_rank}_{dataloader_idx}_{batch_idx}.pt"))
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        torch.save({"predictions": predictions, "indices": batch_indices},
+                   os.path.join(self.folder, f"epoch{trainer.global_rank}.pt"))
+
+
+class PredictSums(HelloWorld):
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return batch[0].sum(dim=1)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from make_data(8, seed=3)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prediction_writers_get_the_batches_dataset_indices_as_drawn(tmp_path, workers):
+    """``batch_indices``: the dataset indices of each batch's samples, in the order the (here
+    shuffling) sampler drew them, also with workers drawing ahead; at the epoch's end one list
+    per batch inside one list per dataloader, as Lightning gives them. A loader without a batch
+    sampler gives []."""
+    data = make_data(20, seed=5)
+    shuffled = DataLoader(data, batch_size=6, shuffle=True, num_workers=workers,
+                          generator=torch.Generator().manual_seed(7))
+    trainer = Trainer(callbacks=[IndexWriter(str(tmp_path), "batch_and_epoch")], **quiet(tmp_path))
+    returned = trainer.predict(PredictSums(), [shuffled, DataLoader(_Stream(), batch_size=4)])
+    epoch = torch.load(tmp_path / "epoch0.pt")
+    shuffled_indices, stream_indices = epoch["indices"]
+    assert [len(b) for b in shuffled_indices] == [6, 6, 6, 2] and stream_indices == []
+    assert sorted(i for b in shuffled_indices for i in b) == list(range(20))
+    assert shuffled_indices != [list(range(i, min(i + 6, 20))) for i in range(0, 20, 6)]  # drawn shuffled
+    for batch_idx, indices in enumerate(shuffled_indices):
+        written = torch.load(tmp_path / f"b0_0_{batch_idx}.pt")
+        assert written["indices"] == indices
+        assert torch.equal(written["x"], data.tensors[0][indices])  # the batch is those samples
+        assert torch.allclose(returned[0][batch_idx], data.tensors[0][indices].sum(dim=1))  # summed on the device
+    assert torch.load(tmp_path / "b0_1_0.pt")["indices"] == []
+    # one dataloader: the predictions flat, the indices still in a list of their own
+    trainer = Trainer(callbacks=[IndexWriter(str(tmp_path), "epoch")], **quiet(tmp_path))
+    trainer.predict(PredictSums(), DataLoader(data, batch_size=8))
+    assert torch.load(tmp_path / "epoch0.pt")["indices"] == [[list(range(8)), list(range(8, 16)), [16, 17, 18, 19]]]
+
+
+def test_prediction_writers_on_two_replicas_get_each_ones_share_of_the_indices(tmp_path):
+    data = make_data(20, seed=5)
+    trainer = Trainer(strategy="xla_ddp", devices=2, callbacks=[IndexWriter(str(tmp_path), "epoch")],
+                      **quiet(tmp_path))
+    trainer.predict(PredictSums(expect_world_size=2, expect_devices=2), DataLoader(data, batch_size=4, shuffle=True))
+    shares = [torch.load(tmp_path / f"epoch{rank}.pt") for rank in (0, 1)]
+    indices = [[i for b in share["indices"][0] for i in b] for share in shares]
+    assert sorted(indices[0] + indices[1]) == list(range(20)) and not set(indices[0]) & set(indices[1])
+    for share in shares:  # each prediction is that of the samples its indices name
+        for batch, prediction in zip(share["indices"][0], share["predictions"]):
+            assert torch.allclose(prediction, data.tensors[0][batch].sum(dim=1))  # computed on the XLA device
+
+
 # ---- fine-tuning: a parameter group added mid-fit, across a checkpoint and resume ------------------
 class WithBackbone(HelloWorld):
     def __init__(self):

@@ -216,6 +216,8 @@ class Trainer:
         #: The last run stopped on a signal (``TrainingInterrupted``) or Ctrl-C.
         self.interrupted = False
         self._stage_data: dict[str, list[Any]] = {}  # a run's loaders, as the strategy delivers them
+        # predict: per loader, the sample indices of each batch so far (empty where the loader has no batch sampler)
+        self._predict_batch_indices: list[list[list[int]]] = []
         # Set inside a run (per replica).
         self._module: XModule | None = None
         self._last_module: XModule | None = None  # the last stage's module (lightning_module after it)

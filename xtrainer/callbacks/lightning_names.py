@@ -203,7 +203,11 @@ class BasePredictionWriter(Callback):
     ``write_on_epoch_end`` (``"epoch"``) or both (``"batch_and_epoch"``). Every replica writes its
     own share. ``write_on_epoch_end`` gets the predictions as ``trainer.predict`` returns them:
     a list of the batches' predictions, or one such list per dataloader when there are several.
-    ``batch_indices`` is ``None`` (the samplers' indices are not tracked)."""
+    ``batch_indices`` are the dataset indices of the batch's samples, as its sampler drew them
+    (with several replicas, this replica's share); ``write_on_epoch_end`` gets one list of them
+    per batch, in one list per dataloader even when there is one, as in Lightning. They are
+    empty (``[]``) for a loader with no batch sampler to draw them: an iterable dataset, a
+    ``DataLoader`` subclass, or another iterable."""
 
     def __init__(self, write_interval: str = "batch") -> None:
         if write_interval not in ("batch", "epoch", "batch_and_epoch"):
@@ -225,7 +229,9 @@ class BasePredictionWriter(Callback):
     def on_predict_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:
         if self.interval in ("batch", "batch_and_epoch"):
-            self.write_on_batch_end(trainer, module, outputs, None, batch, batch_idx, dataloader_idx)
+            noted = trainer._predict_batch_indices
+            indices = noted[dataloader_idx][batch_idx] if dataloader_idx < len(noted) and noted[dataloader_idx] else []
+            self.write_on_batch_end(trainer, module, outputs, indices, batch, batch_idx, dataloader_idx)
         if self.interval in ("epoch", "batch_and_epoch"):
             while len(self._predictions) <= dataloader_idx:
                 self._predictions.append([])
@@ -235,7 +241,9 @@ class BasePredictionWriter(Callback):
         if self.interval in ("epoch", "batch_and_epoch"):
             loaders = max(len(trainer.num_predict_batches), len(self._predictions), 1)
             predictions = self._predictions + [[] for _ in range(loaders - len(self._predictions))]
-            self.write_on_epoch_end(trainer, module, predictions[0] if loaders == 1 else predictions, None)
+            noted = trainer._predict_batch_indices
+            indices = [list(noted[i]) if i < len(noted) else [] for i in range(loaders)]
+            self.write_on_epoch_end(trainer, module, predictions[0] if loaders == 1 else predictions, indices)
             self._predictions = []
 
 

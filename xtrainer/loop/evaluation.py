@@ -29,6 +29,8 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
     getattr(module, f"on_{hook}_model_eval")()  # Lightning's: the model in eval mode
     results = trainer._results = Results(stage, default_on_step=False)
     predictions: list[list[Any]] = []
+    if stage == "predict":  # each loader's batches' sample indices, as drawn (prediction writers' batch_indices)
+        trainer._predict_batch_indices = []
     trainer._call(f"on_{hook}_start")
     trainer._call(f"on_{hook}_epoch_start")
     with torch.no_grad():
@@ -40,9 +42,14 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
             limit = trainer._num_batches(data, stage)
             limit = limit if cap is None else min(cap, limit)
             outputs_of_loader: list[Any] = []
+            seen = data.note_batch_indices() if stage == "predict" else None
+            if stage == "predict":
+                trainer._predict_batch_indices.append([])
             for batch_idx, batch in enumerate(data):
                 if batch_idx >= limit:
                     break
+                if seen is not None:
+                    trainer._predict_batch_indices[dl_idx].append(seen.seen[batch_idx])
                 if trainer._transfer is not None:
                     batch = trainer._transfer(batch, dl_idx)
                 trainer._call(f"on_{hook}_batch_start", batch, batch_idx, *extra)

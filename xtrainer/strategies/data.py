@@ -47,6 +47,7 @@ class DeviceData:
         self._ours: set[int] = set()  # ids of the generators this object put in
         self._epoch_start: dict[str, Any] = {}  # the user's generators' states when the epoch began
         self._epoch_seed: int | None = None
+        self._seen: SeenBatches | None = None  # where each batch's sample indices are noted (note_batch_indices)
 
     def set_epoch(self, epoch: int, seed: int | None = None) -> None:
         sampler = getattr(self.loader, "sampler", None)
@@ -117,7 +118,22 @@ class DeviceData:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.resume_at(0)) if self._primes() else iter(self._device_loader)
+        if self._seen is not None:  # a copy of the loader whose batch sampler notes what it draws
+            return iter(self._on_device(_with_batch_sampler(self.loader, self._seen)))
+        if self._primes():
+            return (batch for _, batch in self.resume_at(0))
+        return iter(self._device_loader)
+
+    def note_batch_indices(self) -> SeenBatches | None:
+        """From the next iteration on, note each batch's sample indices as the loader draws them
+        (Lightning's ``batch_indices``, which prediction writers receive): ``seen`` of what this
+        returns, one list per batch, started afresh at each iteration. The loader is not changed:
+        each iteration reads a copy of it around its batch sampler, with its settings and its
+        sampler as they are then. None where there is no batch sampler to note them at: an
+        iterable dataset, a ``DataLoader`` subclass, or any other iterable."""
+        if self._seen is None and _rebuildable(self.loader):
+            self._seen = SeenBatches(self.loader.batch_sampler)
+        return self._seen
 
     def _primes(self) -> bool:
         """An iterable dataset read in this process: its epoch's first draws (a shuffle when its
@@ -204,6 +220,24 @@ class _Primed:
         return itertools.chain(started[self.skip:], batches)
 
 
+class SeenBatches:
+    """A batch sampler that notes each batch's indices as the loader draws them (``seen``; with
+    workers, the loader draws a few batches ahead of the one being used)."""
+
+    def __init__(self, batch_sampler: Iterable[list[int]]) -> None:
+        self.batch_sampler = batch_sampler
+        self.seen: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.seen = []
+        for indices in self.batch_sampler:
+            self.seen.append([int(i) for i in indices])
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+
 class _SkipBatches:
     """A batch sampler without its first ``skip`` batches (their indices are drawn, and dropped)."""
 
@@ -228,16 +262,32 @@ class _DropFirst:
 
 
 def _skipping_loader(loader: Iterable, skip: int) -> Iterable:
-    if (isinstance(loader, DataLoader) and type(loader) is DataLoader and loader.batch_sampler is not None
-            and not isinstance(loader.dataset, torch.utils.data.IterableDataset)):
-        kwargs = {name: getattr(loader, name) for name in _DATALOADER_ARGS if hasattr(loader, name)}
-        for name in ("batch_size", "drop_last"):  # they belong to the batch sampler
-            kwargs.pop(name, None)
-        if kwargs.get("num_workers", 0) == 0:
-            kwargs.pop("prefetch_factor", None)
-            kwargs.pop("persistent_workers", None)
-        return DataLoader(loader.dataset, batch_sampler=_SkipBatches(loader.batch_sampler, skip), **kwargs)
+    if _rebuildable(loader):
+        return _with_batch_sampler(loader, _SkipBatches(loader.batch_sampler, skip))
     return _DropFirst(loader, skip)
+
+
+def _rebuildable(loader: Any) -> bool:
+    """A plain ``DataLoader`` over a map-style dataset: one that can be made again with another
+    batch sampler (``_with_batch_sampler``)."""
+    return (type(loader) is DataLoader and loader.batch_sampler is not None
+            and not isinstance(loader.dataset, torch.utils.data.IterableDataset))
+
+
+def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
+    """``loader``'s settings, as ``DataLoader`` takes them."""
+    kwargs = {name: getattr(loader, name) for name in _DATALOADER_ARGS if hasattr(loader, name)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+        kwargs.pop("persistent_workers", None)
+    return kwargs
+
+
+def _with_batch_sampler(loader: DataLoader, batch_sampler: Any) -> DataLoader:
+    kwargs = _loader_kwargs(loader)
+    for name in ("batch_size", "drop_last"):  # they belong to the batch sampler
+        kwargs.pop(name, None)
+    return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)
 
 
 _DATALOADER_ARGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
@@ -306,8 +356,4 @@ def sequential_dataloader(loader: Any) -> Any:
 
 
 def _with_sampler(loader: DataLoader, sampler: Any) -> DataLoader:
-    kwargs = {name: getattr(loader, name) for name in _DATALOADER_ARGS if hasattr(loader, name)}
-    if kwargs.get("num_workers", 0) == 0:
-        kwargs.pop("prefetch_factor", None)
-        kwargs.pop("persistent_workers", None)
-    return DataLoader(loader.dataset, sampler=sampler, **kwargs)
+    return DataLoader(loader.dataset, sampler=sampler, **_loader_kwargs(loader))
