@@ -565,6 +565,49 @@ def test_a_value_the_module_logs_as_loss_is_its_own_metric(tmp_path, capsys):
     assert "loss=123" in capsys.readouterr().out
 
 
+class StepAndEpochLogger(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch).pow(2).mean()
+        self.log("train_loss", loss)  # per step only, Lightning's default in training_step
+        self.log("acc", loss * 0 + batch_idx, on_step=True, on_epoch=True)  # acc_step and acc_epoch
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_the_loggers_get_per_step_values_at_the_logging_steps_only(tmp_path):
+    """As in Lightning: per-step values reach the loggers at the logging steps only. An epoch's
+    end writes the epoch's values, not the last step's again (``callback_metrics`` still has
+    them)."""
+    import csv
+
+    from xtrainer.loggers import CSVLogger
+
+    trainer = Trainer(strategy="native", max_epochs=2, log_every_n_steps=2, logger=CSVLogger(tmp_path),
+                      enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+                      enable_xla_health=False, default_root_dir=tmp_path)
+    trainer.fit(StepAndEpochLogger(), DataLoader(torch.randn(20, 4), batch_size=4))  # 5 batches an epoch
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    step_rows = [row for row in rows if row["train_loss"]]
+    assert [int(row["step"]) for row in step_rows] == [2, 4, 6, 8, 10]  # every 2nd of the 10 steps
+    assert all(row["acc_step"] and not row["acc_epoch"] for row in step_rows)
+    epoch_rows = [row for row in rows if row["acc_epoch"]]
+    assert [float(row["acc_epoch"]) for row in epoch_rows] == [2.0, 2.0]  # the mean of batch_idx 0..4
+    assert all(not row["train_loss"] and not row["acc_step"] for row in epoch_rows)
+    assert {"train_loss", "acc_step", "acc_epoch", "acc"} <= set(trainer.callback_metrics)
+    # an epoch shorter than the interval: said, as Lightning says it
+    with pytest.warns(UserWarning, match="5 training batches, fewer than log_every_n_steps=50"):
+        Trainer(strategy="native", max_epochs=1, logger=CSVLogger(tmp_path / "short"), enable_checkpointing=False,
+                enable_model_summary=False, enable_progress_bar=False, default_root_dir=tmp_path
+                ).fit(StepAndEpochLogger(), DataLoader(torch.randn(20, 4), batch_size=4))
+
+
 class MultiStep(LightningModule):
     """torch's MultiStepLR keeps its milestones in a collections.Counter."""
 

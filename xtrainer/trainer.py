@@ -172,7 +172,8 @@ class Trainer:
                        "test": settings.limit_test_batches, "predict": settings.limit_predict_batches}
         self.val_check_interval = settings.val_check_interval
         self.check_val_every_n_epoch = settings.check_val_every_n_epoch
-        self.log_every_n_steps = settings.log_every_n_steps
+        # A fast_dev_run writes the values of every step, as in Lightning.
+        self.log_every_n_steps = 1 if settings.fast_dev_run else settings.log_every_n_steps
         self.accumulate_grad_batches = settings.accumulate_grad_batches
         self.gradient_clip_val = settings.gradient_clip_val
         self.gradient_clip_algorithm = settings.gradient_clip_algorithm

@@ -40,6 +40,11 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
             raise ValueError("The training dataloader is empty: it yields no batches (an empty dataset, or "
                              "drop_last=True with fewer samples than one batch per replica).")
         raise ValueError("limit_train_batches leaves no training batches to run.")
+    if trainer.loggers and trainer.num_training_batches < trainer.log_every_n_steps and trainer.loop.global_step == 0:
+        rank_zero_warn(f"An epoch has {trainer.num_training_batches} training batches, fewer than "
+                       f"log_every_n_steps={trainer.log_every_n_steps}: the loggers get the per-step values only every "
+                       f"{trainer.log_every_n_steps} steps (and the epoch values at each epoch's end), as in Lightning. "
+                       "Set a lower log_every_n_steps to see them within each epoch.")
     trainer._publisher.start_fit(trainer)
     trainer._started_at = time.monotonic()
     if trainer.enable_model_summary and trainer.is_global_zero:

@@ -269,11 +269,12 @@ class Publisher:
 
     # ---- reading and handing out -------------------------------------------------------------
     def publish(self, trainer: "Trainer", tensors: dict[str, torch.Tensor], check_loss: bool = False,
-                logging_step: bool = False) -> dict[str, float]:
-        """Read ``tensors`` (and what rides along) in one transfer; hand the values out. Where the
-        training loss is checked (``check_loss``: a logging step, a training epoch's end),
-        replicas whose collectives run as called only start their agreement here, and at a
-        ``logging_step`` only once its time has come (see the module's docstring)."""
+                logging_step: bool = False, not_logged: set[str] = frozenset()) -> dict[str, float]:
+        """Read ``tensors`` (and what rides along) in one transfer; hand the values out (those
+        named in ``not_logged`` to ``callback_metrics`` and the progress bar only, not to the
+        loggers). Where the training loss is checked (``check_loss``: a logging step, a training
+        epoch's end), replicas whose collectives run as called only start their agreement here,
+        and at a ``logging_step`` only once its time has come (see the module's docstring)."""
         if self._vote is not None:  # any read settles the agreement under way first
             self.settle_vote(trainer)
         several = trainer.world_size > 1
@@ -314,9 +315,10 @@ class Publisher:
         trainer.progress_bar_metrics.update({k: v for k, v in values.items() if k in prog})
         public = values
         trainer.callback_metrics.update({**public, **trainer._results.plain_names(public)})
-        trainer.logged_metrics.update(public)
-        if public and trainer.state != "predict" and not trainer.sanity_checking:
-            self._hand_out(trainer, dict(public))
+        logged = {k: v for k, v in public.items() if k not in not_logged} if not_logged else public
+        trainer.logged_metrics.update(logged)
+        if logged and trainer.state != "predict" and not trainer.sanity_checking:
+            self._hand_out(trainer, dict(logged))
         return public
 
     def preview(self, trainer: "Trainer") -> None:
@@ -426,7 +428,10 @@ def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
         getattr(trainer.module, hook)()
     finally:
         publisher.previewing = None
-    metrics = publisher.publish(trainer, epoch_tensors(trainer, stage), check_loss=stage == "train")
+    tensors = epoch_tensors(trainer, stage)
+    # The latest per-step values ride along for callback_metrics; the loggers got them at their logging steps.
+    step_names = set(trainer._results.step_tensors_names()) if stage == "train" else set()
+    metrics = publisher.publish(trainer, tensors, check_loss=stage == "train", not_logged=step_names)
     for cb in trainer.callbacks:
         getattr(cb, hook)(trainer, trainer.module)
     return metrics

@@ -186,8 +186,13 @@ class Results:
                 value = entry.last
                 if entry.sync_dist and world_size > 1:
                     value = reduce(value, "sum") / world_size
-                out[name + "_step" if entry.on_epoch else name] = value
+                out[_step_name(name, entry)] = value
         return out
+
+    def step_tensors_names(self) -> list[str]:
+        """The names ``step_tensors`` gives its values."""
+        return [_step_name(name, entry) for name, entry in self.entries.items()
+                if entry.on_step and entry.last is not None]
 
     def epoch_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int,
                       gather: Callable[[torch.Tensor], torch.Tensor] | None = None, reset: bool = True,
@@ -259,6 +264,11 @@ class Results:
         self.batch = None  # not kept alive past its epoch
         for entry in self.entries.values():
             entry.total, entry.weight = None, 0.0
+
+
+def _step_name(name: str, entry: _Entry) -> str:
+    """A per-step value's published name: ``x``, or ``x_step`` if also logged per epoch."""
+    return name + "_step" if entry.on_epoch else name
 
 
 def _scalar(value: torch.Tensor) -> torch.Tensor:
