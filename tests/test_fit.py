@@ -264,6 +264,11 @@ def test_lr_scheduler_by_step_and_epoch(trainer_kwargs):
     # stepped after steps 2, 4, 6 and 8: lr = 0.5 ** 4
     assert math.isclose(trainer.optimizers[0].param_groups[0]["lr"], 0.5 ** 4)
     assert trainer.lr_schedulers[0].last_epoch == 4
+    # Lightning counts the frequency in batches of the epoch, not in global steps: 5 batches an
+    # epoch step it after batches 2 and 4 of each (4 times in 2 epochs, not after global step 6)
+    trainer = Trainer(max_epochs=2, **trainer_kwargs)
+    trainer.fit(Scheduled(), make_loader(n=40))
+    assert trainer.global_step == 10 and trainer.lr_schedulers[0].last_epoch == 4
 
 
 def test_bf16_precision_trains_in_bfloat16(trainer_kwargs):

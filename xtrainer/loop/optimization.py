@@ -118,7 +118,7 @@ class Optimization:
         if trainer._publisher.counts_steps:
             trainer._publisher.stepped()
         if self.schedulers:
-            self.step_schedulers(trainer, "step")
+            self.step_schedulers(trainer, "step", batch_idx)
 
     def _before_step(self, trainer: "Trainer") -> None:
         trainer._call("on_before_optimizer_step", self.optimizers[0])
@@ -129,8 +129,11 @@ class Optimization:
             trainer.strategy.clip_gradients(trainer.model, self.optimizers[0], trainer.gradient_clip_val,
                                             trainer.gradient_clip_algorithm)
 
-    def step_schedulers(self, trainer: "Trainer", interval: str) -> None:
-        count = trainer.global_step if interval == "step" else trainer.current_epoch + 1
+    def step_schedulers(self, trainer: "Trainer", interval: str, batch_idx: int = 0) -> None:
+        """The schedulers of ``interval`` whose ``frequency`` divides the count, as Lightning
+        counts: per step, the batches of this epoch so far (``batch_idx + 1``, not
+        ``global_step``); per epoch, the epochs so far."""
+        count = batch_idx + 1 if interval == "step" else trainer.current_epoch + 1
         module = trainer.module
         own = type(module).lr_scheduler_step is not XModule.lr_scheduler_step
         step_schedulers(self.schedulers, interval, count, trainer.callback_metrics,
