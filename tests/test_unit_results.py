@@ -185,7 +185,7 @@ def test_load_state_dict_skips_what_is_not_of_this_format():
     (torch.tensor(1.0), {"reduce_fx": "median"}, ValueError, r"reduce_fx='median'\): use one of"),
     (torch.tensor([1.0, 2.0]), {}, ValueError, r"takes a scalar, got a tensor of shape \(2,\)"),
     ("1.0", {}, TypeError, "takes a scalar tensor or a number, not str"),
-    (True, {}, TypeError, "not bool"),
+    (1j, {}, TypeError, "not complex"),
     (torch.tensor(1.0), {"on_step": False, "on_epoch": False}, ValueError, "logs nothing"),
 ])
 def test_malformed_logs_are_refused_with_one_line(value, kwargs, error, message):
@@ -195,6 +195,16 @@ def test_malformed_logs_are_refused_with_one_line(value, kwargs, error, message)
         train_store().log("x", value, **args)
     assert "\n" not in str(info.value)
     assert set(REDUCE_FXS) == {"mean", "sum", "max", "min"}
+
+
+def test_numbers_of_python_and_numpy_and_bools_are_logged_as_lightning_logs_them():
+    import numpy as np
+
+    store = train_store()
+    for i, value in enumerate([np.float32(0.25), np.int64(3), True, np.float64(0.5), 7]):
+        store.log(f"x{i}", value, None, None, False, False, "mean", None)
+    assert {k: float(v) for k, v in store.step_tensors(lambda t, op: t, 1).items()} == \
+        {"x0": 0.25, "x1": 3.0, "x2": 1.0, "x3": 0.5, "x4": 7.0}
 
 
 @pytest.mark.parametrize("value, kwargs, error, message", [

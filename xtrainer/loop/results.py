@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ class Results:
             if _is_metric(value):
                 self._log_metric(name, value, on_step, on_epoch, prog_bar, logger, add_dataloader_idx)
                 return
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
+            if not isinstance(value, numbers.Real):  # Python's and numpy's numbers, bools (as 0 and 1), as Lightning
                 raise TypeError(f"self.log({name!r}, ...) takes a scalar tensor or a number, "
                                 f"not {type(value).__name__}.")
             value = torch.tensor(float(value))
