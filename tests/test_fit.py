@@ -220,6 +220,24 @@ def test_val_check_interval_and_every_n_epochs(trainer_kwargs):
     assert rec.calls.count("on_validation_start") == 4  # twice in each of epochs 1 and 3
 
 
+def test_val_check_interval_counts_batches_across_epochs_without_check_val_every_n_epoch(trainer_kwargs):
+    """Lightning's recipe for validating every N batches whatever the epochs' length:
+    ``check_val_every_n_epoch=None``. With it set, an interval no epoch reaches is refused."""
+    steps = []
+
+    class At(Callback):
+        def on_validation_start(self, trainer, module):
+            steps.append(trainer.global_step)
+
+    trainer = Trainer(max_epochs=3, val_check_interval=3, check_val_every_n_epoch=None, callbacks=[At()],
+                      num_sanity_val_steps=0, **trainer_kwargs)
+    trainer.fit(Regressor(), make_loader(), make_loader(n=16))  # 8 batches an epoch
+    assert steps == [3, 6, 9, 12, 15, 18, 21, 24]
+    with pytest.raises(ValueError, match="val_check_interval=10 is more than the 8 training batches"):
+        Trainer(max_epochs=3, val_check_interval=10, **trainer_kwargs).fit(Regressor(), make_loader(),
+                                                                             make_loader(n=16))
+
+
 def test_should_stop_from_a_callback(trainer_kwargs):
     class StopAfter3(Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):

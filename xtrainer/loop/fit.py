@@ -40,6 +40,8 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
             raise ValueError("The training dataloader is empty: it yields no batches (an empty dataset, or "
                              "drop_last=True with fewer samples than one batch per replica).")
         raise ValueError("limit_train_batches leaves no training batches to run.")
+    if val:
+        check_validation_interval(trainer)
     if trainer.loggers and trainer.num_training_batches < trainer.log_every_n_steps and trainer.loop.global_step == 0:
         rank_zero_warn(f"An epoch has {trainer.num_training_batches} training batches, fewer than "
                        f"log_every_n_steps={trainer.log_every_n_steps}: the loggers get the per-step values only every "
@@ -74,6 +76,11 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         # cuts the graph, which advances the XLA generator.
         batches = train.resume_at(skip) if skip < trainer.num_training_batches else ()
         validate_every = validation_every(trainer) if val else None
+        # check_val_every_n_epoch=None: every validate_every batches counted across epochs, as Lightning
+        # counts them (the epochs before this one, when an epoch's length is known)
+        counted = loop.current_epoch * trainer.num_training_batches \
+            if validate_every is not None and trainer.check_val_every_n_epoch is None \
+            and not math.isinf(trainer.num_training_batches) else 0
         last, max_steps, publisher = trainer.num_training_batches, trainer.max_steps, trainer._publisher
         # What can ask to stop after a batch besides a signal: the platform's notice, max_time.
         watch_stops = trainer.strategy.reads_preemption_notice or trainer.max_time is not None
@@ -89,7 +96,7 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
             start = hooks.on_train_batch_start
             if start is not None and start(batch, batch_idx) == -1:
                 break  # Lightning's meaning: the rest of this epoch is skipped
-            loop.validation_pending = validate_every is not None and (batch_idx + 1) % validate_every == 0
+            loop.validation_pending = validate_every is not None and (counted + batch_idx + 1) % validate_every == 0
             step(trainer, batch, batch_idx, hooks)
             loop.batches_done += 1
             if progress is not None:
@@ -341,6 +348,15 @@ def validation_every(trainer: "Trainer") -> int | None:
             return None  # validated when the epoch ends
         return max(1, int(n * interval))
     return interval
+
+
+def check_validation_interval(trainer: "Trainer") -> None:
+    """A number of batches between validations that no epoch reaches is refused, as in Lightning."""
+    interval, n = trainer.val_check_interval, trainer.num_training_batches
+    if not isinstance(interval, float) and trainer.check_val_every_n_epoch is not None and interval > n:
+        raise ValueError(f"val_check_interval={interval} is more than the {n} training batches of an epoch, so "
+                         "validation would never run. Give at most that many, set check_val_every_n_epoch=None to "
+                         "count the batches across epochs, or limit_val_batches=0 to turn validation off.")
 
 
 def print_summary(trainer: "Trainer") -> None:
