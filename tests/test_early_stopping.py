@@ -79,5 +79,9 @@ def test_bad_arguments_and_a_missing_metric(tmp_path):
         EarlyStopping("score", mode="best")
     with pytest.raises(ValueError, match="patience=-1"):
         EarlyStopping("score", patience=-1)
+    # a negative min_delta counts a slightly worse value as an improvement, as in Lightning
+    trainer = fit(tmp_path / "negative", [1.0, 1.005, 1.01, 1.2, 1.2, 1.2], EarlyStopping("score", min_delta=-0.01,
+                                                                                       patience=2), epochs=6)
+    assert trainer.current_epoch == 5  # 1.005 and 1.01 improved; 1.2 twice did not
     with pytest.raises(KeyError, match="EarlyStopping\\(monitor='val_acc'\\).*Logged: .*score"):
         fit(tmp_path, [1, 2], EarlyStopping("val_acc"))

@@ -76,6 +76,9 @@ def test_file_names_are_lightnings(tmp_path):
     assert named.best_model_path == os.path.join(named.dirpath, "epoch=1-val_loss=0.08.ckpt")
     assert isinstance(named.best_model_score, torch.Tensor) and named.best_model_score.item() == pytest.approx(0.08)
     assert default.best_model_score is None and default.best_k_models == {}  # as Lightning, without a monitor
+    # every checkpoint kept: the kth is the worst of them, as in Lightning
+    assert named.kth_best_model_path == os.path.join(named.dirpath, "epoch=0-val_loss=0.50.ckpt")
+    assert named.kth_value.item() == pytest.approx(0.5)
 
     cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val_loss:.2f}")
     name = cb.format_checkpoint_name({"epoch": 2, "val_loss": 0.123456})
@@ -389,6 +392,26 @@ def test_learning_rates_under_lightnings_names(tmp_path):
 
     with pytest.raises(ValueError, match="needs a Trainer with a logger"):
         fit(tmp_path / "c", [LearningRateMonitor()], epochs=1)
+
+
+class LogsNothing(Regressor):
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+
+def test_per_step_learning_rates_reach_the_loggers_when_the_module_logs_nothing(tmp_path):
+    """A logging step where the module logged nothing still gives the callbacks their turn: the
+    monitor's rates are written alone (no row at all without it), as in Lightning."""
+    logger = Recording()
+    fit(tmp_path / "a", [LearningRateMonitor(logging_interval="step")], epochs=2, module=LogsNothing(),
+        logger=logger, log_every_n_steps=1)
+    assert [(step, m) for step, m in logger.rows] == [(step, {"lr-SGD": 0.05}) for step in (1, 2, 3, 4)]
+    quiet = Recording()
+    fit(tmp_path / "b", [], epochs=2, module=LogsNothing(), logger=quiet, log_every_n_steps=1)
+    assert quiet.rows == []
 
 
 def test_learning_rate_monitor_adds_no_device_reads(tmp_path):

@@ -298,6 +298,12 @@ def test_lightning_names_and_refusals(tmp_path):
     assert Trainer(precision="bf16-mixed", **quiet(tmp_path)).precision.name == "bf16-mixed"
     with pytest.warns(UserWarning, match="bfloat16, not float16"):
         assert Trainer(precision="16-mixed", **quiet(tmp_path)).precision.name == "bf16-mixed"
+    # trainer.precision reads as Lightning's string
+    for given, lightning in [(32, "32-true"), ("32", "32-true"), ("bf16-true", "bf16-true"), ("bf16", "bf16-true"),
+                             ("bf16-mixed", "bf16-mixed")]:
+        precision = Trainer(precision=given, **quiet(tmp_path)).precision
+        assert precision == lightning and str(precision) == lightning and f"{precision}" == lightning
+    assert "16" in Trainer(precision="bf16-mixed", **quiet(tmp_path)).precision
     with pytest.raises(ValueError, match="accelerator='gpu'.*XLA devices"):
         Trainer(accelerator="gpu")
     with pytest.raises(ValueError, match="max_time='12h'"):
@@ -563,6 +569,34 @@ def test_a_value_the_module_logs_as_loss_is_its_own_metric(tmp_path, capsys):
         header, *rows = [line.strip().split(",") for line in f]
     assert header.count("loss") == 1 and {row[header.index("loss")] for row in rows} == {"123.0"}
     assert "loss=123" in capsys.readouterr().out
+
+
+class NoisyInputs(LightningModule):
+    """Lightning's idiom for new tensors in a step: ``dtype=self.dtype, device=self.device``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        noise = torch.randn(batch.shape, dtype=self.dtype, device=self.device)
+        self.seen.append(noise.dtype)
+        return self.layer(batch + noise).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("bf16-true", torch.bfloat16),
+                                              ("bf16-mixed", torch.float32)])
+def test_the_modules_dtype_is_its_parameters(tmp_path, precision, dtype):
+    module = NoisyInputs()
+    assert module.dtype == torch.float32
+    trainer = Trainer(strategy="native", max_steps=2, precision=precision, logger=False, enable_checkpointing=False,
+                      enable_model_summary=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(torch.randn(8, 4), batch_size=4))
+    assert module.seen == [dtype, dtype]
 
 
 class StepAndEpochLogger(LightningModule):

@@ -216,6 +216,15 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
         return torch.device("cpu")
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the module's floating-point parameters (Lightning's ``self.dtype``), or
+        torch's default where it has none."""
+        for tensor in self.parameters():
+            if tensor.is_floating_point():
+                return tensor.dtype
+        return torch.get_default_dtype()
+
+    @property
     def global_step(self) -> int:
         return self._trainer.global_step if self._trainer is not None else 0
 

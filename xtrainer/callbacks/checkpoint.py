@@ -548,7 +548,8 @@ class ModelCheckpoint(Callback):
 
     def _update_kth(self) -> None:
         scores = {p: float(s) for p, s in self.best_k_models.items()}
-        if self.save_top_k > 0 and len(scores) >= self.save_top_k:
+        # save_top_k=-1 keeps every checkpoint: the kth is the worst of them, as in Lightning
+        if scores and (self.save_top_k == -1 or 0 < self.save_top_k <= len(scores)):
             self.kth_best_model_path = self._kth(scores)
             self.kth_value = score_tensor(scores[self.kth_best_model_path])
         else:

@@ -30,7 +30,8 @@ class EarlyStopping(Callback):
 
     Args:
         monitor: a logged metric, e.g. ``"val_loss"``.
-        min_delta: an improvement must be larger than this (>= 0).
+        min_delta: an improvement must be larger than this (a negative one lets a slightly worse
+            value count as an improvement, as in Lightning).
         patience: checks without improvement before stopping.
         verbose: one line for each improvement and for the stop (see ``log_rank_zero_only``).
         mode: ``"min"`` or ``"max"``: which direction is better.
@@ -59,9 +60,8 @@ class EarlyStopping(Callback):
         if not isinstance(monitor, str) or not monitor:
             raise ValueError(f"EarlyStopping(monitor={monitor!r}) must name a logged metric.")
         self._monitor = Monitor(monitor, mode)  # refuses a mode other than min/max
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0 or min_delta < 0:
-            raise ValueError(f"EarlyStopping(patience={patience!r}, min_delta={min_delta!r}): patience must be an "
-                             "int >= 0 and min_delta >= 0.")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            raise ValueError(f"EarlyStopping(patience={patience!r}): patience must be an int >= 0.")
         for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ValueError(f"EarlyStopping({name}={value!r}) must be a number or None.")

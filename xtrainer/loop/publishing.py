@@ -317,8 +317,8 @@ class Publisher:
         trainer.callback_metrics.update({**public, **trainer._results.plain_names(public)})
         logged = {k: v for k, v in public.items() if k not in not_logged} if not_logged else public
         trainer.logged_metrics.update(logged)
-        if logged and trainer.state != "predict" and not trainer.sanity_checking:
-            self._hand_out(trainer, dict(logged))
+        if (logged or logging_step) and trainer.state != "predict" and not trainer.sanity_checking:
+            self._hand_out(trainer, dict(logged))  # a logging step also where the module logged nothing
         return public
 
     def preview(self, trainer: "Trainer") -> None:
@@ -365,8 +365,13 @@ class Publisher:
         return step + max(1, math.ceil(ahead)) if ahead < NonFiniteWatch.NEVER else NonFiniteWatch.NEVER
 
     def _hand_out(self, trainer: "Trainer", logged: dict[str, float]) -> None:
-        logged["epoch"] = float(trainer.current_epoch)  # as Lightning adds it, in every stage
-        if trainer.state == "fit":  # every param group's learning rate rides along
+        """The values read to the callbacks' ``on_metrics`` (which may add their own, as
+        ``LearningRateMonitor`` does), then to the loggers. Where the module logged nothing, the
+        loggers get only what the callbacks added (nothing at all: no row), as in Lightning."""
+        own = bool(logged)
+        if own:
+            logged["epoch"] = float(trainer.current_epoch)  # as Lightning adds it, in every stage
+        if own and trainer.state == "fit":  # every param group's learning rate rides along
             for name, group in automatic_lr_names(trainer.optimizers):
                 lr = group["lr"]
                 if not _on_device(lr):  # an lr kept on the device is not read here
@@ -374,6 +379,8 @@ class Publisher:
         module = trainer.module
         for cb in trainer.callbacks:
             cb.on_metrics(trainer, module, logged, trainer.global_step)
+        if not logged:
+            return
         if trainer.is_global_zero and trainer.loggers:
             hidden = trainer._results.hidden_from_loggers()
             for_loggers = {k: v for k, v in logged.items() if k not in hidden} if hidden else logged

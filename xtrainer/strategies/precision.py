@@ -15,10 +15,12 @@ _DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "bf16-mixed": torch.floa
 _ALIASES = {"32": "32", 32: "32", "32-true": "32", "fp32": "32",
             "bf16": "bf16", "bf16-true": "bf16", "bfloat16": "bf16",
             "bf16-mixed": "bf16-mixed", "16-mixed": "bf16-mixed", 16: "bf16-mixed", "16": "bf16-mixed"}
+_LIGHTNING_NAMES = {"32": "32-true", "bf16": "bf16-true", "bf16-mixed": "bf16-mixed"}
 
 
-class Precision:
-    """How parameters and floating-point inputs are represented on the device.
+class Precision(str):
+    """How parameters and floating-point inputs are represented on the device; the string is
+    Lightning's name for it (``trainer.precision == "bf16-mixed"``), ``name`` is the short one.
 
     ``"bf16"`` keeps parameters, gradients, optimizer state and floating-point inputs in
     bfloat16: what the deprecated ``XLA_USE_BF16=1`` did, done explicitly on the module and the
@@ -30,17 +32,24 @@ class Precision:
     compute in bfloat16, which needs no loss scaling.
     """
 
-    def __init__(self, value: Any = "32") -> None:
+    name: str
+    dtype: torch.dtype
+    device_type: str
+
+    def __new__(cls, value: Any = "32") -> "Precision":
         if value not in _ALIASES:
             raise ValueError(f"precision={value!r} is not supported; use one of "
                              f"{sorted({str(v) for v in _ALIASES})}.")
-        if _ALIASES[value] == "bf16-mixed" and "bf16" not in str(value):
+        name = _ALIASES[value]
+        if name == "bf16-mixed" and "bf16" not in str(value):
             rank_zero_warn(f"precision={value!r}: XLA devices compute in bfloat16, not float16; running "
                            "precision='bf16-mixed' (no gradient scaler is needed).")
-        self.name = _ALIASES[value]
-        self.dtype = _DTYPES[self.name]
+        self = super().__new__(cls, _LIGHTNING_NAMES[name])
+        self.name = name
+        self.dtype = _DTYPES[name]
         #: The device kind autocast acts on (a native strategy sets its own: "cpu", "cuda"...).
         self.device_type = "xla"
+        return self
 
     def step_context(self) -> contextlib.AbstractContextManager:
         """What each step runs under: autocast for ``"bf16-mixed"``."""
@@ -57,5 +66,3 @@ class Precision:
         return apply_to_collection(data, torch.Tensor,
                                    lambda t: t.to(self.dtype) if t.is_floating_point() else t)
 
-    def __repr__(self) -> str:
-        return f"Precision({self.name!r})"
