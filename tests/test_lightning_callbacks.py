@@ -361,6 +361,26 @@ def test_early_stopping_strict_and_where_it_checks(tmp_path):
     assert moved.best_score.item() == 1 and moved.wait_count == 0
 
 
+def test_evaluating_last_after_a_fit_that_kept_only_an_older_best_uses_the_trained_weights(tmp_path):
+    """Lightning's ``ckpt_path="last"`` is a ``last.ckpt``; with none, it evaluates the module as
+    it is (with a warning), not the one checkpoint kept, the best of an earlier epoch."""
+    best_first = ModelCheckpoint(dirpath=tmp_path / "c", monitor="val_loss", save_top_k=1, save_last=False)
+    module = Scripted([0.1, 0.5, 0.9, 0.7])
+    trainer = fit(tmp_path, [best_first], module=module, epochs=3)
+    assert ckpts(tmp_path / "c") == ["epoch=0-step=2.ckpt"] and trainer.global_step == 6
+    trained = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.warns(UserWarning, match=r"validate\(ckpt_path='last'\): the newest checkpoint .* is older"):
+        trainer.validate(module, make_loader(n=8, seed=1), ckpt_path="last", verbose=False)
+    assert trainer.ckpt_path is None
+    assert all(torch.equal(trained[k], v) for k, v in module.state_dict().items())  # not epoch 0's weights
+    # with a last.ckpt, that one
+    saver = ModelCheckpoint(dirpath=tmp_path / "l", monitor="val_loss", save_top_k=1, save_last=True)
+    module = Scripted([0.1, 0.5, 0.9, 0.7])
+    trainer = fit(tmp_path / "second", [saver], module=module, epochs=3)
+    trainer.validate(module, make_loader(n=8, seed=1), ckpt_path="last", verbose=False)
+    assert trainer.ckpt_path is not None and trainer.ckpt_path.startswith(str(tmp_path / "l"))
+
+
 # ---- LearningRateMonitor --------------------------------------------------------------------------
 class TwoGroups(Regressor):
     def configure_optimizers(self):

@@ -510,13 +510,13 @@ class Trainer:
         self._resolved_ckpt = (ckpt_path, resolved)
         return resolved
 
-    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike | None) -> str | None:
+    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike | None, stage: str = "fit") -> str | None:
         if ckpt_path is None:
             return None
         if self._resolved_ckpt is not None and self._resolved_ckpt[0] == ckpt_path:
             resolved, self._resolved_ckpt = self._resolved_ckpt[1], None
             return resolved
-        return checkpoints.resolve_ckpt_path(self, os.fspath(ckpt_path))
+        return checkpoints.resolve_ckpt_path(self, os.fspath(ckpt_path), stage)
 
     def validate(self, model: XModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
                  verbose: bool = True, datamodule: XDataModule | None = None) -> list[dict[str, float]]:

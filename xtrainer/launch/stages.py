@@ -71,7 +71,7 @@ def evaluate(trainer: Trainer, stage: str, model: XModule, dataloaders: Any, ckp
 def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | None], ckpt_path: Any) -> Any:
     """Start the replicas of ``stage`` and return rank 0's outputs; where the replicas ran in
     other processes, rank 0's weights, loop state, metrics and callback states come home."""
-    resolved = trainer._resolve_ckpt_path(ckpt_path)
+    resolved = trainer._resolve_ckpt_path(ckpt_path, stage)
     trainer.ckpt_path = resolved
     trainer.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
     # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the

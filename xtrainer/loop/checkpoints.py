@@ -132,9 +132,10 @@ def stop_on_signal(trainer: "Trainer", signum: int) -> None:
     raise interrupts.TrainingInterrupted(message, signum, path)
 
 
-def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str) -> str | None:
+def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str, stage: str = "fit") -> str | None:
     """The checkpoint ``ckpt_path`` (a path, ``"best"`` or ``"last"``) means for this run, checked
-    completely, announced in one line; None for a fresh start (``"last"`` with none yet)."""
+    completely, announced in one line; None for a fresh start (``"last"`` with none yet), or, for
+    an evaluation after a fit that this Trainer took past every checkpoint, the module as it is."""
     from xtrainer.callbacks import ModelCheckpoint
 
     if ckpt_path == "best":
@@ -156,6 +157,14 @@ def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str) -> str | None:
     header = resume.resolve(ckpt_path, search, strategy.checkpoint_layout, strategy.name,
                             strategy.launcher.planned_world_size(), root=runs_root)
     if header is None:
+        return None
+    if ckpt_path == "last" and stage != "fit" and header.global_step < trainer.global_step:
+        # Lightning's "last" is a last.ckpt; without one it evaluates the module as it is: so here,
+        # rather than an older checkpoint (the best, say) than the weights this Trainer trained.
+        rank_zero_warn(f"{stage}(ckpt_path='last'): the newest checkpoint ({header.path}, step {header.global_step}) "
+                       f"is older than this Trainer's fit (step {trainer.global_step}); the module is evaluated as it "
+                       "is, as Lightning does without a last checkpoint. Set ModelCheckpoint(save_last=True) to keep "
+                       "one.")
         return None
     print(f"xtrainer: resuming from {header.describe()}", flush=True)
     return header.path
