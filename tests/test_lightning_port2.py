@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, random_split
 from xtrainer import Trainer
 from xtrainer import XDataModule as LightningDataModule
 from xtrainer import XModule as LightningModule
+from xtrainer.callbacks import BasePredictionWriter
 from xtrainer.strategies import STRATEGIES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -443,9 +444,6 @@ def test_lightning_callback_names_work(tmp_path, capsys):
     assert all(torch.equal(a, b) for mine, theirs in zip(writer.predictions, returned) for a, b in zip(mine, theirs))
     with pytest.raises(ImportError, match="no StochasticWeightAveraging.*AveragedModel"):
         from xtrainer.callbacks import StochasticWeightAveraging  # noqa: F401
-
-
-from xtrainer.callbacks import BasePredictionWriter  # noqa: E402
 
 
 class IndexWriter(BasePredictionWriter):
