@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
+from xtrainer.loop.metric_values import as_tensor
 from xtrainer.loop.results import to_floats
 
 if TYPE_CHECKING:
@@ -314,9 +315,10 @@ class Publisher:
         prog = trainer._results.prog_bar_names()
         trainer.progress_bar_metrics.update({k: v for k, v in values.items() if k in prog})
         public = values
-        trainer.callback_metrics.update({**public, **trainer._results.plain_names(public)})
+        stored = {k: as_tensor(v) for k, v in public.items()}  # one CPU tensor per value, for both dicts
+        trainer.callback_metrics.update({**stored, **trainer._results.plain_names(stored)})
         logged = {k: v for k, v in public.items() if k not in not_logged} if not_logged else public
-        trainer.logged_metrics.update(logged)
+        trainer.logged_metrics.update({k: stored[k] for k in logged})
         if (logged or logging_step) and trainer.state != "predict" and not trainer.sanity_checking:
             self._hand_out(trainer, dict(logged))  # a logging step also where the module logged nothing
         return public
