@@ -1156,5 +1156,5 @@ def test_lightning_utilities_port_by_their_import(tmp_path):
     assert list(norms) == names and torch.allclose(norms["grad_2.0_norm_total"], total)
     with pytest.raises(ImportError, match="WandbLogger.*subclass xtrainer.loggers.Logger"):
         from xtrainer.loggers import WandbLogger  # noqa: F401
-    with pytest.raises(ImportError, match="CombinedLoader.*list of loaders"):
-        from xtrainer.utilities import CombinedLoader  # noqa: F401
+    with pytest.raises(ImportError, match="find_shared_parameters.*by identity"):
+        from xtrainer.utilities import find_shared_parameters  # noqa: F401

@@ -33,8 +33,10 @@ from xtrainer.loop.results import Results
 from xtrainer.loop.state import LoopState
 from xtrainer.module import XModule
 from xtrainer.strategies import Strategy, resolve_strategy
+from xtrainer.strategies.data import CombinedData
 from xtrainer.strategies.precision import Precision
 from xtrainer.suggest import did_you_mean
+from xtrainer.utilities.combined_loader import CombinedLoader
 
 __all__ = ["Trainer", "seed_everything"]
 
@@ -558,6 +560,8 @@ class Trainer:
         return self._train_data.state_dict() if self._train_data is not None else None
 
     def _device_data(self, loader: Any) -> Any:
+        if isinstance(loader, CombinedLoader):  # training loaders read together: each one as a loader is
+            return CombinedData(loader, [self._device_data(inner) for inner in loader.flattened])
         return self.strategy.process_dataloader(loader, distribute=self.use_distributed_sampler)
 
     def _call_on_exception(self, err: BaseException) -> None:

@@ -8,12 +8,14 @@ the training loader every n epochs; and how many batches of a loader a run takes
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from xtrainer.config import arguments
 from xtrainer.datamodule import LOADER_HOOKS, XDataModule
 from xtrainer.module import XModule
 from xtrainer.strategies.data import sequential_dataloader
+from xtrainer.utilities.combined_loader import CombinedLoader, flatten
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
@@ -48,13 +50,11 @@ def for_fit(trainer: "Trainer", model: XModule, train_dataloaders: Any, val_data
     """In the calling process: the loaders given to ``fit``, checked; ``None`` for a stage whose
     loaders come from a hook, which every replica calls after the module's ``setup(stage)``
     (``in_replica``), as Lightning does: the module may build its datasets there."""
-    train = arguments.as_list(train_dataloaders)
+    train = training_source(train_dataloaders, "fit(train_dataloaders=...)")
     if not train and _hook_owner(trainer, model, "train") is None:
         raise ValueError(f"fit() got no training data: pass train_dataloaders=..., a datamodule, or define "
                          f"{type(model).__name__}.train_dataloader().")
-    if len(train) > 1:
-        raise ValueError("fit() takes one training dataloader.")
-    val = arguments.as_list(val_dataloaders)
+    val = evaluation_sources(val_dataloaders, "fit(val_dataloaders=...)")
     if val and not _validates(model):
         raise ValueError(f"Validation data was given but {type(model).__name__} has no validation_step.")
     return {"train": train or None, "validate": val or None}
@@ -63,7 +63,7 @@ def for_fit(trainer: "Trainer", model: XModule, train_dataloaders: Any, val_data
 def for_stage(trainer: "Trainer", model: XModule, stage: str, dataloaders: Any) -> dict[str, list | None]:
     """In the calling process: the loaders given to ``validate``/``test``/``predict``, or ``None``
     for the hook's (called in every replica after ``setup``)."""
-    loaders = arguments.as_list(dataloaders)
+    loaders = evaluation_sources(dataloaders, f"{stage}(dataloaders=...)")
     if not loaders and _hook_owner(trainer, model, stage) is None:
         raise ValueError(f"{stage}() got no data: pass dataloaders=..., a datamodule, or define "
                          f"{type(model).__name__}.{LOADER_HOOKS[stage]}().")
@@ -85,8 +85,50 @@ def in_replica(trainer: "Trainer", model: XModule, sources: dict[str, list | Non
         if stage != "validate" or "train" not in sources:  # validation data is optional in a fit
             _check_found(trainer, model, stage, found[stage])
     if "train" in found and trainer.overfit_batches:
-        found["train"] = [sequential_dataloader(found["train"][0])]
+        found["train"] = [each_loader(found["train"][0], sequential_dataloader)]
     return found
+
+
+def training_source(loaders: Any, where: str) -> list:
+    """The training data in ``loaders``, as a list of one loader: several (a dict, a list or a
+    tuple of them) are read together as a ``CombinedLoader`` in ``max_size_cycle`` mode, as in
+    Lightning; a ``CombinedLoader`` as it is. Empty: none given."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, CombinedLoader):
+        if loaders.mode == "sequential":
+            raise ValueError(f"{where}: fit does not read a CombinedLoader(mode='sequential') (one loader after "
+                             "the other), as Lightning does not; use 'max_size_cycle', 'min_size' or 'max_size'.")
+        return [loaders]
+    if isinstance(loaders, (list, tuple)) and len(loaders) == 1:
+        loaders = loaders[0]
+    if isinstance(loaders, Mapping) or isinstance(loaders, (list, tuple)):
+        return [CombinedLoader(loaders, "max_size_cycle")] if loaders else []
+    return [loaders]
+
+
+def evaluation_sources(loaders: Any, where: str) -> list:
+    """The loaders of a ``validate``/``test``/``predict`` run (or a fit's validation), read one
+    after the other: a dict's or a list's, nested as they may be, in order (``dataloader_idx``),
+    as Lightning reads them; a ``CombinedLoader``'s, which must then be ``sequential``."""
+    if isinstance(loaders, CombinedLoader):
+        if loaders.mode != "sequential":
+            raise ValueError(f"{where}: a CombinedLoader(mode={loaders.mode!r}) is read in training only; evaluation "
+                             "reads its loaders one after the other: pass them as a list (or "
+                             "CombinedLoader(..., mode='sequential')).")
+        return loaders.flattened
+    if isinstance(loaders, (Mapping, list, tuple)):
+        return flatten(loaders)[0]
+    return arguments.as_list(loaders)
+
+
+def each_loader(source: Any, change: Any) -> Any:
+    """``change(loader)`` of ``source``, or of each of a ``CombinedLoader``'s (a new one)."""
+    if isinstance(source, CombinedLoader):
+        combined = CombinedLoader(source.iterables, source.mode)
+        combined.flattened = [change(loader) for loader in source.flattened]
+        return combined
+    return change(source)
 
 
 def _check_found(trainer: "Trainer", model: XModule, stage: str, found: list) -> None:
@@ -95,8 +137,6 @@ def _check_found(trainer: "Trainer", model: XModule, stage: str, found: list) ->
         owner = _hook_owner(trainer, model, stage)
         raise ValueError(f"{what}: {type(owner).__name__}.{LOADER_HOOKS[stage]}() returned nothing; return a "
                          "DataLoader (or pass the loaders to the Trainer's method).")
-    if stage == "train" and len(found) > 1:
-        raise ValueError(f"fit() takes one training dataloader; train_dataloader() returned {len(found)}.")
 
 
 def _validates(model: XModule) -> bool:
@@ -119,7 +159,9 @@ def from_hooks(trainer: "Trainer", model: XModule, stage: str) -> list:
     if owner is None:
         return []
     trainer._loader_hooks[stage] = owner
-    return arguments.as_list(_call_hook(owner, LOADER_HOOKS[stage]))
+    where = f"{type(owner).__name__}.{LOADER_HOOKS[stage]}()"
+    returned = _call_hook(owner, LOADER_HOOKS[stage])
+    return training_source(returned, where) if stage == "train" else evaluation_sources(returned, where)
 
 
 def reloaded(trainer: "Trainer", train: Any, first_epoch: int) -> Any:
@@ -127,10 +169,10 @@ def reloaded(trainer: "Trainer", train: Any, first_epoch: int) -> Any:
     every, owner = trainer.reload_dataloaders_every_n_epochs, trainer._loader_hooks.get("train")
     if not every or owner is None or trainer.current_epoch == first_epoch or trainer.current_epoch % every:
         return train
-    loader = arguments.as_list(_call_hook(owner, LOADER_HOOKS["train"]))
+    loader = training_source(_call_hook(owner, LOADER_HOOKS["train"]), f"{type(owner).__name__}.train_dataloader()")
     if len(loader) != 1:
-        raise ValueError(f"{type(owner).__name__}.train_dataloader() returned {len(loader)} loaders on reload.")
-    data = trainer._device_data(sequential_dataloader(loader[0]) if trainer.overfit_batches else loader[0])
+        raise ValueError(f"{type(owner).__name__}.train_dataloader() returned no loader on reload.")
+    data = trainer._device_data(each_loader(loader[0], sequential_dataloader) if trainer.overfit_batches else loader[0])
     trainer.num_training_batches = num_batches(data, trainer.limits["train"], "train")
     return data
 

@@ -8,6 +8,7 @@ puts a ``DistributedSampler`` in a plain loader, and ``sequential_dataloader`` t
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -357,3 +358,87 @@ def sequential_dataloader(loader: Any) -> Any:
 
 def _with_sampler(loader: DataLoader, sampler: Any) -> DataLoader:
     return DataLoader(loader.dataset, sampler=sampler, **_loader_kwargs(loader))
+
+
+class CombinedData:
+    """Several training loaders read together (a ``CombinedLoader``: ``fit`` with a dict or a list
+    of loaders), each given to this replica as one loader is (``inner``: a ``DeviceData`` each,
+    with its sampler and its delivery on the device). Each step's batch has the loaders' shape.
+
+    In ``max_size_cycle`` a shorter loader starts again as it runs out; each of its passes in an
+    epoch draws an order of its own, from the run's seed, the epoch, the loader's place and the
+    pass, so that a run resumed inside an epoch reads every loader from where it was, in the
+    same order, by index (as one loader does). A loader with a generator of its own is read on
+    from that generator; resumed in a later pass than the checkpoint's, its order is not the
+    saved run's, and a warning says so."""
+
+    def __init__(self, combined: Any, inner: list[DeviceData]) -> None:
+        self.combined, self.inner = combined, inner
+        self.mode = combined.mode
+        self.loader = combined.combine([data.loader for data in inner])  # what trainer.train_dataloader shows
+        self._epoch, self._seed = 0, None
+        self._passes = [0] * len(inner)  # the pass each loader is in
+        self._restored: list[Any] | None = None
+
+    def _lengths(self) -> list[float]:
+        from xtrainer.utilities.combined_loader import sized
+
+        return [sized(data) for data in self.inner]
+
+    def __len__(self) -> int:
+        from xtrainer.utilities.combined_loader import combined_length
+
+        length = combined_length(self._lengths(), self.mode)
+        if math.isinf(length):
+            raise TypeError("These combined loaders have no length: one of them has none.")
+        return int(length)
+
+    def set_epoch(self, epoch: int, seed: int | None = None) -> None:
+        self._epoch, self._seed, self._restored = epoch, seed, None
+        self._passes, self._restoring = [0] * len(self.inner), [False] * len(self.inner)
+        for k, data in enumerate(self.inner):
+            data.set_epoch(epoch, self._pass_seed(k, 0))
+
+    def _pass_seed(self, k: int, cycle: int) -> int | None:
+        return None if self._seed is None else _mix(_mix(self._seed, k + 1), cycle)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"combined": [data.state_dict() for data in self.inner], "passes": list(self._passes)}
+
+    def layout(self) -> None:
+        return None  # several loaders: the order of each replica's share is not worked out here
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """After ``set_epoch``: each loader's generators as they were at the start of its pass."""
+        self._restored = state if isinstance(state, dict) and "combined" in state else None
+        self._restoring = [True] * len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (batch for _, batch in self.resume_at(0))
+
+    def _start(self, k: int, cycle: int, position: int) -> Iterator[Any]:
+        data = self.inner[k]
+        if cycle != self._passes[k] or cycle:
+            data.set_epoch(self._epoch, self._pass_seed(k, cycle))
+        restored, self._restoring[k] = (self._restored if self._restoring[k] else None), False
+        if restored is not None and len(restored["combined"]) == len(self.inner):  # this loader's first pass on resume
+            saved_pass = restored["passes"][k] if k < len(restored.get("passes", ())) else 0
+            if saved_pass == cycle:
+                data.load_state_dict(restored["combined"][k])
+            elif data.state_dict()["generators"]:
+                rank_zero_warn(f"Resuming inside an epoch: training loader {k} of the combined loaders has a generator "
+                               "of its own and was between two passes when the checkpoint was written, so the rest "
+                               "of its pass is not the order the saved run would have drawn.")
+        self._passes[k] = cycle
+        return (batch for _, batch in data.resume_at(position))
+
+    def resume_at(self, skip: int) -> Iterable[tuple[int, Any]]:
+        """``(batch_idx, batch)`` from step ``skip`` on, each loader from its place in its pass."""
+        from xtrainer.utilities.combined_loader import rows
+
+        combine = self.combined.combine
+        lengths = self._lengths()
+        if skip and any(math.isinf(n) for n in lengths):  # no index to start at: read and drop
+            return itertools.islice(enumerate(combine(row) for row in rows(self._start, lengths, self.mode)),
+                                    skip, None)
+        return enumerate((combine(row) for row in rows(self._start, lengths, self.mode, skip)), start=skip)

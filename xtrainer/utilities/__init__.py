@@ -1,6 +1,6 @@
 """Lightning's ``lightning.pytorch.utilities`` names a project imports, so that it ports by
 changing the import: the rank-zero helpers (lightning-utilities' own, which the Trainer sets for
-every replica), ``grad_norm``, ``AttributeDict`` and ``move_data_to_device``. ``types`` holds the
+every replica), ``grad_norm``, ``AttributeDict``, ``move_data_to_device`` and ``CombinedLoader``. ``types`` holds the
 type aliases. A name with no counterpart here raises an ImportError that says what to use."""
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ from lightning_utilities.core.rank_zero import (rank_zero_debug, rank_zero_depre
                                                 rank_zero_only, rank_zero_warn)
 
 from xtrainer.module import AttributeDict, move_data_to_device
+from xtrainer.utilities.combined_loader import CombinedLoader
 from xtrainer.utilities.grads import grad_norm
 
-__all__ = ["AttributeDict", "grad_norm", "move_data_to_device", "rank_zero_debug", "rank_zero_deprecation",
+__all__ = ["AttributeDict", "CombinedLoader", "grad_norm", "move_data_to_device", "rank_zero_debug", "rank_zero_deprecation",
            "rank_zero_info", "rank_zero_only", "rank_zero_warn"]
 
 #: Lightning's utilities with no counterpart here, and what to do instead.
 MISSING = {
-    "CombinedLoader": "iterate several loaders in one DataLoader of your own (a Dataset that zips them, or "
-                      "itertools in an IterableDataset); validation and test take a list of loaders as they are",
     "measure_flops": "the Trainer counts a step's FLOPs itself (xtrainer.flops, printed after fit)",
     "find_shared_parameters": "compare parameters by identity (`p is q`) in your module",
     "set_shared_parameters": "tie the parameters in your module's __init__ (`self.b.weight = self.a.weight`)",
