@@ -669,3 +669,61 @@ def test_an_explicit_metric_compute_sees_every_replica(tmp_path, strategy):
     (result,) = trainer.validate(model, DataLoader(data, batch_size=4), verbose=False)
     assert result["val_mse_logged"] == pytest.approx(expected, rel=1e-5)
     assert result["val_mse_explicit"] == pytest.approx(expected, rel=1e-5)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Eight samples, streamed: a loader without a length."""
+
+    def __iter__(self):
+        for i in range(8):
+            yield torch.tensor([float(i)])
+
+
+class _StreamModule(LightningModule):
+    """A one-cycle schedule over the fit's steps, and Lightning 2's recipe for epoch-end work over
+    the validation outputs (``torch.stack`` of what the steps kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(1, 1)
+        self.outputs, self.validated_at = [], []
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0] if isinstance(batch, list) else batch).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.outputs.append(self.net(batch[0]).mean())
+
+    def on_validation_epoch_end(self):
+        self.validated_at.append(self.global_step)
+        torch.stack(self.outputs)
+        self.outputs.clear()
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.01)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.OneCycleLR(
+            opt, 0.1, total_steps=self.trainer.estimated_stepping_batches)}
+
+
+def test_a_stream_with_max_steps_and_an_int_validation_interval_runs_as_in_lightning(tmp_path):
+    """``estimated_stepping_batches`` is ``max_steps`` for a loader without a length (it raised),
+    and validation runs every N batches only (it also ran whenever the stream ran out)."""
+    module = _StreamModule()
+    trainer = Trainer(strategy="native", max_steps=16, val_check_interval=3, check_val_every_n_epoch=None,
+                      num_sanity_val_steps=0, enable_checkpointing=False, **quiet(tmp_path))
+    val = DataLoader(make_data(4, features=1), batch_size=2)
+    trainer.fit(module, DataLoader(_Stream(), batch_size=1), val)
+    assert trainer.estimated_stepping_batches == 16
+    assert module.validated_at == [3, 6, 11, 14]  # Lightning's steps (two 8-batch epochs)
+    assert Trainer(strategy="native", **quiet(tmp_path)).estimated_stepping_batches == float("inf")
+
+
+def test_limit_val_batches_zero_runs_no_validation_hook(tmp_path):
+    """No validation at all, as in Lightning: its epoch hooks ran with no batch, and the recipe
+    above raised (``torch.stack`` of nothing)."""
+    module = _StreamModule()
+    trainer = Trainer(strategy="native", max_epochs=2, limit_val_batches=0, enable_checkpointing=False,
+                      **quiet(tmp_path))
+    trainer.fit(module, DataLoader(make_data(4, features=1), batch_size=2),
+                DataLoader(make_data(4, features=1), batch_size=2))
+    assert module.validated_at == [] and trainer.global_step == 4

@@ -378,8 +378,9 @@ class Trainer:
     def estimated_stepping_batches(self) -> float:
         """Optimizer steps this fit will take (``max_steps``, or epochs x steps per epoch):
         what a one-cycle scheduler needs in ``configure_optimizers``."""
-        per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches) \
-            if self.num_training_batches else math.inf
+        batches = self.num_training_batches
+        per_epoch = math.ceil(batches / self.accumulate_grad_batches) if batches and not math.isinf(batches) \
+            else math.inf  # before a fit, or a loader without a length
         by_epochs = per_epoch * self.max_epochs if self.max_epochs != -1 else math.inf
         return min(by_epochs, self.max_steps) if self.max_steps != -1 else by_epochs
 

@@ -94,7 +94,11 @@ def _logged_in(results: Results, key: str, loader: int) -> bool:
 
 
 def validate_during_fit(trainer: "Trainer", val: list) -> None:
-    """A validation inside ``fit``; the training results are put back afterwards."""
+    """A validation inside ``fit``; the training results are put back afterwards. None at all
+    (no hooks either) where no loader has a batch to give (``limit_val_batches=0``), as in Lightning."""
+    if not any(trainer._num_val_batches):
+        trainer.loop.validation_pending = False
+        return
     train_results = trainer._results
     run(trainer, "validate", val, in_fit=True)
     trainer._results = train_results

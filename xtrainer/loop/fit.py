@@ -118,8 +118,9 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         signum = interrupts.requested()
         if signum is not None and not finished and stopping(trainer) and not limits_reached(trainer):
             checkpoints.stop_on_signal(trainer, signum)  # the epoch is cut short: no epoch-end hooks
-        if val and finished and math.isinf(trainer.num_training_batches) and validation_epoch(trainer):
-            evaluation.validate_during_fit(trainer, val)  # a loader without a length: validate when it runs out
+        if val and finished and math.isinf(trainer.num_training_batches) and validation_epoch(trainer) \
+                and validate_every is None:  # a loader without a length, validated per epoch: when it runs out
+            evaluation.validate_during_fit(trainer, val)
         loop.epoch_finished = finished
         # A checkpoint written in the epoch-end hooks precedes the epoch's scheduler step: a run
         # resumed from it takes that step first, as this one does next.
