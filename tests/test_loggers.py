@@ -28,7 +28,7 @@ from tbparse import SummaryReader
 from torch import nn
 
 import xtrainer.trainer
-from xtrainer import Trainer
+from xtrainer import Trainer, XDataModule
 from xtrainer.loggers import (CSVLogger, Logger, TensorBoardLogger, claim_run_folder, claim_version_dir,
                               move_run_folder, run_folder_root)
 from xtrainer.summary import human_readable_count, summarize
@@ -709,8 +709,9 @@ def test_trainer_writes_both_loggers_into_one_lightning_folder(tmp_path):
     assert {"epoch", "step", "train_loss_step", "train_loss_epoch", "val_loss"} <= set(header)
     assert [r["val_loss"] != "" for r in rows].count(True) == 2 and rows[-1]["epoch"] == "1"
     assert {"train_loss_step", "val_loss", "hp_metric"} <= set(SummaryReader(folder).scalars.tag)
-    assert yaml.safe_load(open(os.path.join(folder, "hparams.yaml")))["trainer/max_epochs"] == 2
-    assert "val_loss" in hparams_view(folder)[1]
+    view, view_metrics = hparams_view(folder)
+    assert view["trainer/max_epochs"] == 2 and "val_loss" in view_metrics  # the run's settings are shown
+    assert not os.path.exists(os.path.join(folder, "hparams.yaml"))  # but the module saved no hyperparameters
     again = Trainer(max_epochs=3, default_root_dir=str(tmp_path / "root"), enable_progress_bar=False,
                     enable_model_summary=False, logger=CSVLogger(tmp_path / "logs"))
     again.fit(Regressor(), make_loader(), ckpt_path="last")  # found in the logger's lineage
@@ -758,3 +759,36 @@ def test_rows_of_validate_and_test_after_a_fit_carry_the_epoch_as_lightnings_do(
     validated = [row for row in rows if row.get("val_loss")]
     assert validated and validated[-1]["epoch"] not in ("", None)
     assert float(validated[-1]["epoch"]) == trainer.current_epoch
+
+
+class _Sized(Regressor):
+    def __init__(self, width: int = 4, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
+        self.save_hyperparameters()
+
+
+class _SizedData(XDataModule):
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self):
+        return make_loader(batch_size=self.hparams.batch_size)
+
+
+@wired
+@pytest.mark.parametrize("kind", ["tensorboard", "csv"])
+def test_hparams_yaml_rebuilds_the_module_as_in_lightning(tmp_path, kind):
+    """``hparams.yaml`` holds the module's and the data module's hyperparameters alone (the
+    Trainer's settings go to TensorBoard's HPARAMS view only), so ``Model(**yaml)`` works."""
+    logger = TensorBoardLogger(tmp_path) if kind == "tensorboard" else CSVLogger(tmp_path)
+    trainer = Trainer(strategy="native", max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, logger=logger)
+    trainer.fit(_Sized(width=6), datamodule=_SizedData(batch_size=16))
+    saved = yaml.safe_load(open(os.path.join(logger.log_dir, "hparams.yaml")))
+    assert saved == {"width": 6, "lr": 0.05, "batch_size": 16}
+    saved.pop("batch_size")
+    assert _Sized(**saved).hparams == {"width": 6, "lr": 0.05}
+    if kind == "tensorboard":
+        view, _ = hparams_view(logger.log_dir)
+        assert view["width"] == 6 and view["trainer/strategy"] == "native"

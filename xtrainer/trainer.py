@@ -577,13 +577,21 @@ class Trainer:
         replica.run_cleanup(hooks, err)  # one that fails is a note on err, which goes on
 
     def hyperparameters(self) -> dict[str, Any]:
-        """The module's saved hyperparameters, the run's configuration and the Trainer's settings;
-        secrets written as "***" (``xtrainer/config/redaction.py``: what every logger receives)."""
+        """What the loggers' ``log_hyperparams`` receive, as in Lightning: the data module's saved
+        hyperparameters and the module's (the module's where both name one); secrets written as
+        "***" (``xtrainer/config/redaction.py``)."""
+        datamodule = dict(getattr(self.datamodule, "hparams", None) or {}) if self.datamodule is not None else {}
+        return redact({**datamodule, **self.module.hparams})
+
+    def run_settings(self) -> dict[str, Any]:
+        """The Trainer's settings (``trainer/...``) and the configuration the run was built from,
+        for the loggers that show them beside the hyperparameters (TensorBoard's HPARAMS view);
+        secrets written as "***"."""
         settings = {"strategy": self.strategy.name, "world_size": self.world_size, "precision": self.precision.name,
                     "max_epochs": self.max_epochs, "max_steps": self.max_steps,
                     "accumulate_grad_batches": self.accumulate_grad_batches,
                     "gradient_clip_val": self.gradient_clip_val, "log_every_n_steps": self.log_every_n_steps}
-        return redact({**{f"trainer/{k}": v for k, v in settings.items()}, **self.run_config, **self.module.hparams})
+        return redact({**{f"trainer/{k}": v for k, v in settings.items()}, **self.run_config})
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``XModule.manual_backward``."""

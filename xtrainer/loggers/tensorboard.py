@@ -56,6 +56,7 @@ class TensorBoardLogger(FolderLogger):
                                     "(tracing the module would run it outside the compiled step); ignored.")
         self._kwargs = kwargs
         self.hparams: dict[str, Any] = {}
+        self.run_settings: dict[str, Any] = {}  # shown beside the hyperparameters, not in hparams.yaml
         self._hparams_pending = False     # params logged, HPARAMS view not written yet
         self._hparams_written = False
         self._scalar_tags: set[str] = set()
@@ -108,6 +109,13 @@ class TensorBoardLogger(FolderLogger):
         if step is not None:
             self._last_step = max(self._last_step, int(step))
 
+    def log_run_settings(self, settings: Mapping[str, Any]) -> None:
+        """The run's settings (the Trainer's, ``trainer/...``, and the configuration it was built
+        from), shown in the HPARAMS view beside the hyperparameters but kept out of
+        ``hparams.yaml``, which holds the module's hyperparameters alone, as in Lightning (a
+        script may rebuild the module from it: ``Model(**yaml.safe_load(f))``)."""
+        self.run_settings.update(settings)
+
     def log_hyperparams(self, params: Any, metrics: Mapping[str, Any] | float | None = None) -> None:
         """Record ``params`` (``hparams.yaml`` at once). ``metrics``: the values the HPARAMS view
         lists; the view is written then (with every metric logged as a scalar of the same name),
@@ -144,10 +152,10 @@ class TensorBoardLogger(FolderLogger):
         names = dict.fromkeys(metrics)
         if self._default_hp_metric:
             names.setdefault(f"{self._prefix}{self.LOGGER_JOIN_CHAR}hp_metric" if self._prefix else "hp_metric")
-        if not names and not self.hparams:
+        if not names and not self.hparams and not self.run_settings:
             return
         values = {}
-        for key, value in flatten(self.hparams).items():
+        for key, value in flatten({**self.run_settings, **self.hparams}).items():
             value = scalar(value)
             values[key] = value if type(value) in (bool, int, float, str) else str(value)
         writer = self.experiment._get_file_writer()

@@ -244,6 +244,8 @@ class Publisher:
         self.loop_loss = None
         if trainer.is_global_zero and trainer.module._log_hyperparams:
             for logger in trainer.loggers:
+                if callable(getattr(logger, "log_run_settings", None)):
+                    logger.log_run_settings(trainer.run_settings())
                 logger.log_hyperparams(trainer.hyperparameters())
 
     def end_fit(self, trainer: "Trainer") -> None:
