@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, random_split
 from xtrainer import Trainer
 from xtrainer import XDataModule as LightningDataModule
 from xtrainer import XModule as LightningModule
-from xtrainer.callbacks import BasePredictionWriter
+from xtrainer.callbacks import BasePredictionWriter, Callback
 from xtrainer.strategies import STRATEGIES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -727,3 +727,139 @@ def test_limit_val_batches_zero_runs_no_validation_hook(tmp_path):
     trainer.fit(module, DataLoader(make_data(4, features=1), batch_size=2),
                 DataLoader(make_data(4, features=1), batch_size=2))
     assert module.validated_at == [] and trainer.global_step == 4
+
+
+class _StopsItself(LightningModule):
+    """Stops the fit from its step once a target is reached (a user's early stop)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(8, 1)
+        self.validated_at = []
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            self.trainer.should_stop = True
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def on_validation_epoch_end(self):
+        self.validated_at.append(self.global_step)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_stop_asked_for_inside_an_epoch_validates_and_checkpoints_that_step_first(tmp_path):
+    """As Lightning does: the stop's batch is validated, so a monitored checkpoint of that step is
+    written and ``test(ckpt_path="best")`` has one (neither happened before)."""
+    from xtrainer.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", monitor="val_loss")
+    module = _StopsItself()
+    trainer = Trainer(strategy="native", max_epochs=5, num_sanity_val_steps=0, callbacks=[saver], **quiet(tmp_path))
+    trainer.fit(module, DataLoader(make_data(40), batch_size=4), DataLoader(make_data(16), batch_size=8))
+    assert trainer.global_step == 3 and module.validated_at == [3]
+    assert os.path.basename(saver.best_model_path) == "epoch=0-step=3.ckpt" and "val_loss" in trainer.callback_metrics
+
+
+class _LogsFromHooks(LightningModule):
+    """``self.log`` where Lightning projects call it outside the step methods."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(8, 1)
+
+    def on_train_start(self):
+        self.log("start_metric", 1.0)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log("step_in_hook", float(self.global_step))  # as the grad_norm recipe logs there
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        self.log("val_batch_idx", float(batch_idx))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class _LogsAtEpochEnds(Callback):
+    def on_validation_epoch_end(self, trainer, pl_module):
+        pl_module.log("cb_val_metric", 7.0)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        pl_module.log("cb_train_metric", 8.0)
+
+
+def test_values_logged_in_hooks_and_callbacks_are_per_step_or_per_epoch_as_in_lightning(tmp_path):
+    """Batch hooks log per step in training (one row per step) and per epoch (a mean) in
+    validation; callbacks' epoch-end values and ``on_train_start``'s reach the loggers and
+    ``callback_metrics``. They were kept as one epoch value, or lost."""
+    import csv
+
+    from xtrainer.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path)
+    trainer = Trainer(strategy="native", max_epochs=1, log_every_n_steps=1, num_sanity_val_steps=0,
+                      callbacks=[_LogsAtEpochEnds()], enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=str(tmp_path), logger=logger)
+    trainer.fit(_LogsFromHooks(), DataLoader(make_data(16), batch_size=4), DataLoader(make_data(16), batch_size=4))
+    rows = list(csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv"))))
+    assert [float(r["step_in_hook"]) for r in rows if r.get("step_in_hook")] == [0.0, 1.0, 2.0, 3.0]
+    assert [r["val_batch_idx"] for r in rows if r.get("val_batch_idx")] == ["1.5"]  # the mean of 0..3
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert metrics["val_batch_idx"] == 1.5 and metrics["start_metric"] == 1.0
+    assert metrics["cb_val_metric"] == 7.0 and metrics["cb_train_metric"] == 8.0
+    assert [r["cb_train_metric"] for r in rows if r.get("cb_train_metric")] == ["8.0"]
+
+
+class _Curriculum(LightningDataModule):
+    """A data module whose state (the batch size it has grown to) shapes its loader."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_size, self.asked_with = 4, []
+
+    def train_dataloader(self):
+        self.asked_with.append(self.batch_size)
+        return DataLoader(make_data(64), batch_size=self.batch_size)
+
+    def state_dict(self):
+        return {"batch_size": self.batch_size}
+
+    def load_state_dict(self, state):
+        self.batch_size = state["batch_size"]
+
+
+class _Grows(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def on_train_epoch_end(self):
+        self.trainer.datamodule.batch_size *= 2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_resumed_data_module_has_its_state_back_before_its_loaders_are_asked_for(tmp_path):
+    first = _Curriculum()
+    Trainer(strategy="native", max_epochs=2, **quiet(tmp_path)).fit(_Grows(), datamodule=first)
+    assert first.asked_with == [4]
+    resumed, trainer = _Curriculum(), Trainer(strategy="native", max_epochs=3, **quiet(tmp_path))
+    trainer.fit(_Grows(), datamodule=resumed, ckpt_path="last")
+    assert resumed.asked_with == [16] and trainer.num_training_batches == 4  # it was asked with 4, then restored

@@ -434,7 +434,10 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
             sync_dist: bool = False, sync_dist_group: Any = None, add_dataloader_idx: bool = True,
             batch_size: int | None = None, metric_attribute: str | None = None, rank_zero_only: bool = False
             ) -> None:
-        """Record a scalar. Defaults: per step in ``training_step``, per epoch elsewhere.
+        """Record a scalar. Defaults, as in Lightning: per step in a training batch (``training_step``
+        and the hooks from ``on_train_batch_start`` to ``on_train_batch_end``: a value logged after
+        the optimizer step, in ``on_train_batch_end``, reaches the loggers at the next logging step),
+        per epoch elsewhere (evaluation batches, their hooks: a mean; epoch hooks, ``on_train_start``).
 
         ``value`` stays on the device. ``reduce_fx`` (``"mean"``, weighted by batch size, or
         ``"sum"``, ``"max"``, ``"min"``, or ``torch.mean``/``sum``/``max``/``min``) combines the

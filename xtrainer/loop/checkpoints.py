@@ -194,11 +194,18 @@ def fitted_checkpoint(trainer: "Trainer", model: Any) -> dict[str, Any]:
     return checkpoint
 
 
+def restore_datamodule(trainer: "Trainer", checkpoint: dict[str, Any]) -> None:
+    """The data module's state, before its loader hooks are asked for loaders (as in Lightning)."""
+    if trainer.datamodule is not None and "datamodule" in checkpoint:
+        trainer.datamodule.load_state_dict(checkpoint["datamodule"])
+
+
 def restore_module(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: str) -> None:
-    """What Lightning restores before the optimizers are made: the module's ``on_load_checkpoint``
-    (first, so that it can change what is loaded: rename the keys of a layer that moved, or
-    unfreeze what ``configure_optimizers`` will then optimize), its weights, the data module's
-    state, and the callbacks' ``on_load_checkpoint`` and, in a fit, their states."""
+    """What Lightning restores before the optimizers are made, after the data module's state
+    (``restore_datamodule``): the module's ``on_load_checkpoint`` (first, so that it can change
+    what is loaded: rename the keys of a layer that moved, or unfreeze what
+    ``configure_optimizers`` will then optimize), its weights, and the callbacks'
+    ``on_load_checkpoint`` and, in a fit, their states."""
     trainer.module.on_load_checkpoint(checkpoint)
     try:
         trainer.strategy.load_module_state_dict(trainer.model, checkpoint)
@@ -209,8 +216,6 @@ def restore_module(trainer: "Trainer", checkpoint: dict[str, Any], path: str, st
             f"{path!r} holds the module's weights only (save_weights_only=True, or Trainer.save_checkpoint(..., "
             "weights_only=True)): no optimizer or loop state to resume a fit from. Start a new fit from its weights "
             "with Model.load_from_checkpoint(path), or evaluate it with validate/test(ckpt_path=path).")
-    if trainer.datamodule is not None and "datamodule" in checkpoint:
-        trainer.datamodule.load_state_dict(checkpoint["datamodule"])
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, trainer.module, checkpoint)
     if stage == "fit":

@@ -52,16 +52,16 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
                     trainer._predict_batch_indices[dl_idx].append(seen.seen[batch_idx])
                 if trainer._transfer is not None:
                     batch = trainer._transfer(batch, dl_idx)
+                results.begin_batch(batch)  # values logged from here to the batch's end hooks are the batch's
                 trainer._call(f"on_{hook}_batch_start", batch, batch_idx, *extra)
-                results.begin_batch(batch)
                 outputs = wrapped(stage, batch, batch_idx, *extra)
-                results.in_step = False
                 if stage == "predict":
                     # host sync: predictions are returned on the host, batch by batch
                     outputs = trainer.strategy.to_cpu(outputs)
                     outputs_of_loader.append(outputs)
                 trainer.strategy.sync()  # the graph cut: one execution per evaluation batch
                 trainer._call(f"on_{hook}_batch_end", outputs, batch, batch_idx, *extra)
+                results.in_step = False
             predictions.append(outputs_of_loader)
     results.suffix = ""
     if in_fit:

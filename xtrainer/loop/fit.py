@@ -54,12 +54,15 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
     trainer._call("on_fit_start")
     if val and trainer.num_sanity_val_steps and trainer.limits["validate"] != 0:
         evaluation.sanity_check(trainer, val)
+    if not loop.skip_batches:  # the first epoch starts here: what on_train_start logs is one of its values
+        trainer._results.reset_epoch()
     trainer._call("on_train_start")
-    first_epoch = loop.current_epoch
+    first_epoch, started = loop.current_epoch, False
     while not (stopping(trainer) or limits_reached(trainer)):
         skip, loop.skip_batches = loop.skip_batches, 0
-        if not skip:  # a resumed epoch keeps the values it had accumulated
+        if not skip and started:  # a resumed epoch keeps the values it had accumulated
             trainer._results.reset_epoch()
+        started = True
         train = trainer._train_data = loaders.reloaded(trainer, train, first_epoch)
         train.set_epoch(loop.current_epoch, loop.seed)
         if skip and trainer._restored_data_state is not None:
@@ -93,17 +96,22 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
                 batch = transfer(batch, 0)
             is_last = trainer.is_last_batch = batch_idx + 1 >= last
             hooks = table.batch(trainer, trainer._module, trainer.callbacks)
+            results = trainer._results
+            results.begin_batch(batch)  # values logged from here to the batch's end hooks are the step's
             start = hooks.on_train_batch_start
             if start is not None and start(batch, batch_idx) == -1:
+                results.in_step = False
                 break  # Lightning's meaning: the rest of this epoch is skipped
             loop.validation_pending = validate_every is not None and (counted + batch_idx + 1) % validate_every == 0
             step(trainer, batch, batch_idx, hooks)
+            results.in_step = False
             loop.batches_done += 1
             if progress is not None:
                 progress[0] = loop.batches_done  # what the hang watchdog's monitor process reads
             if loop.batches_done == publisher.vote_due:  # the replicas' agreement started a batch ago
                 publisher.settle_vote(trainer)
-            if loop.validation_pending:
+            validated = loop.validation_pending
+            if validated:
                 evaluation.validate_during_fit(trainer, val)
             if watch_stops or interrupts.requested() is not None:
                 note_stop_requests(trainer)
@@ -112,7 +120,12 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
             # A stop waits for the optimizer step: between micro-batches the accumulated gradients
             # would be lost, and the resumed run would differ.
             asked = trainer.should_stop or publisher.stop_agreed  # stopping() can say yes only then
-            if (asked and stopping(trainer) and loop.stepped) or (max_steps != -1 and loop.global_step >= max_steps):
+            stops = asked and stopping(trainer) and loop.stepped
+            if stops or (max_steps != -1 and loop.global_step >= max_steps):
+                if stops and validate_every is not None and not validated and interrupts.requested() is None:
+                    # Asked to stop (not by a signal): validate at this batch first, as Lightning does,
+                    # so that the stop's monitored checkpoint and final metrics see this step.
+                    evaluation.validate_during_fit(trainer, val)
                 finished = False
                 break
         signum = interrupts.requested()
@@ -156,7 +169,6 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHo
     loop, strategy = trainer.loop, trainer.strategy
     accumulate = trainer.accumulate_grad_batches
     steps = accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == trainer.num_training_batches
-    trainer._results.begin_batch(batch)
     if steps:  # gradients are reduced as usual: no context to enter
         outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate, hooks)
     else:
@@ -205,7 +217,6 @@ def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate:
     trainer.strategy.backward(loss)
     if hooks.on_after_backward is not None:
         hooks.on_after_backward()
-    results.in_step = False
     return outputs, loss
 
 
@@ -234,7 +245,6 @@ def skipped_batch(trainer: "Trainer", batch_idx: int, accumulate: int, hooks: Ba
                          "None skips a batch on purpose, not all of them.")
     if accumulate == 1 or batch_idx % accumulate == 0:
         optim.zero_grad(trainer, batch_idx, hooks)
-    trainer._results.in_step = False
     return {}, None
 
 
@@ -243,7 +253,6 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: 
     (``self.manual_backward``, ``self.optimizers()``); the graph is still cut once per call."""
     loop = trainer.loop
     results = trainer._results
-    results.begin_batch(batch)
     before = loop.global_step
     outputs = trainer.model("train", batch, batch_idx)
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -252,7 +261,6 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: 
         trainer._publisher.observe_loss(loss, loop.global_step)
         results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
                     reduce_fx="mean", batch_size=None)
-    results.in_step = False
     loop.stepped = True  # the module stepped (or not) itself: any batch is a boundary
     trainer._optim.forget_pending_clips()
     if loop.global_step // trainer.log_every_n_steps > before // trainer.log_every_n_steps:

@@ -443,8 +443,20 @@ def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
     # The latest per-step values ride along for callback_metrics; the loggers got them at their logging steps.
     step_names = set(trainer._results.step_tensors_names()) if stage == "train" else set()
     metrics = publisher.publish(trainer, tensors, check_loss=stage == "train", not_logged=step_names)
+    results = trainer._results
+    before = {name: (entry.total, entry.last, entry.metric) for name, entry in results.entries.items()}
     for cb in trainer.callbacks:
         getattr(cb, hook)(trainer, trainer.module)
+    # What the callbacks logged in their epoch-end hooks (Lightning's ``pl_module.log`` there):
+    # read in a second transfer, only where they logged anything.
+    logged = {name for name, entry in results.entries.items()
+              if name not in before or any(a is not b for a, b in zip(before[name], (entry.total, entry.last,
+                                                                                    entry.metric)))}
+    if logged and results is trainer._results:
+        collectives = trainer.strategy.collectives
+        late = results.epoch_tensors(collectives.reduce, trainer.world_size, collectives.all_gather_tensors,
+                                     only=logged)
+        metrics = {**metrics, **publisher.publish(trainer, late)}
     return metrics
 
 

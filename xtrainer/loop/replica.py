@@ -55,6 +55,12 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         if trainer.datamodule is not None:
             trainer.datamodule.trainer = trainer  # a replica's copy of the data module
         module.setup(stage)
+        # Read now (lazily: its tensors when asked for): a resumed data module's state comes back
+        # before its loader hooks are asked for loaders, as in Lightning (a curriculum's batch size).
+        checkpoint = trainer.strategy.checkpoint_layout.load(trainer.strategy.collectives, ckpt_path) \
+            if ckpt_path is not None else None
+        if checkpoint is not None:
+            checkpoints.restore_datamodule(trainer, checkpoint)
         # Lightning's order: setup(stage), then the loader hooks (the module may build its
         # datasets in setup), in every replica.
         sources = loaders.in_replica(trainer, module, sources)
@@ -71,7 +77,8 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
             trainer._num_val_batches = [trainer._num_batches(d, "validate") for d in data["validate"]]
         # Lightning's order: the checkpoint's module and callback states, then the optimizers
         # (configure_optimizers sees what on_load_checkpoint did), then theirs and the loop's.
-        checkpoint = load_checkpoint(trainer, ckpt_path, stage) if ckpt_path is not None else None
+        if checkpoint is not None:
+            checkpoints.restore_module(trainer, checkpoint, ckpt_path, stage)
         if stage == "fit":
             trainer._optim = Optimization()
             trainer._optim.setup(trainer)
@@ -157,14 +164,6 @@ def run_cleanup(steps: list[tuple[str, Callable[[], Any]]], error: BaseException
                 first.add_note(note)
     if first is not None:
         raise first
-
-
-def load_checkpoint(trainer: "Trainer", path: str, stage: str) -> dict[str, Any]:
-    """Read the checkpoint at ``path`` (checked in the calling process) in this replica and
-    restore what comes before the optimizers (``checkpoints.restore_module``)."""
-    checkpoint = trainer.strategy.checkpoint_layout.load(trainer.strategy.collectives, path)
-    checkpoints.restore_module(trainer, checkpoint, path, stage)
-    return checkpoint
 
 
 def remove_if_empty(path: str) -> None:

@@ -197,12 +197,14 @@ class Results:
 
     def epoch_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int,
                       gather: Callable[[torch.Tensor], torch.Tensor] | None = None, reset: bool = True,
-                      metrics: bool = True) -> dict[str, torch.Tensor]:
+                      metrics: bool = True, only: set[str] | None = None) -> dict[str, torch.Tensor]:
         """Epoch values, named ``x`` or ``x_epoch`` (if also logged per step). Metrics logged by
         object are computed (their states gathered from every replica with ``gather``) and, with
-        ``reset``, reset; without ``metrics``, left out."""
+        ``reset``, reset; without ``metrics``, left out. ``only``: of these names alone."""
         out = {}
         for name, entry in self.entries.items():
+            if only is not None and name not in only:
+                continue
             if entry.metric is not None:
                 if entry.on_epoch and metrics:
                     value = _compute_metric(entry.metric, world_size, gather, reset)
