@@ -863,3 +863,61 @@ def test_a_resumed_data_module_has_its_state_back_before_its_loaders_are_asked_f
     resumed, trainer = _Curriculum(), Trainer(strategy="native", max_epochs=3, **quiet(tmp_path))
     trainer.fit(_Grows(), datamodule=resumed, ckpt_path="last")
     assert resumed.asked_with == [16] and trainer.num_training_batches == 4  # it was asked with 4, then restored
+
+
+class _Sized(LightningDataModule):
+    def __init__(self, batch_size: int = 4):
+        super().__init__()
+        self.save_hyperparameters()
+        self.seen = 0
+
+    def train_dataloader(self):
+        return DataLoader(make_data(16), batch_size=self.hparams.batch_size)
+
+    def state_dict(self):
+        return {"seen": 3}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+class _Plain(LightningModule):
+    def __init__(self, backbone: nn.Module, width: int = 8):
+        super().__init__()
+        self.save_hyperparameters(ignore=["backbone"])
+        self.backbone = backbone
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.backbone(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_data_module_constructors_and_class_only_loading_as_in_lightning(tmp_path):
+    """``from_datasets`` and a data module's ``load_from_checkpoint``; ``load_from_checkpoint``
+    called on an instance is refused (it returned a new object and left the instance as it
+    was); an argument the hyperparameters lack is named, with how to give it."""
+    dm = LightningDataModule.from_datasets(make_data(16), val_dataset=[make_data(8), make_data(4)], batch_size=4)
+    assert len(dm.train_dataloader()) == 4 and [len(dl) for dl in dm.val_dataloader()] == [2, 1]
+    assert isinstance(dm.train_dataloader().sampler, torch.utils.data.RandomSampler)
+    trainer = Trainer(strategy="native", max_epochs=1, **quiet(tmp_path))
+    module = _Plain(nn.Linear(8, 1))
+    trainer.fit(module, datamodule=_Sized(batch_size=8))
+    path = trainer.checkpoint_callback.last_model_path
+    restored = _Sized.load_from_checkpoint(path)
+    assert restored.hparams.batch_size == 8 and restored.seen == 3
+    assert _Sized.load_from_checkpoint(path, batch_size=2).hparams.batch_size == 2
+    with pytest.raises(TypeError, match="called on the class"):
+        module.load_from_checkpoint(path)
+    with pytest.raises(TypeError, match=r"no value for backbone .*load_from_checkpoint\(path, backbone=\.\.\.\)"):
+        _Plain.load_from_checkpoint(path)
+    assert _Plain.load_from_checkpoint(path, backbone=nn.Linear(8, 1)).hparams.width == 8
+
+
+def test_accumulation_set_twice_is_refused_as_in_lightning(tmp_path):
+    from xtrainer.callbacks import GradientAccumulationScheduler
+
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2 and a GradientAccumulationScheduler"):
+        Trainer(strategy="native", accumulate_grad_batches=2, callbacks=[GradientAccumulationScheduler({0: 4})],
+                **quiet(tmp_path))

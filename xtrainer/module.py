@@ -180,6 +180,32 @@ class _Movable(abc.ABC):
         return callable(getattr(subclass, "to", None)) or NotImplemented
 
 
+class class_only:
+    """A classmethod that refuses a call on an instance, as Lightning's ``load_from_checkpoint``
+    does: ``model.load_from_checkpoint(path)`` returns a new module and leaves ``model`` as it
+    was, which a script that does not assign the result takes for loaded weights."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+        self.__doc__ = method.__doc__
+        signature = inspect.signature(method)  # as a classmethod shows it: without cls
+        self.signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    def __get__(self, instance: Any, owner: type) -> Callable[..., Any]:
+        method = self.method
+
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            if instance is not None:
+                raise TypeError(f"{owner.__name__}.{method.__name__} is called on the class, and returns a new "
+                                f"object: `model = {owner.__name__}.{method.__name__}(path)`. Called on an instance, "
+                                "it would leave that instance as it was.")
+            return method(owner, *args, **kwargs)
+
+        bound.__name__, bound.__qualname__, bound.__doc__ = method.__name__, method.__qualname__, method.__doc__
+        bound.__signature__ = self.signature  # type: ignore[attr-defined]
+        return bound
+
+
 class _Detached(RuntimeError):
     """``XModule.trainer`` read where no Trainer is attached."""
 
@@ -265,7 +291,7 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
             return data
         return self.trainer.strategy.collectives.all_gather_tensors(data)
 
-    @classmethod
+    @class_only
     def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: Any = None,
                              hparams_file: str | os.PathLike | None = None, strict: bool = True,
                              **kwargs: Any) -> "XModule":
@@ -289,6 +315,14 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
             name = None
         if not name and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
             hparams = {k: v for k, v in hparams.items() if k in parameters and k != "self"}
+        if not name:
+            missing = [k for k, p in parameters.items() if k != "self" and k not in hparams and p.default is p.empty
+                       and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            if missing:
+                raise TypeError(f"{cls.__name__}.load_from_checkpoint: the checkpoint's hyperparameters hold no value for "
+                                f"{', '.join(missing)} (an nn.Module argument is not saved: save_hyperparameters leaves "
+                                f"modules out). Give it: {cls.__name__}.load_from_checkpoint(path, "
+                                f"{', '.join(f'{k}=...' for k in missing)}).")
         model = cls(**{name: hparams}) if name else cls(**hparams)
         # Lightning's order: the layers configure_model builds, then on_load_checkpoint, then the weights.
         try:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from xtrainer import goodput
-from xtrainer.callbacks import ModelCheckpoint
+from xtrainer.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from xtrainer.callbacks.base import Callback
 from xtrainer.config import arguments
 from xtrainer.config.redaction import redact
@@ -185,6 +185,12 @@ class Trainer:
         self._log_dir: str | None = None  # claimed on first use (log_dir)
 
         self.callbacks: list[Callback] = arguments.with_defaults(settings, callbacks)
+        if settings.accumulate_grad_batches != 1 and any(isinstance(cb, GradientAccumulationScheduler)
+                                                         for cb in self.callbacks):
+            raise ValueError(f"accumulate_grad_batches={settings.accumulate_grad_batches} and a "
+                             "GradientAccumulationScheduler both set how many batches to accumulate (Lightning refuses "
+                             "both too): leave accumulate_grad_batches out, or put its value in the scheduler's "
+                             "scheduling ({0: n, ...}).")
         self._hooks = HookTable()  # who overrides which hook (Trainer._call)
         if logger is True:
             # <default_root_dir>/version_N (Lightning's logger=True adds a lightning_logs/ level)

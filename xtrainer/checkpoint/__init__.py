@@ -26,7 +26,8 @@ from xtrainer.checkpoint.storage import LAST
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "UnreadableCheckpointError", "UnsafeCheckpointError",
            "LAST", "TRAINER_FILE",
-           "load_checkpoint", "consolidate", "verify", "default_dirpath", "read_module", "read_hyperparameters"]
+           "load_checkpoint", "consolidate", "verify", "default_dirpath", "read_module", "read_hyperparameters",
+           "read_datamodule"]
 
 
 def default_dirpath(log_dir: str) -> str:
@@ -122,6 +123,20 @@ def read_hyperparameters(path: str | os.PathLike) -> dict[str, Any]:
     with storage.pinned(path) as pinned:
         state = whole.read(pinned, verify=True) if not fs.isdir(pinned) else layout.trainer_state(pinned)
     return _hyperparameters(state, path)[0]
+
+
+def read_datamodule(path: str | os.PathLike) -> tuple[dict[str, Any], Any]:
+    """The data module's saved hyperparameters and state in a checkpoint of any layout, read
+    weights-only and checked as ``read_hyperparameters`` reads (``XDataModule.load_from_checkpoint``)."""
+    path = os.fspath(path)
+    if not fs.exists(path):
+        raise CheckpointNotFoundError(f"{path!r} does not exist.")
+    with storage.pinned(path) as pinned:
+        state = whole.read(pinned, verify=True) if not fs.isdir(pinned) else layout.trainer_state(pinned)
+    hparams = state.get("datamodule_hyper_parameters") or {}
+    if not isinstance(hparams, dict):
+        raise UnreadableCheckpointError(f"{path!r} has malformed datamodule_hyper_parameters.")
+    return dict(hparams), state.get("datamodule")
 
 
 def _hyperparameters(state: dict[str, Any], path: str) -> tuple[dict[str, Any], str | None]:
