@@ -272,15 +272,17 @@ class Publisher:
 
     # ---- reading and handing out -------------------------------------------------------------
     def publish(self, trainer: "Trainer", tensors: dict[str, torch.Tensor], check_loss: bool = False,
-                logging_step: bool = False, not_logged: set[str] = frozenset()) -> dict[str, float]:
+                logging_step: bool = False, not_logged: set[str] = frozenset(), local: bool = False
+                ) -> dict[str, float]:
         """Read ``tensors`` (and what rides along) in one transfer; hand the values out (those
         named in ``not_logged`` to ``callback_metrics`` and the progress bar only, not to the
         loggers). Where the training loss is checked (``check_loss``: a logging step, a training
         epoch's end), replicas whose collectives run as called only start their agreement here,
-        and at a ``logging_step`` only once its time has come (see the module's docstring)."""
-        if self._vote is not None:  # any read settles the agreement under way first
+        and at a ``logging_step`` only once its time has come (see the module's docstring).
+        ``local``: this replica's read alone, with no agreement (a read other replicas may not make)."""
+        if self._vote is not None and not local:  # any read settles the agreement under way first
             self.settle_vote(trainer)
-        several = trainer.world_size > 1
+        several = trainer.world_size > 1 and not local
         shares_stop = several and trainer.state == "fit"
         watched = check_loss and self.watch is not None
         if watched and not several:
@@ -452,11 +454,11 @@ def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
     logged = {name for name, entry in results.entries.items()
               if name not in before or any(a is not b for a, b in zip(before[name], (entry.total, entry.last,
                                                                                     entry.metric)))}
+    # Each replica's own values, with no collective: a callback may log on rank 0 alone.
     if logged and results is trainer._results:
-        collectives = trainer.strategy.collectives
-        late = results.epoch_tensors(collectives.reduce, trainer.world_size, collectives.all_gather_tensors,
-                                     only=logged)
-        metrics = {**metrics, **publisher.publish(trainer, late)}
+        late = results.epoch_tensors(trainer.strategy.collectives.reduce, 1, only=logged,
+                                     metrics=trainer.world_size == 1)
+        metrics = {**metrics, **publisher.publish(trainer, late, local=True)}
     return metrics
 
 
