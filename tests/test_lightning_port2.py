@@ -671,7 +671,7 @@ def test_an_explicit_metric_compute_sees_every_replica(tmp_path, strategy):
     assert result["val_mse_explicit"] == pytest.approx(expected, rel=1e-5)
 
 
-class _Stream(torch.utils.data.IterableDataset):
+class _FloatStream(torch.utils.data.IterableDataset):
     """Eight samples, streamed: a loader without a length."""
 
     def __iter__(self):
@@ -712,7 +712,7 @@ def test_a_stream_with_max_steps_and_an_int_validation_interval_runs_as_in_light
     trainer = Trainer(strategy="native", max_steps=16, val_check_interval=3, check_val_every_n_epoch=None,
                       num_sanity_val_steps=0, enable_checkpointing=False, **quiet(tmp_path))
     val = DataLoader(make_data(4, features=1), batch_size=2)
-    trainer.fit(module, DataLoader(_Stream(), batch_size=1), val)
+    trainer.fit(module, DataLoader(_FloatStream(), batch_size=1), val)
     assert trainer.estimated_stepping_batches == 16
     assert module.validated_at == [3, 6, 11, 14]  # Lightning's steps (two 8-batch epochs)
     assert Trainer(strategy="native", **quiet(tmp_path)).estimated_stepping_batches == float("inf")
