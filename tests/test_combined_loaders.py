@@ -61,7 +61,8 @@ def test_the_modes_read_as_lightning_reads_them():
     assert [(firsts(x["a"]), firsts(x["b"])) for x, _, _ in read["max_size_cycle"]] == \
         [([0, 1], [10, 11]), ([2, 3], [12, 13]), ([4, 5], [14, 15]), ([0, 1], [16, 17]), ([2, 3], [18, 19])]
     assert [firsts(x["a"]) for x, _, _ in read["max_size"]] == [[0, 1], [2, 3], [4, 5], None, None]
-    assert [(i, d) for _, i, d in read["sequential"]] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 1), (4, 1)]
+    assert [(i, d) for _, i, d in read["sequential"]] == \
+        [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 1), (4, 1)]
     assert [len(CombinedLoader([a, b], mode)) for mode in ("min_size", "max_size_cycle", "max_size", "sequential")] \
         == [3, 5, 5, 8]
     nested, _, _ = next(iter(CombinedLoader([a, (b, a)], "max_size_cycle")))

@@ -55,11 +55,12 @@ class XDataModule(BatchTransferHooks, HyperparametersMixin):
         list or dict of datasets gives a list or dict of loaders. ``datamodule_kwargs`` go to
         ``__init__``."""
         datamodule = cls(**datamodule_kwargs)
-        for hook, datasets, shuffle in (("train_dataloader", train_dataset, True), ("val_dataloader", val_dataset, False),
-                                        ("test_dataloader", test_dataset, False),
-                                        ("predict_dataloader", predict_dataset, False)):
+        stages = (("train_dataloader", train_dataset, True), ("val_dataloader", val_dataset, False),
+                  ("test_dataloader", test_dataset, False), ("predict_dataloader", predict_dataset, False))
+        for hook, datasets, shuffle in stages:
             if datasets is not None:  # a partial of a module function: the data module still pickles
-                setattr(datamodule, hook, functools.partial(_dataset_loaders, datasets, shuffle, batch_size, num_workers))
+                loaders = functools.partial(_dataset_loaders, datasets, shuffle, batch_size, num_workers)
+                setattr(datamodule, hook, loaders)
         return datamodule
 
     @class_only

@@ -378,7 +378,8 @@ class CombinedData:
         self.loader = combined.combine([data.loader for data in inner])  # what trainer.train_dataloader shows
         self._epoch, self._seed = 0, None
         self._passes = [0] * len(inner)  # the pass each loader is in
-        self._restored: list[Any] | None = None
+        self._restored: dict[str, Any] | None = None  # a checkpoint's state, for each loader's first pass on resume
+        self._restoring = [False] * len(inner)
 
     def _lengths(self) -> list[float]:
         from xtrainer.utilities.combined_loader import sized
@@ -418,10 +419,10 @@ class CombinedData:
 
     def _start(self, k: int, cycle: int, position: int) -> Iterator[Any]:
         data = self.inner[k]
-        if cycle != self._passes[k] or cycle:
+        if cycle or self._passes[k]:  # a later pass, or the first one read again: its own order
             data.set_epoch(self._epoch, self._pass_seed(k, cycle))
         restored, self._restoring[k] = (self._restored if self._restoring[k] else None), False
-        if restored is not None and len(restored["combined"]) == len(self.inner):  # this loader's first pass on resume
+        if restored is not None and len(restored["combined"]) == len(self.inner):
             saved_pass = restored["passes"][k] if k < len(restored.get("passes", ())) else 0
             if saved_pass == cycle:
                 data.load_state_dict(restored["combined"][k])

@@ -1,7 +1,8 @@
 """Lightning's ``lightning.pytorch.utilities`` names a project imports, so that it ports by
 changing the import: the rank-zero helpers (lightning-utilities' own, which the Trainer sets for
-every replica), ``grad_norm``, ``AttributeDict``, ``move_data_to_device`` and ``CombinedLoader``. ``types`` holds the
-type aliases. A name with no counterpart here raises an ImportError that says what to use."""
+every replica), ``grad_norm``, ``AttributeDict``, ``move_data_to_device`` and ``CombinedLoader``.
+``types`` holds the type aliases. A name with no counterpart here raises an ImportError that says
+what to use."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from xtrainer.module import AttributeDict, move_data_to_device
 from xtrainer.utilities.combined_loader import CombinedLoader
 from xtrainer.utilities.grads import grad_norm
 
-__all__ = ["AttributeDict", "CombinedLoader", "grad_norm", "move_data_to_device", "rank_zero_debug", "rank_zero_deprecation",
-           "rank_zero_info", "rank_zero_only", "rank_zero_warn"]
+__all__ = ["AttributeDict", "CombinedLoader", "grad_norm", "move_data_to_device", "rank_zero_debug",
+           "rank_zero_deprecation", "rank_zero_info", "rank_zero_only", "rank_zero_warn"]
 
 #: Lightning's utilities with no counterpart here, and what to do instead.
 MISSING = {
