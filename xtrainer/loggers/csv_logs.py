@@ -183,9 +183,7 @@ class CSVLogger(FolderLogger):
         """Merge ``params`` into ``hparams.yaml`` (written at once). ``metrics`` (the final values
         the Trainer passes at the end of a fit) are in ``metrics.csv`` already: not repeated."""
         del metrics
-        params = params_dict(params)
-        if params:
-            self.experiment.log_hparams(params)
+        self.experiment.log_hparams(params_dict(params))  # written even empty ({}), as Lightning writes it
 
     def save(self) -> None:
         if self._experiment is not None:

@@ -122,10 +122,9 @@ class TensorBoardLogger(FolderLogger):
         or at ``finalize``. Metrics not logged as scalars before are logged now, at the last step
         seen (step 0 at the start, as in Lightning)."""
         self.hparams.update(params_dict(params))
-        if self.hparams:
-            folder = self._ensure_claimed()
-            fs.makedirs(folder)
-            write_hparams_yaml(os.path.join(folder, self.NAME_HPARAMS_FILE), self.hparams)
+        folder = self._ensure_claimed()  # written even empty ({}), as Lightning writes it
+        fs.makedirs(folder)
+        write_hparams_yaml(os.path.join(folder, self.NAME_HPARAMS_FILE), self.hparams)
         if metrics is not None and not isinstance(metrics, Mapping):
             metrics = {"hp_metric": metrics}
         if metrics is None:
