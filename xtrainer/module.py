@@ -320,8 +320,8 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
                        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
             if missing:
                 raise TypeError(f"{cls.__name__}.load_from_checkpoint: the checkpoint's hyperparameters hold no value for "
-                                f"{', '.join(missing)} (an nn.Module argument is not saved: save_hyperparameters leaves "
-                                f"modules out). Give it: {cls.__name__}.load_from_checkpoint(path, "
+                                f"{', '.join(missing)} (an argument save_hyperparameters left out: an nn.Module, or "
+                                f"one in ignore=). Give it: {cls.__name__}.load_from_checkpoint(path, "
                                 f"{', '.join(f'{k}=...' for k in missing)}).")
         model = cls(**{name: hparams}) if name else cls(**hparams)
         # Lightning's order: the layers configure_model builds, then on_load_checkpoint, then the weights.
