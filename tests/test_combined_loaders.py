@@ -24,7 +24,8 @@ def firsts(batch) -> list[int] | None:
 
 
 class Recorder(XModule):
-    """Notes each step's batch (by its numbers) and trains on all of it."""
+    """Notes each step's batch (by its numbers) and trains on all of it, with a random number
+    drawn on the device each step (a resumed run must draw the same ones)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,7 +36,8 @@ class Recorder(XModule):
     def training_step(self, batch, batch_idx):
         parts = list(batch.values()) if isinstance(batch, dict) else list(batch)
         self.seen.append((self.global_step, *(firsts(part) for part in parts)))
-        return sum(self.net(part[0].float() / 100).pow(2).mean() for part in parts if part is not None)
+        loss = sum(self.net(part[0].float() / 100).pow(2).mean() for part in parts if part is not None)
+        return loss * (1 + 0.1 * torch.rand((), device=self.device))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -100,6 +102,23 @@ def test_resuming_inside_an_epoch_continues_every_loader_bitwise(tmp_path, mode)
         assert resumed.seen == [s for s in full.seen if s[0] >= step], step
         for p, q in zip(full.parameters(), resumed.parameters()):
             assert torch.equal(p, q), step
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(6):
+            yield torch.tensor([i])
+
+
+@pytest.mark.parametrize("mode", ["max_size_cycle", "min_size"])
+def test_a_loader_without_a_length_is_read_with_the_others(tmp_path, mode):
+    """A stream among them: the epoch lasts until the loaders are through (``max_size_cycle``:
+    every one once, the stream started again as it runs out), as in Lightning."""
+    stream = DataLoader(_Stream(), batch_size=2)  # 3 batches, no length
+    module, trainer = fit(tmp_path, CombinedLoader({"a": stream, "b": numbers(100, 14)}, mode))
+    per_epoch = 7 if mode == "max_size_cycle" else 3
+    assert [a for _, a, _ in module.seen[:per_epoch]] == ([[0], [2], [4]] * 3)[:per_epoch]
+    assert trainer.global_step == 2 * per_epoch
 
 
 @pytest.mark.multi_device

@@ -568,7 +568,8 @@ class Trainer:
 
     def _device_data(self, loader: Any) -> Any:
         if isinstance(loader, CombinedLoader):  # training loaders read together: each one as a loader is
-            return CombinedData(loader, [self._device_data(inner) for inner in loader.flattened])
+            return CombinedData(loader, [self._device_data(inner) for inner in loader.flattened],
+                                self.strategy.rng_state_kept)
         return self.strategy.process_dataloader(loader, distribute=self.use_distributed_sampler)
 
     def _call_on_exception(self, err: BaseException) -> None:

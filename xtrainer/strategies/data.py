@@ -7,6 +7,7 @@ puts a ``DistributedSampler`` in a plain loader, and ``sequential_dataloader`` t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from typing import Any, Callable, Iterable, Iterator
@@ -14,6 +15,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from xtrainer.utilities.combined_loader import combined_length, rows, sized
 
 
 
@@ -372,8 +375,9 @@ class CombinedData:
     from that generator; resumed in a later pass than the checkpoint's, its order is not the
     saved run's, and a warning says so."""
 
-    def __init__(self, combined: Any, inner: list[DeviceData]) -> None:
-        self.combined, self.inner = combined, inner
+    def __init__(self, combined: Any, inner: list[DeviceData],
+                 rng_state_kept: Callable[[], Any] = contextlib.nullcontext) -> None:
+        self.combined, self.inner, self._rng_state_kept = combined, inner, rng_state_kept
         self.mode = combined.mode
         self.loader = combined.combine([data.loader for data in inner])  # what trainer.train_dataloader shows
         self._epoch, self._seed = 0, None
@@ -382,13 +386,9 @@ class CombinedData:
         self._restoring = [False] * len(inner)
 
     def _lengths(self) -> list[float]:
-        from xtrainer.utilities.combined_loader import sized
-
         return [sized(data) for data in self.inner]
 
     def __len__(self) -> int:
-        from xtrainer.utilities.combined_loader import combined_length
-
         length = combined_length(self._lengths(), self.mode)
         if math.isinf(length):
             raise TypeError("These combined loaders have no length: one of them has none.")
@@ -431,12 +431,28 @@ class CombinedData:
                                "of its own and was between two passes when the checkpoint was written, so the rest "
                                "of its pass is not the order the saved run would have drawn.")
         self._passes[k] = cycle
-        return (batch for _, batch in data.resume_at(position))
+        return self._pass(data, position, sized(data))
+
+    def _pass(self, data: DeviceData, position: int, length: float) -> Iterator[Any]:
+        """One pass of a loader from ``position``. Where its length is known, its end is read
+        (a device loader's last graph cut, which advances XLA's generator) leaving the
+        generator as it was: a run resumed just after that end starts the next pass without
+        reading it, and must draw the same random numbers."""
+        iterator = iter(data.resume_at(position))
+        for taken in itertools.count(position):
+            if taken >= length:
+                with self._rng_state_kept():
+                    for _ in iterator:
+                        pass
+                return
+            try:
+                _, batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch
 
     def resume_at(self, skip: int) -> Iterable[tuple[int, Any]]:
         """``(batch_idx, batch)`` from step ``skip`` on, each loader from its place in its pass."""
-        from xtrainer.utilities.combined_loader import rows
-
         combine = self.combined.combine
         lengths = self._lengths()
         if skip and any(math.isinf(n) for n in lengths):  # no index to start at: read and drop

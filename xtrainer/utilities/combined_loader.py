@@ -85,11 +85,12 @@ def rows(start: Callable[[int, int, int], Iterator[Any]], lengths: list[float], 
     count = len(lengths)
     if skip and any(math.isinf(n) for n in lengths):
         raise ValueError("Cannot start combined iterables without lengths part way.")
-    cycles = [skip // n if mode == "max_size_cycle" and n else 0 for n in lengths]
+    cycling = [mode == "max_size_cycle" and 0 < n < math.inf for n in lengths]  # passes known by length
+    cycles = [int(skip // n) if cycles_known else 0 for n, cycles_known in zip(lengths, cycling)]
     done = [mode == "max_size_cycle" and skip >= n for n in lengths]  # passed through once already
     iterators: list[Iterator[Any] | None] = []
     for k, n in enumerate(lengths):
-        position = skip % n if mode == "max_size_cycle" and n else skip
+        position = int(skip % n) if cycling[k] else skip
         iterators.append(start(k, cycles[k], position) if mode != "max_size" or position < n else None)
     while True:
         row = [None] * count
