@@ -256,3 +256,21 @@ def test_checkpoint_files_get_the_users_umask(tmp_path):
         os.umask(old)
     path = os.path.join(trainer.log_dir, "checkpoints", "epoch=0-step=8.ckpt")
     assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+def test_the_checkpoint_a_fit_resumed_from_is_never_removed_as_it_leaves_the_top_k(tmp_path):
+    """As in Lightning: the file named by ``ckpt_path`` stays, though the resumed fit's newer
+    checkpoints push it out of ``save_top_k=1`` (it used to be removed, so a later
+    ``load_from_checkpoint`` of that path failed)."""
+    def trainer(epochs):
+        return Trainer(strategy="native", max_epochs=epochs, logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, default_root_dir=str(tmp_path),
+                       callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=1)])
+
+    trainer(1).fit(Regressor(), make_loader())
+    (first,) = [str(tmp_path / "ck" / name) for name in os.listdir(tmp_path / "ck") if name.startswith("epoch")]
+    resumed = trainer(3)
+    resumed.fit(Regressor(), make_loader(), ckpt_path=first)
+    names = sorted(os.listdir(tmp_path / "ck"))
+    assert names == ["epoch=0-step=8.ckpt", "epoch=2-step=24.ckpt", "last.ckpt"]  # the resumed-from one, the newest
+    assert Regressor.load_from_checkpoint(first).hparams == Regressor().hparams

@@ -452,7 +452,10 @@ class ModelCheckpoint(Callback):
             plan["error"] = ("value", str(err))
             return plan
         keep = set(best_k) | set(kept) | {write, last_path, last_target, best_path}
-        plan["remove"] = list(dict.fromkeys(p for p in plan["remove"] if p and p not in keep))
+        # The checkpoint this fit resumed from stays, as in Lightning, even once it left the top k.
+        resumed = fs.normalize(trainer.ckpt_path) if trainer.ckpt_path else None
+        plan["remove"] = list(dict.fromkeys(p for p in plan["remove"] if p and p not in keep
+                                            and (resumed is None or fs.normalize(p) != resumed)))
         plan.update(write=write, link=link, last=last_path if self.save_last else self.last_model_path,
                     state={"best_k_models": best_k, "kept": kept, "best_model_path": best_path,
                            "best_model_score": best_score if self.monitor is not None else None,
