@@ -211,6 +211,7 @@ class Trainer:
         self.checkpoint_compilations = 0
         #: The checkpoint the last fit/validate/test/predict started from (None: none).
         self.ckpt_path: str | None = None
+        self._resumed_by_path = False  # ckpt_path named a checkpoint, not "last" (ModelCheckpoint keeps it)
         self._resolved_ckpt: tuple[Any, str | None] | None = None
         #: The resolved configuration of ``xtrainer fit`` (flat keys), logged with the module's
         #: hyperparameters.

@@ -172,6 +172,7 @@ class ModelCheckpoint(Callback):
         self._last_target = ""
         self._interrupted = ""  # written on a signal outside the schedule: the next save removes it
         self._adopted: set[str] = set()  # checkpoint folders of the earlier runs of this lineage
+        self._resumed_from: str | None = None  # the checkpoint the fit resumed from, never removed
         self._newest = ""  # the file that holds the newest state written
         self._last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
@@ -300,6 +301,11 @@ class ModelCheckpoint(Callback):
                                "run its own dirpath (the default, <run folder>/checkpoints, is).")
 
     def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
+        # The checkpoint the fit resumed from is never removed, as in Lightning; one reached
+        # through ckpt_path="last" (last.ckpt: a link to it here, a file of its own in Lightning)
+        # is pruned as before, so that a restart loop's disk use stays bounded by save_top_k.
+        named = trainer.ckpt_path if trainer.state == "fit" and trainer._resumed_by_path else None
+        self._resumed_from = fs.normalize(named) if named else None
         self._last_save_time = time.monotonic()
 
     def on_validation_start(self, trainer: "Trainer", module: "XModule") -> None:
@@ -452,8 +458,7 @@ class ModelCheckpoint(Callback):
             plan["error"] = ("value", str(err))
             return plan
         keep = set(best_k) | set(kept) | {write, last_path, last_target, best_path}
-        # The checkpoint this fit resumed from stays, as in Lightning, even once it left the top k.
-        resumed = fs.normalize(trainer.ckpt_path) if trainer.ckpt_path else None
+        resumed = self._resumed_from  # stays, even once out of the top k (on_train_start)
         plan["remove"] = list(dict.fromkeys(p for p in plan["remove"] if p and p not in keep
                                             and (resumed is None or fs.normalize(p) != resumed)))
         plan.update(write=write, link=link, last=last_path if self.save_last else self.last_model_path,

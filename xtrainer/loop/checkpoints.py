@@ -167,6 +167,7 @@ def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str, stage: str = "fit") ->
                        "one.")
         return None
     print(f"xtrainer: resuming from {header.describe()}", flush=True)
+    trainer._resumed_by_path = ckpt_path != "last"  # a file the user named (or "best"): never pruned
     return header.path
 
 
