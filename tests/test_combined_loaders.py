@@ -92,7 +92,7 @@ def test_resuming_inside_an_epoch_continues_every_loader_bitwise(tmp_path, mode)
     """Checkpoints of every step; a fit resumed from several of them (inside a pass of the shorter
     loader, at the end of one, in the second epoch) trains on the same batches to the same weights."""
     def loaders():
-        a, b = numbers(0, 6, shuffle=True), numbers(100, 14, shuffle=True, num_workers=1)
+        a, b = numbers(0, 6, shuffle=True), numbers(100, 14, shuffle=True)
         return [a, b] if mode == "list" else CombinedLoader({"a": a, "b": b}, mode)
 
     full, trainer = fit(tmp_path, loaders(), every_step=True)

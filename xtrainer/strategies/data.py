@@ -19,7 +19,6 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 from xtrainer.utilities.combined_loader import combined_length, rows, sized
 
 
-
 class DeviceData:
     """A data loader whose batches arrive on the device, re-seeded at every epoch.
 
