@@ -118,25 +118,27 @@ def read_hyperparameters(path: str | os.PathLike) -> dict[str, Any]:
     """The module's hyperparameters in a checkpoint of any layout, read weights-only: a whole
     file checked against its checksum, a sharded folder's ``trainer.pt`` without its shards."""
     path = os.fspath(path)
-    if not fs.exists(path):
-        raise CheckpointNotFoundError(f"{path!r} does not exist.")
-    with storage.pinned(path) as pinned:
-        state = whole.read(pinned, verify=True) if not fs.isdir(pinned) else layout.trainer_state(pinned)
-    return _hyperparameters(state, path)[0]
+    return _hyperparameters(_trainer_state(path), path)[0]
 
 
 def read_datamodule(path: str | os.PathLike) -> tuple[dict[str, Any], Any]:
     """The data module's saved hyperparameters and state in a checkpoint of any layout, read
     weights-only and checked as ``read_hyperparameters`` reads (``XDataModule.load_from_checkpoint``)."""
     path = os.fspath(path)
-    if not fs.exists(path):
-        raise CheckpointNotFoundError(f"{path!r} does not exist.")
-    with storage.pinned(path) as pinned:
-        state = whole.read(pinned, verify=True) if not fs.isdir(pinned) else layout.trainer_state(pinned)
+    state = _trainer_state(path)
     hparams = state.get("datamodule_hyper_parameters") or {}
     if not isinstance(hparams, dict):
         raise UnreadableCheckpointError(f"{path!r} has malformed datamodule_hyper_parameters.")
     return dict(hparams), state.get("datamodule")
+
+
+def _trainer_state(path: str) -> dict[str, Any]:
+    """A checkpoint's state without its shards, checked: a whole file against its checksum, a
+    sharded folder's ``trainer.pt``."""
+    if not fs.exists(path):
+        raise CheckpointNotFoundError(f"{path!r} does not exist.")
+    with storage.pinned(path) as pinned:
+        return whole.read(pinned, verify=True) if not fs.isdir(pinned) else layout.trainer_state(pinned)
 
 
 def _hyperparameters(state: dict[str, Any], path: str) -> tuple[dict[str, Any], str | None]:

@@ -102,7 +102,7 @@ def training_source(loaders: Any, where: str) -> list:
         return [loaders]
     if isinstance(loaders, (list, tuple)) and len(loaders) == 1:
         loaders = loaders[0]
-    if isinstance(loaders, Mapping) or isinstance(loaders, (list, tuple)):
+    if isinstance(loaders, (Mapping, list, tuple)):
         return [CombinedLoader(loaders, "max_size_cycle")] if loaders else []
     return [loaders]
 
