@@ -15,7 +15,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
-from xtrainer.loop.optimizers import clear_gradients, step_scheduler
+from xtrainer.loop.optimizers import step_scheduler
+from xtrainer.stepping import clear_gradients
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer

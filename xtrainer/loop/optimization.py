@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xtrainer.callbacks.base import Callback
-from xtrainer.loop.optimizers import (SchedulerConfig, StrategyOptimizer, clear_gradients, parse_optimizers, prefer_foreach,
+from xtrainer.loop.optimizers import (SchedulerConfig, StrategyOptimizer, parse_optimizers, prefer_foreach,
                                      step_schedulers)
 from xtrainer.module import XModule
+from xtrainer.stepping import clear_gradients
 
 if TYPE_CHECKING:
     from xtrainer.loop.hooks import BatchHooks

@@ -53,25 +53,6 @@ class NoOptimizer(torch.optim.Optimizer):
         del set_to_none
 
 
-def clear_gradients(optimizer: Any) -> None:
-    """``optimizer.zero_grad(set_to_none=True)``. Where that method is torch's own
-    (``torch.optim.Optimizer.zero_grad``: every optimizer of ``torch.optim``), the same is done
-    here: each parameter's gradient set to None. torch wraps its loop in a profiler range and a
-    ``torch.compile`` guard, which cost about 10 us of host time per call on the CPU, as much as
-    the rest of the Trainer's work on a small step. Under torch's profiler (where the range is
-    wanted) and for an optimizer with a ``zero_grad`` of its own, that method is called."""
-    profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)  # no such flag: torch's own method
-    if type(optimizer).zero_grad is _TORCH_ZERO_GRAD and not profiling:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = None
-    else:
-        optimizer.zero_grad(set_to_none=True)
-
-
-_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
-
-
 def parse_optimizers(config: Any, name: str, automatic: bool = True
                      ) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
     """The optimizers and the scheduler configurations in ``config``; ``name`` is the module's

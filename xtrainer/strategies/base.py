@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint import layout as ckpt_layout
 from xtrainer.checkpoint.format import load_weights
+from xtrainer import stepping
 from xtrainer.checkpoint.whole import WholeFile
 from xtrainer.strategies import launch, shared_process
 from xtrainer.strategies.collectives import Collectives, XlaReplicas
@@ -252,7 +253,7 @@ class Strategy(abc.ABC):
         self._reduce_gradients(optimizer)
         if before_step is not None:
             before_step()
-        optimizer.step()
+        stepping.step(optimizer)
 
     def sync(self) -> None:
         """Cut the lazy graph and launch its execution (asynchronously)."""
