@@ -1158,3 +1158,23 @@ def test_lightning_utilities_port_by_their_import(tmp_path):
         from xtrainer.loggers import WandbLogger  # noqa: F401
     with pytest.raises(ImportError, match="find_shared_parameters.*by identity"):
         from xtrainer.utilities import find_shared_parameters  # noqa: F401
+
+
+def test_lightning_submodule_paths_port_by_their_import():
+    """The submodules Lightning projects import names from port by the same change of prefix:
+    ``lightning.pytorch.utilities.rank_zero``, ``.utilities.exceptions``,
+    ``.callbacks.model_checkpoint``, ``.utilities.combined_loader`` and ``.utilities.grads``."""
+    from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
+
+    from xtrainer.callbacks import ModelCheckpoint
+    from xtrainer.callbacks.model_checkpoint import ModelCheckpoint as by_path
+    from xtrainer.utilities import CombinedLoader
+    from xtrainer.utilities.combined_loader import CombinedLoader as loader_by_path
+    from xtrainer.utilities.exceptions import MisconfigurationException
+    from xtrainer.utilities.grads import grad_norm  # noqa: F401
+    from xtrainer.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn  # noqa: F401
+
+    assert by_path is ModelCheckpoint and loader_by_path is CombinedLoader
+    assert rank_zero_only is utilities_rank_zero_only  # the one the Trainer points at each replica's rank
+    with pytest.raises(ValueError, match="bad setting"):  # a project's `except ValueError` still catches it
+        raise MisconfigurationException("bad setting")

@@ -1,19 +1,19 @@
 """Lightning's ``lightning.pytorch.utilities`` names a project imports, so that it ports by
 changing the import: the rank-zero helpers (lightning-utilities' own, which the Trainer sets for
 every replica), ``grad_norm``, ``AttributeDict``, ``move_data_to_device`` and ``CombinedLoader``.
-``types`` holds the type aliases. A name with no counterpart here raises an ImportError that says
-what to use."""
+``types`` holds the type aliases; ``rank_zero``, ``exceptions`` (``MisconfigurationException``),
+``combined_loader`` and ``grads`` are Lightning's submodules of those names, for imports that name
+them. A name with no counterpart here raises an ImportError that says what to use."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_utilities.core.rank_zero import (rank_zero_debug, rank_zero_deprecation, rank_zero_info,
-                                                rank_zero_only, rank_zero_warn)
-
 from xtrainer.module import AttributeDict, move_data_to_device
 from xtrainer.utilities.combined_loader import CombinedLoader
 from xtrainer.utilities.grads import grad_norm
+from xtrainer.utilities.rank_zero import (rank_zero_debug, rank_zero_deprecation, rank_zero_info, rank_zero_only,
+                                          rank_zero_warn)
 
 __all__ = ["AttributeDict", "CombinedLoader", "grad_norm", "move_data_to_device", "rank_zero_debug",
            "rank_zero_deprecation", "rank_zero_info", "rank_zero_only", "rank_zero_warn"]
