@@ -4,8 +4,8 @@ when nothing records them: ``step`` (``optimizer.step()``) and ``clear_gradients
 
 torch wraps the ``step`` of every optimizer class in ``Optimizer.profile_hook_step``: a
 ``record_function`` range (two operator calls and a handle object) and the step hooks. On the CPU
-the range costs about 25 us of host time per step, a tenth of a small model's whole step and
-more than the rest of the Trainer's own work on it. Where nothing can see that range (torch's
+the range costs about 25 us of host time per step: several percent of a small model's step, more
+than the rest of the Trainer's own work on it. Where nothing can see that range (torch's
 profiler is off) and nothing would run around the step (no step hooks, global or the optimizer's
 own), ``step`` calls what torch wrapped, as torch would have called it, and nothing else changes:
 the optimizer's own ``step`` (with its ``no_grad`` wrapper), the learning-rate schedulers' record

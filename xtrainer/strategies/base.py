@@ -42,10 +42,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from xtrainer import stepping
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint import layout as ckpt_layout
 from xtrainer.checkpoint.format import load_weights
-from xtrainer import stepping
 from xtrainer.checkpoint.whole import WholeFile
 from xtrainer.strategies import launch, shared_process
 from xtrainer.strategies.collectives import Collectives, XlaReplicas
