@@ -921,3 +921,69 @@ def test_accumulation_set_twice_is_refused_as_in_lightning(tmp_path):
     with pytest.raises(ValueError, match="accumulate_grad_batches=2 and a GradientAccumulationScheduler"):
         Trainer(strategy="native", accumulate_grad_batches=2, callbacks=[GradientAccumulationScheduler({0: 4})],
                 **quiet(tmp_path))
+
+
+class _LogsItsBatch(LightningModule):
+    """Logs its batch index as a per-step training value."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        self.log("train_idx", float(batch_idx))
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _ReadsMetricsAtBatchEnd(Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        value = trainer.callback_metrics.get("train_idx")
+        self.seen.append(None if value is None else float(value))
+
+
+def _counting_to_cpu(trainer, calls):
+    to_cpu = trainer.strategy.to_cpu
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return to_cpu(*args, **kwargs)
+
+    trainer.strategy.to_cpu = counted
+
+
+@pytest.mark.parametrize("strategy", ["native", "xla_native"])
+def test_a_training_value_monitored_every_n_train_steps_is_the_steps_own_between_logging_steps(tmp_path, strategy):
+    """Lightning computes ``callback_metrics`` when read: a ``ModelCheckpoint(every_n_train_steps=2)``
+    monitoring a value ``training_step`` logs ranks each checkpoint by its own step's value, also
+    where that step is not a logging step (``log_every_n_steps`` 50 here). It kept nothing: the
+    value had never been read. The read happens only where a hook asks (one host sync each time)."""
+    from xtrainer.callbacks import ModelCheckpoint
+
+    data = DataLoader(torch.utils.data.TensorDataset(torch.randn(40, 4)), batch_size=4)
+    reader = _ReadsMetricsAtBatchEnd()
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor="train_idx", mode="max", save_top_k=2,
+                                  every_n_train_steps=2)
+    trainer = Trainer(strategy=strategy, max_epochs=1, callbacks=[reader, checkpoints],
+                      **quiet(tmp_path))
+    trainer.fit(_LogsItsBatch(), data)
+    assert reader.seen == [float(i) for i in range(10)]
+    assert sorted((os.path.basename(p), float(s)) for p, s in checkpoints.best_k_models.items()) == [
+        ("epoch=0-step=10.ckpt", 9.0), ("epoch=0-step=8.ckpt", 7.0)]
+    if strategy == "native":
+        return  # values on the CPU are read without a transfer: nothing to count
+    # Nothing read where no hook asks: the same fit without the readers makes only the logging reads.
+    calls = {}
+    for name, callbacks in (("quiet", []), ("reading", [_ReadsMetricsAtBatchEnd()])):
+        trainer = Trainer(strategy=strategy, max_epochs=1, callbacks=callbacks, log_every_n_steps=5,
+                          **quiet(tmp_path, enable_checkpointing=False))
+        calls[name] = []
+        _counting_to_cpu(trainer, calls[name])
+        trainer.fit(_LogsItsBatch(), data)
+    assert len(calls["reading"]) == len(calls["quiet"]) + 8  # the 8 steps of 10 that are not logging steps

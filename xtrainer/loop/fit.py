@@ -24,7 +24,7 @@ from xtrainer.launch import interrupts
 from xtrainer.loop import loaders
 from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop.hooks import BatchHooks
-from xtrainer.loop.publishing import LOSS_KEY, end_epoch
+from xtrainer.loop.publishing import LOSS_KEY, STEP_VALUES, end_epoch
 from xtrainer.loop.steps import training_loss
 
 if TYPE_CHECKING:
@@ -175,16 +175,18 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHo
         with strategy.no_backward_sync(trainer._wrapped, enabled=True):
             outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate, hooks)
     loop.stepped = steps
+    read = False
     if steps:
         trainer._optim.step(trainer, batch_idx, loss)  # clip, step, global_step, schedulers
         if loop.global_step % trainer.log_every_n_steps == 0:
             # Read once the step's graph is launched, as torch_xla's step closures run: the values
             # are this step's outputs, and reading them is the interval's one host sync.
             strategy.add_step_closure(lambda: publish_step_values(trainer))
+            read = True
     strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
     loop.batches_in_epoch = batch_idx + 1
     if hooks.on_train_batch_end is not None:
-        hooks.on_train_batch_end(outputs, batch, batch_idx)
+        batch_end(trainer, hooks.on_train_batch_end, read, outputs, batch, batch_idx)
 
 
 def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate: int, hooks: BatchHooks
@@ -263,13 +265,25 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: 
                     reduce_fx="mean", batch_size=None)
     loop.stepped = True  # the module stepped (or not) itself: any batch is a boundary
     trainer._optim.forget_pending_clips()
-    if loop.global_step // trainer.log_every_n_steps > before // trainer.log_every_n_steps:
-        # a logging step was crossed: read as in training_step
+    read = loop.global_step // trainer.log_every_n_steps > before // trainer.log_every_n_steps
+    if read:  # a logging step was crossed: read as in training_step
         trainer.strategy.add_step_closure(lambda: publish_step_values(trainer))
     trainer.strategy.sync()  # the graph cut: one execution per training_step call
     loop.batches_in_epoch = batch_idx + 1
     if hooks.on_train_batch_end is not None:
-        hooks.on_train_batch_end(manual_batch_end_outputs(outputs), batch, batch_idx)
+        batch_end(trainer, hooks.on_train_batch_end, read, manual_batch_end_outputs(outputs), batch, batch_idx)
+
+
+def batch_end(trainer: "Trainer", hook: Any, read: bool, outputs: Any, batch: Any, batch_idx: int) -> None:
+    """``on_train_batch_end``. Where this step's values were not read (not a logging step), a
+    read of ``trainer.callback_metrics`` in the hooks reads them first (``Publisher.preview``):
+    they see this step's values, as in Lightning, and nothing is read where none of them asks."""
+    publisher = trainer._publisher
+    publisher.previewing = None if read else STEP_VALUES
+    try:
+        hook(outputs, batch, batch_idx)
+    finally:
+        publisher.previewing = None
 
 
 def batch_end_outputs(outputs: Any, loss: torch.Tensor) -> dict[str, Any]:

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 #: the logged values for the progress bar, never published as a metric, so that a value the
 #: module logs as ``"loss"`` is the module's, as in Lightning.
 LOSS_KEY = "xtrainer/loss"
+#: ``Publisher.previewing`` in a training batch's end hooks, after a step whose values were not read.
+STEP_VALUES = "train-step"
 _STOP_KEY = "xtrainer/should_stop"
 _NEXT_KEY = "xtrainer/next_agreement_step"
 
@@ -211,8 +213,9 @@ class DeferredWatch(NonFiniteWatch):
 class Publisher:
     """Reads logged values to the host and hands them out (see the module's docstring)."""
 
-    # The stage whose module's epoch-end hook is running (end_epoch): a read of callback_metrics
-    # there reads the epoch's values first (preview).
+    # The stage whose module's epoch-end hook is running (end_epoch), or STEP_VALUES while a
+    # training batch's end hooks run after a step whose values were not read: a read of
+    # callback_metrics there reads those values first (preview).
     previewing: str | None = None
 
     def __init__(self, detect_nonfinite: str) -> None:
@@ -332,15 +335,26 @@ class Publisher:
         the epoch's values are published: they are read first, as Lightning computes them when
         read, so that the hook sees this epoch's values (not the last epoch's, or none). Once
         per hook; the loggers and callbacks get them after it, with whatever the hook logs.
+        Likewise in a training batch's end hooks (``on_train_batch_end``: a ``ModelCheckpoint``
+        with ``every_n_train_steps`` monitoring a training value) after a step that was not a
+        logging step: that step's per-step values are read first (the loggers still get values
+        at logging steps only).
 
         With several replicas the read is this replica's alone: no collective, since a hook may
         read on rank 0 only (``if self.trainer.is_global_zero: print(...)``), and a reduction
         there would wait for replicas that never make it. Values logged with ``sync_dist`` are
         then this replica's own, and metric objects keep the value last published."""
         stage, self.previewing = self.previewing, None
-        # metric objects are reset when published; several replicas: each one's own values
-        tensors = epoch_tensors(trainer, stage, reset=False, local=trainer.world_size > 1)
-        values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the hook asked for the values
+        if stage == STEP_VALUES:
+            # The step's own values (this replica's), read leaving the device's generator as it
+            # was: a run whose callback reads them draws the numbers of one that does not.
+            with trainer.strategy.rng_state_kept():
+                tensors = trainer._results.step_tensors(trainer.strategy.collectives.reduce, 1)
+                values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: a hook asked
+        else:
+            # metric objects are reset when published; several replicas: each one's own values
+            tensors = epoch_tensors(trainer, stage, reset=False, local=trainer.world_size > 1)
+            values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the hook asked for the values
         values.pop(LOSS_KEY, None)
         trainer.callback_metrics.update({**values, **trainer._results.plain_names(values)})
 
