@@ -727,6 +727,14 @@ def test_limit_val_batches_zero_runs_no_validation_hook(tmp_path):
     trainer.fit(module, DataLoader(make_data(4, features=1), batch_size=2),
                 DataLoader(make_data(4, features=1), batch_size=2))
     assert module.validated_at == [] and trainer.global_step == 4
+    # validate() with no batch to run: nothing runs and [] comes back, as in Lightning (the
+    # epoch-end recipe raised on an empty list); predict() gives None.
+    data = DataLoader(make_data(4, features=1), batch_size=2)
+    for stage, limit in (("validate", "limit_val_batches"), ("predict", "limit_predict_batches")):
+        trainer = Trainer(strategy="native", enable_checkpointing=False, **{limit: 0}, **quiet(tmp_path))
+        result = getattr(trainer, stage)(module, data)
+        assert result == (None if stage == "predict" else []), stage
+    assert module.validated_at == []
 
 
 class _StopsItself(LightningModule):

@@ -307,3 +307,25 @@ def test_what_cannot_be_sent_to_the_replicas_is_named(tmp_path):
 
     with pytest.raises(TypeError, match="Define classes and functions at the top level"):
         Trainer(devices=2, default_root_dir=str(tmp_path), logger=False).fit(Local(), make_loader())
+
+
+class LogsItsRank(Regressor):
+    """Logs its rank as a Python number with ``sync_dist=True``, per step and per epoch."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("rank_mean", float(self.global_rank), on_step=True, on_epoch=True, sync_dist=True)
+        self.log("rank_max", self.global_rank, on_step=False, on_epoch=True, reduce_fx="max", sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("log_every_n_steps", [1, 50])
+def test_a_number_logged_with_sync_dist_is_reduced_across_replicas(tmp_path, log_every_n_steps):
+    """A Python number (not a tensor) logged with ``sync_dist=True`` is reduced like a tensor: the
+    all-reduce took only device tensors and the fit failed ("Expected XLA tensor")."""
+    trainer = Trainer(strategy="xla_ddp", devices=2, max_epochs=1, log_every_n_steps=log_every_n_steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path))
+    trainer.fit(LogsItsRank(), make_loader(16, batch_size=4))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert metrics["rank_mean_step"] == metrics["rank_mean_epoch"] == 0.5
+    assert metrics["rank_max"] == 1.0

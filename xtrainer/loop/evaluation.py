@@ -21,6 +21,9 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
     """One pass over every loader of ``stage``: metrics per loader, or the predictions.
     ``in_fit``: a fit's validation, no longer pending once its batches have run (a checkpoint
     written in its end hooks resumes after it)."""
+    if not in_fit and not any(trainer._num_batches(data, stage) for data in datas):
+        # No loader has a batch to give (limit_*_batches=0): nothing runs, no hook either, as in Lightning.
+        return None if stage == "predict" else []
     hook = _HOOK_STAGE[stage]
     wrapped, module = trainer.model, trainer.module
     was_training = wrapped.training

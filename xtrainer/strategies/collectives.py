@@ -123,6 +123,8 @@ class XlaReplicas(Collectives):
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.world_size == 1:
             return tensor
+        if tensor.device.type == "cpu":  # a number logged with sync_dist: to the device first (a copy, no sync)
+            tensor = tensor.to(self.device)
         return _xla.all_reduce(tensor, op)
 
     def any_replica(self, flag: bool) -> torch.Tensor | bool:

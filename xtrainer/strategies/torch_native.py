@@ -127,7 +127,9 @@ class ProcessGroup(Collectives):
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.world_size == 1:
             return tensor
-        reduced = tensor.clone()
+        # a clone, on the group's device: a number logged with sync_dist is a CPU tensor, which
+        # nccl (and a native device's own backend) cannot reduce (untested here: gloo takes both)
+        reduced = tensor.to(self.device, copy=True)
         dist.all_reduce(reduced, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
         return reduced
 
