@@ -995,3 +995,27 @@ def test_a_training_value_monitored_every_n_train_steps_is_the_steps_own_between
         _counting_to_cpu(trainer, calls[name])
         trainer.fit(_LogsItsBatch(), data)
     assert len(calls["reading"]) == len(calls["quiet"]) + 8  # the 8 steps of 10 that are not logging steps
+
+
+class _LogsAndReadsAtBatchEnd(_LogsItsBatch):
+    """Logs a value in its own ``on_train_batch_end`` and reads it back at once, as Lightning
+    lets it."""
+
+    def __init__(self):
+        super().__init__()
+        self.read_back = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("end_idx", float(batch_idx))
+        self.read_back.append(float(self.trainer.callback_metrics["end_idx"]))
+
+
+@pytest.mark.parametrize("reader", [False, True])
+def test_a_value_logged_in_on_train_batch_end_reads_back_at_once_whoever_read_before(tmp_path, reader):
+    """Lightning's [0, 1, 2, ...] on logging steps and between them, also where a callback read
+    ``callback_metrics`` earlier in the same hooks (the read there must not hide later values)."""
+    module = _LogsAndReadsAtBatchEnd()
+    trainer = Trainer(strategy="native", max_epochs=1, log_every_n_steps=2,
+                      callbacks=[_ReadsMetricsAtBatchEnd()] if reader else [], **quiet(tmp_path))
+    trainer.fit(module, DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4)), batch_size=4))
+    assert module.read_back == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]

@@ -329,3 +329,16 @@ def test_a_number_logged_with_sync_dist_is_reduced_across_replicas(tmp_path, log
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["rank_mean_step"] == metrics["rank_mean_epoch"] == 0.5
     assert metrics["rank_max"] == 1.0
+
+
+def test_a_checkpoint_every_n_train_steps_monitors_a_sync_dist_value_reduced_across_replicas(tmp_path):
+    """Between logging steps, ``ModelCheckpoint(every_n_train_steps=...)`` ranks by the step's value
+    reduced across the replicas (Lightning's), never by rank 0's own (0.0 here) or by nothing."""
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor="rank_mean_step", save_top_k=-1,
+                                  every_n_train_steps=1)
+    trainer = Trainer(strategy="xla_ddp", devices=2, max_epochs=1, log_every_n_steps=50, logger=False,
+                      callbacks=[checkpoints], enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path))
+    trainer.fit(LogsItsRank(), make_loader(16, batch_size=4))
+    assert len(checkpoints.best_k_models) == 2  # two steps per replica, each checkpoint scored
+    assert [float(score) for score in checkpoints.best_k_models.values()] == [0.5, 0.5]

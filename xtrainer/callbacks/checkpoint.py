@@ -323,6 +323,8 @@ class ModelCheckpoint(Callback):
             return
         n, interval = self.every_n_train_steps, self.train_time_interval
         if (n >= 1 and trainer.global_step % n == 0) or (interval is not None and self._time_is_up(trainer, interval)):
+            if self.monitor is not None:  # every replica saves here: a value logged with sync_dist, reduced
+                trainer._publisher.preview_synced(trainer)
             self._save(trainer, topk=True)
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:

@@ -24,7 +24,7 @@ from xtrainer.launch import interrupts
 from xtrainer.loop import loaders
 from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop.hooks import BatchHooks
-from xtrainer.loop.publishing import LOSS_KEY, STEP_VALUES, end_epoch
+from xtrainer.loop.publishing import LOSS_KEY, end_epoch
 from xtrainer.loop.steps import training_loss
 
 if TYPE_CHECKING:
@@ -275,11 +275,12 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: 
 
 
 def batch_end(trainer: "Trainer", hook: Any, read: bool, outputs: Any, batch: Any, batch_idx: int) -> None:
-    """``on_train_batch_end``. Where this step's values were not read (not a logging step), a
-    read of ``trainer.callback_metrics`` in the hooks reads them first (``Publisher.preview``):
-    they see this step's values, as in Lightning, and nothing is read where none of them asks."""
+    """``on_train_batch_end``. A read of ``trainer.callback_metrics`` in the hooks reads the
+    per-step values it does not have yet first (``Publisher.preview``): this step's where
+    ``read`` did not (not a logging step), and those the hooks logged. The hooks see this step's
+    values, as in Lightning, and nothing is read where none of them asks."""
     publisher = trainer._publisher
-    publisher.previewing = None if read else STEP_VALUES
+    publisher.open_step_preview(trainer, read)
     try:
         hook(outputs, batch, batch_idx)
     finally:

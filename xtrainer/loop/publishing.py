@@ -214,12 +214,13 @@ class Publisher:
     """Reads logged values to the host and hands them out (see the module's docstring)."""
 
     # The stage whose module's epoch-end hook is running (end_epoch), or STEP_VALUES while a
-    # training batch's end hooks run after a step whose values were not read: a read of
-    # callback_metrics there reads those values first (preview).
+    # training batch's end hooks run: a read of callback_metrics there reads the values it does
+    # not have yet first (preview).
     previewing: str | None = None
 
     def __init__(self, detect_nonfinite: str) -> None:
         self.detect_nonfinite = detect_nonfinite
+        self._previewed: dict[str, Any] = {}  # per-step values callback_metrics has, in a batch's end hooks
         self.watch: NonFiniteWatch | None = None
         self.stop_agreed = False
         self.several = False  # the fit has more than one replica (set at its start)
@@ -335,28 +336,65 @@ class Publisher:
         the epoch's values are published: they are read first, as Lightning computes them when
         read, so that the hook sees this epoch's values (not the last epoch's, or none). Once
         per hook; the loggers and callbacks get them after it, with whatever the hook logs.
-        Likewise in a training batch's end hooks (``on_train_batch_end``: a ``ModelCheckpoint``
-        with ``every_n_train_steps`` monitoring a training value) after a step that was not a
-        logging step: that step's per-step values are read first (the loggers still get values
-        at logging steps only).
+        Likewise in a training batch's end hooks (``_preview_step``: a ``ModelCheckpoint`` with
+        ``every_n_train_steps`` monitoring a training value); the loggers still get per-step
+        values at logging steps only.
 
         With several replicas the read is this replica's alone: no collective, since a hook may
         read on rank 0 only (``if self.trainer.is_global_zero: print(...)``), and a reduction
         there would wait for replicas that never make it. Values logged with ``sync_dist`` are
         then this replica's own, and metric objects keep the value last published."""
-        stage, self.previewing = self.previewing, None
+        stage = self.previewing
         if stage == STEP_VALUES:
-            # The step's own values (this replica's), read leaving the device's generator as it
-            # was: a run whose callback reads them draws the numbers of one that does not.
-            with trainer.strategy.rng_state_kept():
-                tensors = trainer._results.step_tensors(trainer.strategy.collectives.reduce, 1)
-                values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: a hook asked
-        else:
-            # metric objects are reset when published; several replicas: each one's own values
-            tensors = epoch_tensors(trainer, stage, reset=False, local=trainer.world_size > 1)
-            values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the hook asked for the values
+            self._preview_step(trainer)
+            return
+        self.previewing = None
+        # metric objects are reset when published; several replicas: each one's own values
+        tensors = epoch_tensors(trainer, stage, reset=False, local=trainer.world_size > 1)
+        values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the hook asked for the values
         values.pop(LOSS_KEY, None)
         trainer.callback_metrics.update({**values, **trainer._results.plain_names(values)})
+
+    def open_step_preview(self, trainer: "Trainer", read: bool) -> None:
+        """Before a training batch's end hooks: what ``callback_metrics`` holds of each per-step
+        value (``read``: all of them, read at this logging step; else none of this step's)."""
+        self.previewing = STEP_VALUES
+        self._previewed = {name: entry.last for name, entry in trainer._results.entries.items()
+                           if entry.on_step} if read else {}
+
+    def _preview_step(self, trainer: "Trainer", synced: bool = False) -> None:
+        """``callback_metrics`` read in a training batch's end hooks: the per-step values logged
+        since ``callback_metrics`` last got them (this step's, or logged in these hooks) are read
+        first, as Lightning computes them when read; nothing where there are none. Each
+        replica reads its own, with no collective (a hook may read on rank 0 alone); a value
+        logged with ``sync_dist`` by several replicas keeps its last value reduced across them
+        (a read's), not this replica's own. ``synced``: those values alone, reduced across the
+        replicas, where every replica asks at once (``preview_synced``)."""
+        results, previewed = trainer._results, self._previewed
+        several = trainer.world_size > 1
+        new = [name for name, entry in results.entries.items()
+               if entry.on_step and entry.last is not None and previewed.get(name) is not entry.last
+               and (several and entry.sync_dist) == synced]
+        if not new:
+            return
+        # Read leaving the device's generator as it was: a run whose callback reads these values
+        # draws the numbers of one that does not.
+        with trainer.strategy.rng_state_kept():
+            tensors = results.step_tensors(trainer.strategy.collectives.reduce, trainer.world_size if synced else 1,
+                                           only=new)
+            values = to_floats(tensors, trainer.strategy.to_cpu)  # host sync: a hook asked for the values
+        for name in new:
+            previewed[name] = results.entries[name].last
+        values.pop(LOSS_KEY, None)
+        trainer.callback_metrics.update({**values, **results.plain_names(values)})
+
+    def preview_synced(self, trainer: "Trainer") -> None:
+        """In a training batch's end hooks, called by every replica at once (a ``ModelCheckpoint``
+        about to save, which is collective anyway): the per-step values logged with ``sync_dist``
+        that ``callback_metrics`` does not have yet, reduced across the replicas and read (one
+        collective and one host sync, where there are any)."""
+        if self.previewing == STEP_VALUES and trainer.world_size > 1:
+            self._preview_step(trainer, synced=True)
 
     def settle_vote(self, trainer: "Trainer") -> None:
         """Finish the agreement a logging step started: stop with the others if any replica

@@ -178,11 +178,12 @@ class Results:
         return self._constants[key]
 
     # ---- reading (host syncs happen in the callers' to_cpu) ---------------------------------
-    def step_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int
-                     ) -> dict[str, torch.Tensor]:
-        """Latest per-step values, named ``x`` or ``x_step`` (if also logged per epoch)."""
+    def step_tensors(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], world_size: int,
+                     only: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Latest per-step values, named ``x`` or ``x_step`` (if also logged per epoch);
+        ``only``: of these entries alone."""
         out = {}
-        for name, entry in self.entries.items():
+        for name, entry in (self.entries.items() if only is None else ((n, self.entries[n]) for n in only)):
             if entry.on_step and entry.last is not None:
                 value = entry.last
                 if entry.sync_dist and world_size > 1:
