@@ -1019,3 +1019,46 @@ def test_a_value_logged_in_on_train_batch_end_reads_back_at_once_whoever_read_be
                       callbacks=[_ReadsMetricsAtBatchEnd()] if reader else [], **quiet(tmp_path))
     trainer.fit(module, DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4)), batch_size=4))
     assert module.read_back == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+class _PlateauPerStep(LightningModule):
+    """A ``ReduceLROnPlateau`` stepped every step on a training value (a plateau every other step)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 1)
+        self.lrs = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).square().mean()
+        self.log("train_loss", loss if batch_idx % 2 else loss * 0 + 100.0)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss", "interval": "step"}}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_a_plateau_scheduler_stepped_per_step_monitors_the_steps_own_training_value(tmp_path):
+    """It raised KeyError between logging steps (the value was never read) and used an older step's
+    value at them. Now it steps on each step's value, as in Lightning, whose hook sees the rate of
+    the batch before (it steps its plateau schedulers after ``on_train_batch_end``); a run resumed
+    from a checkpoint of any step ends bitwise as the whole run."""
+    from xtrainer.callbacks import ModelCheckpoint
+
+    data = DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(32, 4, generator=torch.Generator().manual_seed(1)) * 0.01), batch_size=4)
+    module = _PlateauPerStep()
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, save_top_k=-1)
+    Trainer(strategy="native", max_epochs=1, callbacks=[every], **quiet(tmp_path)).fit(module, data)
+    assert module.lrs == [1.0, 1.0, 0.5, 0.25, 0.125, 0.125, 0.0625, 0.03125]
+    resumed = _PlateauPerStep()
+    trainer = Trainer(strategy="native", max_epochs=1, **quiet(tmp_path, enable_checkpointing=False))
+    trainer.fit(resumed, data, ckpt_path=str(tmp_path / "ck" / "epoch=0-step=3.ckpt"))
+    assert resumed.lrs == module.lrs[3:]
+    assert torch.equal(resumed.layer.weight, module.layer.weight) and torch.equal(resumed.layer.bias, module.layer.bias)

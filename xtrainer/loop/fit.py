@@ -185,8 +185,9 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHo
             read = True
     strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
     loop.batches_in_epoch = batch_idx + 1
-    if hooks.on_train_batch_end is not None:
-        batch_end(trainer, hooks.on_train_batch_end, read, outputs, batch, batch_idx)
+    plateau = steps and trainer._optim.plateau_per_step
+    if hooks.on_train_batch_end is not None or plateau:
+        batch_end(trainer, hooks.on_train_batch_end, read, outputs, batch, batch_idx, plateau)
 
 
 def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate: int, hooks: BatchHooks
@@ -274,15 +275,22 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: 
         batch_end(trainer, hooks.on_train_batch_end, read, manual_batch_end_outputs(outputs), batch, batch_idx)
 
 
-def batch_end(trainer: "Trainer", hook: Any, read: bool, outputs: Any, batch: Any, batch_idx: int) -> None:
-    """``on_train_batch_end``. A read of ``trainer.callback_metrics`` in the hooks reads the
-    per-step values it does not have yet first (``Publisher.preview``): this step's where
-    ``read`` did not (not a logging step), and those the hooks logged. The hooks see this step's
-    values, as in Lightning, and nothing is read where none of them asks."""
+def batch_end(trainer: "Trainer", hook: Any, read: bool, outputs: Any, batch: Any, batch_idx: int,
+              plateau: bool = False) -> None:
+    """``on_train_batch_end``, after the schedulers stepped per step that monitor a metric
+    (``plateau``: a ``ReduceLROnPlateau``, which Lightning steps once the step's values are
+    logged). A read of ``trainer.callback_metrics`` here reads the per-step values it does not
+    have yet first (``Publisher.preview``): this step's where ``read`` did not (not a logging
+    step), and those the hooks logged. The hooks and schedulers see this step's values, as in
+    Lightning, and nothing is read where none of them asks."""
     publisher = trainer._publisher
     publisher.open_step_preview(trainer, read)
     try:
-        hook(outputs, batch, batch_idx)
+        if plateau:  # every replica steps them here: values logged with sync_dist are reduced first
+            publisher.preview_synced(trainer)
+            trainer._optim.step_schedulers(trainer, "step", batch_idx, plateau=True)
+        if hook is not None:
+            hook(outputs, batch, batch_idx)
     finally:
         publisher.previewing = None
 

@@ -32,6 +32,7 @@ class Optimization:
         self._clips_itself = False  # the module overrides configure_gradient_clipping
         self._custom_step = False
         self.skipped = 0  # batches whose training_step returned None (Lightning's skip)
+        self.plateau_per_step = False
 
     def setup(self, trainer: "Trainer") -> None:
         """``configure_optimizers()`` against the wrapped parameters, parsed and checked."""
@@ -51,6 +52,10 @@ class Optimization:
                 "For an optimizer over part of the model (self.layer.parameters()) use strategy='xla_fsdpv2', which "
                 "shards each parameter in place; else build it from self.parameters().") from err
         self.optimizers, self.schedulers = parse_optimizers(config, name, self.automatic)
+        # a scheduler stepped per step that monitors a metric (a ReduceLROnPlateau): stepped by the loop
+        # once the step's values can be read (fit.batch_end), under automatic optimization
+        self.plateau_per_step = self.automatic and any(c.reduce_on_plateau and c.interval == "step"
+                                                       for c in self.schedulers)
         for optimizer in self.optimizers:  # torch's multi-tensor path on XLA tensors, unless the user chose
             prefer_foreach(optimizer)
         if not self.automatic:
@@ -118,8 +123,8 @@ class Optimization:
         trainer.loop.global_step += 1
         if trainer._publisher.counts_steps:
             trainer._publisher.stepped()
-        if self.schedulers:
-            self.step_schedulers(trainer, "step", batch_idx)
+        if self.schedulers:  # those that monitor a metric step once the step's values can be read (fit.batch_end)
+            self.step_schedulers(trainer, "step", batch_idx, plateau=False)
 
     def _before_step(self, trainer: "Trainer") -> None:
         trainer._call("on_before_optimizer_step", self.optimizers[0])
@@ -130,15 +135,16 @@ class Optimization:
             trainer.strategy.clip_gradients(trainer.model, self.optimizers[0], trainer.gradient_clip_val,
                                             trainer.gradient_clip_algorithm)
 
-    def step_schedulers(self, trainer: "Trainer", interval: str, batch_idx: int = 0) -> None:
+    def step_schedulers(self, trainer: "Trainer", interval: str, batch_idx: int = 0,
+                        plateau: bool | None = None) -> None:
         """The schedulers of ``interval`` whose ``frequency`` divides the count, as Lightning
         counts: per step, the batches of this epoch so far (``batch_idx + 1``, not
-        ``global_step``); per epoch, the epochs so far."""
+        ``global_step``); per epoch, the epochs so far. ``plateau``: as ``step_schedulers``."""
         count = batch_idx + 1 if interval == "step" else trainer.current_epoch + 1
         module = trainer.module
         own = type(module).lr_scheduler_step is not XModule.lr_scheduler_step
-        step_schedulers(self.schedulers, interval, count, trainer.callback_metrics,
-                        module.lr_scheduler_step if own else None)
+        step_schedulers(self.schedulers, interval, count, lambda: trainer.callback_metrics,
+                        module.lr_scheduler_step if own else None, plateau)
 
     # ---- manual optimization -----------------------------------------------------------------
     def _manual_stepped(self, trainer: "Trainer") -> None:

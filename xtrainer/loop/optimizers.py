@@ -157,16 +157,21 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def step_schedulers(schedulers: list[SchedulerConfig], interval: str, count: int, metrics: dict[str, Any],
-                    step: Callable[[Any, Any], None] | None = None) -> None:
+def step_schedulers(schedulers: list[SchedulerConfig], interval: str, count: int, metrics: Any,
+                    step: Callable[[Any, Any], None] | None = None, plateau: bool | None = None) -> None:
     """Step the schedulers of ``interval`` whose frequency divides ``count`` (the global step, or
     the number of epochs done); a ``ReduceLROnPlateau`` (``reduce_on_plateau``) gets its monitored
-    metric from ``metrics``. ``step(scheduler, metric)``: the module's ``lr_scheduler_step``,
-    where it overrides it."""
+    metric from ``metrics`` (a dict, or a callable giving one: asked only where such a scheduler
+    steps). ``step(scheduler, metric)``: the module's ``lr_scheduler_step``, where it overrides
+    it. ``plateau``: those that monitor a metric alone (True), the others alone (False), or all."""
     step = step or step_scheduler
     for config in schedulers:
         if config.interval != interval or count % config.frequency:
             continue
+        if plateau is not None and config.reduce_on_plateau != plateau:
+            continue
+        if config.reduce_on_plateau and callable(metrics):
+            metrics = metrics()
         if not config.reduce_on_plateau:
             step(config.scheduler, None)
             continue
