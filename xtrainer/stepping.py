@@ -63,11 +63,15 @@ def step(optimizer: torch.optim.Optimizer) -> Any:
                 type(optimizer).step:
             return optimizer.step()
         optimizer._opt_called = True  # type: ignore[attr-defined]
-    return inner(optimizer)
+    out = inner(optimizer)
+    optimizer._optimizer_step_code()  # torch's entry point for its profiler's Python tracing, as its wrapper calls it
+    return out
 
 
 def _observed(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether anything would see or run around the step: torch's profiler, or step hooks."""
+    """Whether anything would see or run around the step: torch's profiler, or step hooks. (As
+    torch's own compiled code decides whether to record its ranges, by the profiler's flag: an
+    execution-trace observer running without the profiler does not see the range.)"""
     if _profiling():
         return True
     pre, post = _GLOBAL_HOOKS
