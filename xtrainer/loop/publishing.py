@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 #: the logged values for the progress bar, never published as a metric, so that a value the
 #: module logs as ``"loss"`` is the module's, as in Lightning.
 LOSS_KEY = "xtrainer/loss"
-#: ``Publisher.previewing`` in a training batch's end hooks, after a step whose values were not read.
+#: ``Publisher.previewing`` while a training batch's end hooks run (``fit.batch_end``).
 STEP_VALUES = "train-step"
 _STOP_KEY = "xtrainer/should_stop"
 _NEXT_KEY = "xtrainer/next_agreement_step"
