@@ -286,8 +286,7 @@ def batch_end(trainer: "Trainer", hook: Any, read: bool, outputs: Any, batch: An
     publisher = trainer._publisher
     publisher.open_step_preview(trainer, read)
     try:
-        if plateau:  # every replica steps them here: values logged with sync_dist are reduced first
-            publisher.preview_synced(trainer)
+        if plateau:
             trainer._optim.step_schedulers(trainer, "step", batch_idx, plateau=True)
         if hook is not None:
             hook(outputs, batch, batch_idx)

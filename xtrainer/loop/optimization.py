@@ -143,8 +143,13 @@ class Optimization:
         count = batch_idx + 1 if interval == "step" else trainer.current_epoch + 1
         module = trainer.module
         own = type(module).lr_scheduler_step is not XModule.lr_scheduler_step
-        step_schedulers(self.schedulers, interval, count, lambda: trainer.callback_metrics,
-                        module.lr_scheduler_step if own else None, plateau)
+
+        def metrics() -> Any:  # asked for only where a scheduler that monitors a metric steps
+            if plateau:  # in a batch's end, where every replica steps it: sync_dist values reduced first
+                trainer._publisher.preview_synced(trainer)
+            return trainer.callback_metrics
+
+        step_schedulers(self.schedulers, interval, count, metrics, module.lr_scheduler_step if own else None, plateau)
 
     # ---- manual optimization -----------------------------------------------------------------
     def _manual_stepped(self, trainer: "Trainer") -> None:

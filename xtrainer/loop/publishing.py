@@ -352,8 +352,7 @@ class Publisher:
         # metric objects are reset when published; several replicas: each one's own values
         tensors = epoch_tensors(trainer, stage, reset=False, local=trainer.world_size > 1)
         values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the hook asked for the values
-        values.pop(LOSS_KEY, None)
-        trainer.callback_metrics.update({**values, **trainer._results.plain_names(values)})
+        _into_callback_metrics(trainer, values)
 
     def open_step_preview(self, trainer: "Trainer", read: bool) -> None:
         """Before a training batch's end hooks: what ``callback_metrics`` holds of each per-step
@@ -385,8 +384,7 @@ class Publisher:
             values = to_floats(tensors, trainer.strategy.to_cpu)  # host sync: a hook asked for the values
         for name in new:
             previewed[name] = results.entries[name].last
-        values.pop(LOSS_KEY, None)
-        trainer.callback_metrics.update({**values, **results.plain_names(values)})
+        _into_callback_metrics(trainer, values)
 
     def preview_synced(self, trainer: "Trainer") -> None:
         """In a training batch's end hooks, called by every replica at once (a ``ModelCheckpoint``
@@ -476,6 +474,13 @@ class Publisher:
             self._checked_step, self._first_bad = trainer.global_step, first
         return self._first_bad if self._first_bad < trainer.global_step else None
 
+
+
+def _into_callback_metrics(trainer: "Trainer", values: dict[str, float]) -> None:
+    """A preview's values into ``callback_metrics`` (the loop's own loss left out), with
+    Lightning's plain names for values logged both per step and per epoch."""
+    values.pop(LOSS_KEY, None)
+    trainer.callback_metrics.update({**values, **trainer._results.plain_names(values)})
 
 
 def _on_device(value: Any) -> bool:
