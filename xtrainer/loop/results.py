@@ -201,7 +201,8 @@ class Results:
                       metrics: bool = True, only: set[str] | None = None) -> dict[str, torch.Tensor]:
         """Epoch values, named ``x`` or ``x_epoch`` (if also logged per step). Metrics logged by
         object are computed (their states gathered from every replica with ``gather``) and, with
-        ``reset``, reset; without ``metrics``, left out. ``only``: of these names alone."""
+        ``reset``, reset, as is every metric logged per step only (as Lightning resets every metric
+        logged in an epoch at its end); without ``metrics``, left out. ``only``: of these names alone."""
         out = {}
         for name, entry in self.entries.items():
             if only is not None and name not in only:
@@ -210,6 +211,8 @@ class Results:
                 if entry.on_epoch and metrics:
                     value = _compute_metric(entry.metric, world_size, gather, reset)
                     out[name + "_epoch" if entry.on_step else name] = value.detach().float().reshape(())
+                elif reset and metrics:
+                    entry.metric.reset()  # its per-step values were its forward's; the next epoch starts afresh
                 continue
             if not entry.on_epoch or entry.total is None:
                 continue

@@ -1,0 +1,97 @@
+"""Lightning projects that port by changing their imports: a third set of patterns.
+
+torchmetrics' own Lightning integration (metrics logged per step, reset at every epoch's end;
+a metric logged after ``update()`` alone), hook-like names that are no hook, the model summary
+over a module with odd attributes, Lightning's ``ModelSummary``, ``ParallelStrategy`` and the
+export methods, the callbacks' state restored by ``test(ckpt_path=...)``, ``metrics.csv`` as
+Lightning writes it, and the training data's order under DDP. Modules are written as a Lightning
+user writes them; only the import lines differ.
+"""
+
+import csv
+import os
+import warnings
+
+import pytest
+import torch
+from conftest import make_data
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric, SumMetric
+
+from xtrainer import Trainer
+from xtrainer import XModule as LightningModule
+from xtrainer.callbacks import Callback
+
+STRATEGIES = ["native", "xla_native"]
+
+
+def quiet(tmp_path, **kwargs):
+    return dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False, enable_model_summary=False,
+                enable_checkpointing=False, num_sanity_val_steps=0, **kwargs)
+
+
+def labelled(n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).float())
+
+
+# ---- torchmetrics' integration: metrics logged per step --------------------------------------
+
+class CountsMetrics(LightningModule):
+    """torchmetrics' integration test pattern: a metric called on every batch and logged per step
+    (``training_step``'s default); another only updated, logged per step and per epoch."""
+
+    def __init__(self, log_updated: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.log_updated = log_updated
+        self.layer = nn.Linear(4, 1)
+        self.seen = SumMetric()  # counts the samples of the epoch
+        self.updated = MeanMetric()
+        self.at_epoch_start, self.forward_cache_logged = [], []
+
+    def on_train_epoch_start(self):
+        self.at_epoch_start.append((float(self.seen.sum_value.cpu()), int(self.updated.update_count)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.layer(x).squeeze(-1)
+        self.seen(torch.ones_like(y).sum())
+        self.log("seen", self.seen)  # on_step=True, on_epoch=False: the default in training_step
+        self.updated.update(y)
+        if self.log_updated:
+            self.log("updated", self.updated, on_step=True, on_epoch=True)  # no forward: nothing per step
+        return nn.functional.mse_loss(out, y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.forward_cache_logged.append("updated_step" in self.trainer.callback_metrics)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_metrics_logged_per_step_are_reset_at_every_epoch_end(tmp_path, strategy):
+    """Lightning resets every metric logged during an epoch at its end, on_step or on_epoch: a
+    metric logged per step only counted every epoch so far."""
+    model = CountsMetrics(log_updated=False)
+    trainer = Trainer(strategy=strategy, max_epochs=3, log_every_n_steps=1, **quiet(tmp_path))
+    trainer.fit(model, DataLoader(labelled(32), batch_size=8))
+    assert [seen for seen, _ in model.at_epoch_start] == [0.0] * 3
+    assert trainer.callback_metrics["seen"].item() == 8  # the last batch's own value, its forward's
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_metric_only_updated_logs_nothing_per_step_and_its_epoch_value(tmp_path, strategy):
+    """A metric logged per step after ``update()`` alone has no value of the step (its forward
+    cache is empty): Lightning logs nothing for the step and computes the epoch's value as usual."""
+    model = CountsMetrics()
+    data = labelled(32)
+    trainer = Trainer(strategy=strategy, max_epochs=2, log_every_n_steps=1, **quiet(tmp_path))
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    assert not any(model.forward_cache_logged)
+    assert "updated_step" not in trainer.logged_metrics
+    assert trainer.callback_metrics["updated_epoch"].item() == pytest.approx(data.tensors[1].mean().item())
+    assert trainer.callback_metrics["updated"].item() == pytest.approx(data.tensors[1].mean().item())
