@@ -162,11 +162,13 @@ class Results:
         if entry is None:
             entry = self.entries[name] = _Entry(on_step, on_epoch, prog_bar, False, "mean", logger, metric)
         if on_step:
+            # Its forward's value of this batch. None after update() alone (or a reset): nothing is
+            # logged for the step, as in Lightning; the epoch's value is computed all the same.
             value = getattr(metric, "_forward_cache", None)
-            if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise ValueError(f"self.log({name!r}, metric, on_step=True): call the metric on the batch "
-                                 "(metric(preds, target)) before logging it per step, or log it with on_step=False.")
-            entry.last = _scalar(value)
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                raise ValueError(f"self.log({name!r}, metric, on_step=True): its forward gave a tensor of shape "
+                                 f"{tuple(value.shape)}; self.log takes metrics whose values are scalars.")
+            entry.last = _scalar(value) if isinstance(value, torch.Tensor) else None
 
     def _constant(self, number: float, device: torch.device) -> torch.Tensor:
         """``number`` as device data, uploaded once. Starting each epoch from a data tensor (not
