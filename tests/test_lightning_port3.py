@@ -95,3 +95,39 @@ def test_a_metric_only_updated_logs_nothing_per_step_and_its_epoch_value(tmp_pat
     assert "updated_step" not in trainer.logged_metrics
     assert trainer.callback_metrics["updated_epoch"].item() == pytest.approx(data.tensors[1].mean().item())
     assert trainer.callback_metrics["updated"].item() == pytest.approx(data.tensors[1].mean().item())
+
+
+# ---- a method named like a hook that is none ------------------------------------------------
+
+class OldHookName(LightningModule):
+    """Lightning 1's ``training_epoch_end`` renamed by hand to a hook that does not exist: Lightning
+    never calls it and runs on."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+        self.called = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def on_training_epoch_end(self):
+        self.called = True
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class OnEveryThing(Callback):
+    def on_everything(self, trainer, module):
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_method_named_like_a_hook_that_is_none_warns_and_the_fit_runs_on(tmp_path, strategy):
+    model = OldHookName()
+    with pytest.warns(UserWarning, match="on_training_epoch_end looks like a hook.*on_train_epoch_end"):
+        trainer = Trainer(strategy=strategy, max_epochs=2, callbacks=[OnEveryThing()], **quiet(tmp_path))
+        trainer.fit(model, DataLoader(make_data(16), batch_size=8))
+    assert trainer.global_step == 4 and not model.called

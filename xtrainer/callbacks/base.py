@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable
 
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
 from xtrainer.suggest import did_you_mean
 
 if TYPE_CHECKING:
@@ -127,7 +129,8 @@ CALLBACK_HOOKS = frozenset(name for name in vars(Callback) if name.startswith("o
 
 
 def check_hook_names(obj: Any, known: Iterable[str], base: type) -> None:
-    """Refuse a method named like a hook that is not one (``on_train_epoch_ned``...)."""
+    """Warn (on rank 0) of a method named like a hook that is not one
+    (``on_train_epoch_ned``...): it is never called. The run goes on, as in Lightning."""
     known = set(known)
     for klass in type(obj).__mro__:
         if klass is base or klass is object:
@@ -135,8 +138,8 @@ def check_hook_names(obj: Any, known: Iterable[str], base: type) -> None:
         for name, value in vars(klass).items():
             if name.startswith("on_") and callable(value) and name not in known:
                 hint = did_you_mean(name, sorted(known))
-                raise AttributeError(
+                rank_zero_warn(
                     f"{klass.__name__}.{name} looks like a hook but there is no hook of that name, "
-                    f"so it would never be called.{hint} Rename it, or drop the 'on_' prefix if it is a "
+                    f"so it is never called.{hint} Rename it, or drop the 'on_' prefix if it is a "
                     "helper."
                 )
