@@ -71,6 +71,9 @@ class Strategy(abc.ABC):
 
     #: The name ``Trainer(strategy=...)`` accepts for this class.
     name: ClassVar[str]
+    #: Whether the replicas hold shards of the parameters (FSDP), not each a whole copy: the
+    #: model summary then counts the shards whole and adds each replica's share.
+    shards_parameters: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.devices: int | None = 1
