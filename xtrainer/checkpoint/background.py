@@ -7,9 +7,14 @@ process's one background thread. Later storage work of the same run (removing ch
 top-k no longer keeps, copying ``last`` on object stores) queues behind the write, in order, so a
 checkpoint is never removed before its successor is complete.
 
-At most one save is in flight: a newer save waits for the older one to be written. The end of
-every fit, validate, test or predict (also a stop by SIGTERM, after its checkpoint) waits for the
-queue to empty; a failed background write is raised there, or at the next save.
+Background writes are on only while a stage runs (``stage_starts``, ``stage_ends``): a save
+outside one (say, ``trainer.save_checkpoint`` after ``fit``) is complete when it returns. At most
+one save is in flight: a newer save waits for the older one to be written. The end of every fit,
+validate, test or predict (also a stop by SIGTERM, after its checkpoint) waits for the queue to
+empty; a failed background write is raised there, or at the next save. The writer is a daemon
+thread, so that a hung disk cannot keep a finished process alive: at interpreter exit whatever
+is still queued is waited for, and said on stderr (with a failure of it), never dropped in
+silence.
 
 A kill during a background write leaves the temporary file (removed at the next start) and the
 previous checkpoints as they were, ``last.ckpt`` included: re-pointing it is queued behind the
@@ -19,47 +24,67 @@ write synchronously.
 
 from __future__ import annotations
 
+import atexit
+import os
 import queue
+import sys
 import threading
+import time
 from typing import Any, Callable
 
-_enabled = False
+_stages_on = 0  # stages running in this process with background writes on (replicas may be threads)
 _lock = threading.Condition()
 _jobs: "queue.Queue[tuple[Callable[[], Any], bool]]" = queue.Queue()
 _saves_pending = 0
 _error: BaseException | None = None
 _worker: threading.Thread | None = None
+_worker_pid = 0  # the process that started it (a forked child has no writer thread of its own)
 
 
-def use(enabled: bool) -> None:
-    """Switch background writes on or off for this process (each replica calls it at its start)."""
-    global _enabled
-    _enabled = bool(enabled)
+def stage_starts(enabled: bool) -> None:
+    """A replica's run of a stage starts: background writes on while it runs (``enabled``). Every
+    ``stage_starts`` is paired with a ``stage_ends`` (in a ``finally``); replicas that are threads
+    of one process each count, so the writes stay on until the last of them ends."""
+    global _stages_on
+    if enabled:
+        with _lock:
+            _stages_on += 1
+
+
+def stage_ends(enabled: bool) -> None:
+    """The run ``stage_starts(enabled)`` began has ended (after draining the queue): background
+    writes as they were before it."""
+    global _stages_on
+    if enabled:
+        with _lock:
+            _stages_on -= 1
 
 
 def enabled() -> bool:
-    return _enabled
+    """Whether saves are written in the background now: only while a stage runs that asked for it."""
+    return _stages_on > 0
 
 
 def submit(job: Callable[[], Any], save: bool = False) -> None:
     """Run ``job`` in the background thread, after every job queued before it. ``save``: a
     checkpoint write; it first waits until no other save is in flight."""
-    global _saves_pending, _worker
+    global _saves_pending, _worker, _worker_pid
     with _lock:
         if save:
             _lock.wait_for(lambda: _saves_pending == 0 or _error is not None)
         _raise_error()
         if save:
             _saves_pending += 1
-        if _worker is None or not _worker.is_alive():
+        if _worker is None or not _worker.is_alive() or _worker_pid != os.getpid():
             _worker = threading.Thread(target=_work, name="xtrainer-checkpoint-writer", daemon=True)
             _worker.start()
-    _jobs.put((job, save))
+            _worker_pid = os.getpid()
+        _jobs.put((job, save))
 
 
 def run_or_submit(job: Callable[[], Any], save: bool = False) -> None:
     """``job()`` now, or in the background when background writes are on."""
-    if _enabled:
+    if enabled():
         submit(job, save)
     else:
         job()
@@ -67,8 +92,9 @@ def run_or_submit(job: Callable[[], Any], save: bool = False) -> None:
 
 def behind_writes(job: Callable[[], Any]) -> bool:
     """Queue ``job`` behind the writes in flight, if any (True); False: nothing in flight (or this
-    is the background thread itself), so the caller does it now."""
-    if not _enabled or threading.current_thread() is _worker or _jobs.unfinished_tasks == 0:
+    is the background thread itself), so the caller does it now. Writes in flight are waited for
+    whether background writes are on now or not."""
+    if threading.current_thread() is _worker or _jobs.unfinished_tasks == 0:
         return False
     submit(job)
     return True
@@ -89,6 +115,27 @@ def drain(raise_errors: bool = True) -> None:
             error = _error
             _error = None
             warnings.warn(f"A background checkpoint write failed as well: {error}", RuntimeWarning, stacklevel=2)
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """At interpreter exit: finish what is still queued (the writer is a daemon thread, which
+    the interpreter would stop in the middle of a write) and say so on stderr, with a failure
+    that no stage's end raised."""
+    global _error
+    if _worker is None or _worker_pid != os.getpid():
+        return
+    pending = _jobs.unfinished_tasks
+    if pending:
+        print(f"xtrainer: waiting for {pending} background checkpoint write(s) still queued at exit",
+              file=sys.stderr, flush=True)
+        while _jobs.unfinished_tasks and _worker.is_alive():
+            time.sleep(0.01)
+    with _lock:
+        error, _error = _error, None
+    if error is not None:
+        print(f"xtrainer: a background checkpoint write failed and was not reported before exit: {error}",
+              file=sys.stderr, flush=True)
 
 
 def _raise_error() -> None:

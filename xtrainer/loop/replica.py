@@ -34,7 +34,6 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
     the optimizers, a checkpoint to continue from, then the fit loop or an evaluation, and the
     teardown, also when it fails. What it returns travels to the calling process."""
     compile_cache.activate(trainer)  # goodput: before this process's first compilation
-    ckpt_background.use(trainer.settings.async_checkpointing)  # goodput: background checkpoint writes
     trainer.strategy.setup_environment()
     trainer._replica_ready = True
     if trainer.world_size > 1:
@@ -49,6 +48,8 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
     module.trainer = trainer
     trainer._module = module
     in_process, error = trainer.strategy.launcher.runs_in_caller, None
+    background_writes = trainer.settings.async_checkpointing
+    ckpt_background.stage_starts(background_writes)  # goodput: background checkpoint writes, during this run only
     try:
         for cb in trainer.callbacks:
             cb.setup(trainer, module, stage)
@@ -121,6 +122,8 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         try:
             run_cleanup(steps, error)
         finally:
+            ckpt_background.stage_ends(background_writes)  # a save after the stage is written before it returns
+            ckpt_background.drain(raise_errors=False)  # one a teardown hook queued
             trainer.state = "idle"
             trainer._wrapped = trainer._module = None
             trainer.strategy.module_backward = None
