@@ -21,6 +21,17 @@ if HAS_XLA:
     _xla.device()
 
 
+#: How many times its time on an idle machine a child process may take before a test gives up on
+#: it (``subprocess_timeout``): 3 by default, enough for a loaded two-core machine;
+#: ``XTRAINER_TEST_TIMEOUT_SCALE`` sets another. A genuine hang still ends, at the scaled time.
+TIMEOUT_SCALE = float(os.environ.get("XTRAINER_TEST_TIMEOUT_SCALE") or 3.0)
+
+
+def subprocess_timeout(seconds: float) -> float:
+    """The wait for a child process (or a file it writes) that usually takes up to ``seconds``."""
+    return seconds * TIMEOUT_SCALE
+
+
 def make_data(n: int = 64, seed: int = 0, features: int = 8) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=g)

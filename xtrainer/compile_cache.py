@@ -12,6 +12,11 @@ restart loop ``until xtrainer fit ... ckpt_path=last``) loads them instead of co
 - a path: on, under that folder (shared by several runs, or on a faster disk).
 - ``False``: off.
 
+Every folder is made absolute (a ``file://`` URL as its local path) when it is set, against the
+working directory of the moment the run starts: Inductor compiles in a folder of its own, where a
+relative folder names another place. A runs root on an object store (``s3://...``) holds no
+cache: the default is off there (give ``compilation_cache`` a local folder to keep one).
+
 Every process gets a folder of its own, ``rank_<k>`` for a process that runs one replica (its
 global rank) or ``process_<i>`` for one that runs several (thread replicas on the CPU runtime, an
 SPMD program: its process index), so that processes never write the same files at once. torch_xla
@@ -42,6 +47,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from xtrainer._lazy_xla import xla as _xla
+from xtrainer.checkpoint import fs
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
@@ -57,18 +63,36 @@ _state: dict[str, Any] = {}
 _INDUCTOR, _INDUCTOR_MARK = "TORCHINDUCTOR_CACHE_DIR", "XTRAINER_INDUCTOR_CACHE"
 
 
+def absolute(path: Any) -> str:
+    """``path`` as an absolute local folder (a ``file://`` URL as the path it names), against the
+    working directory of now."""
+    return os.path.abspath(os.path.expanduser(fs.local(os.fspath(path))))
+
+
+def _default_root(runs_root: str, name: str) -> str | None:
+    """``<runs root>/<name>``, absolute; None where the runs root is not a local folder."""
+    runs_root = fs.local(runs_root)
+    return None if fs.is_url(runs_root) else absolute(os.path.join(runs_root, name))
+
+
+def _no_local_root(runs_root: str) -> str:
+    return (f"off (the runs root {runs_root} is not a local folder; set compilation_cache to a local folder "
+            "to keep one)")
+
+
 def folder_for(setting: Any, runs_root: str) -> str | None:
-    """The cache's root folder for ``setting`` (``Trainer(compilation_cache=...)``), None: off."""
+    """The cache's root folder for ``setting`` (``Trainer(compilation_cache=...)``), absolute;
+    None: off."""
     if setting is False:
         return None
     given = os.environ.get("XLA_PERSISTENT_CACHE_PATH")
     if setting is None and given and os.environ.get(_MARK) != given:
-        return given  # the user's own, from the environment
+        return absolute(given)  # the user's own, from the environment
     if setting is None and _xla.requested_device_type() == "CPU":
         return None  # the CPU runtime cannot load what it writes (module docstring)
     if setting in (None, True):
-        return os.path.join(runs_root, "xla_cache")
-    return os.path.abspath(os.path.expanduser(os.fspath(setting)))
+        return _default_root(runs_root, "xla_cache")
+    return absolute(setting)
 
 
 def process_folder(root: str, replicas_in_process: int, global_rank: int, process_index: int) -> str:
@@ -88,7 +112,12 @@ def activate(trainer: "Trainer") -> None:
         if root is None:
             if not _xla.compilation_cache_started():
                 os.environ.pop("XLA_PERSISTENT_CACHE_PATH", None)  # inherited from a caller that had one
-            default_cpu = trainer.settings.compilation_cache is None
+            setting = trainer.settings.compilation_cache
+            if setting is not False and fs.is_url(fs.local(trainer._runs_root)) and \
+                    (setting is True or _xla.requested_device_type() != "CPU"):
+                _state.update(path=None, note=_no_local_root(trainer._runs_root))
+                return
+            default_cpu = setting is None
             _state.update(path=None, note="off" + (" (the default on the CPU runtime, which cannot load cached "
                                                    "executables)" if default_cpu else ""))
             return
@@ -113,8 +142,9 @@ def _activate_inductor(trainer: "Trainer") -> None:
     """The native strategies: torch.compile's own on-disk caches (Inductor's compiled graphs,
     AOTAutograd's and the kernels) go to ``<runs root>/inductor_cache/rank_<k>`` (or the folder
     given), so that a restart on a machine with a fresh temporary folder (a preemptible VM) finds
-    them. Inductor reads ``TORCHINDUCTOR_CACHE_DIR`` at every lookup; one the user set is kept.
-    ``compilation_cache=False`` leaves Inductor its default folder under the temporary folder."""
+    them. Inductor reads ``TORCHINDUCTOR_CACHE_DIR`` at every lookup; one the user set is kept
+    (made absolute: Inductor compiles in a folder of its own). ``compilation_cache=False``, or a
+    runs root on an object store, leaves Inductor its default folder under the temporary folder."""
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:  # a private module of torch's: where it moved, any folder set is taken as the user's
@@ -125,15 +155,17 @@ def _activate_inductor(trainer: "Trainer") -> None:
     given = os.environ.get(_INDUCTOR)
     with _lock:
         if given and given != os.environ.get(_INDUCTOR_MARK) and given != default_cache_dir():
-            _state.update(path=given, note="")  # the user's own, from the environment
+            os.environ[_INDUCTOR] = given = absolute(given)  # the user's own, from the environment
+            _state.update(path=given, note="")
             return
-        if setting is False:
+        root = _default_root(trainer._runs_root, "inductor_cache") if setting in (None, True) else \
+            None if setting is False else absolute(setting)
+        if root is None:
             if given and given == os.environ.get(_INDUCTOR_MARK):  # ours, from an earlier run in this process
                 os.environ.pop(_INDUCTOR, None)
-            _state.update(path=None, note="off (torch.compile keeps its own cache in the temporary folder)")
+            note = "off" if setting is False else _no_local_root(trainer._runs_root)
+            _state.update(path=None, note=note + " (torch.compile keeps its own cache in the temporary folder)")
             return
-        root = (os.path.join(trainer._runs_root, "inductor_cache") if setting in (None, True)
-                else os.path.abspath(os.path.expanduser(os.fspath(setting))))
         path = process_folder(root, 1, trainer.strategy.global_rank, 0)
         os.environ[_INDUCTOR] = os.environ[_INDUCTOR_MARK] = path
         _state.update(path=path, note="")

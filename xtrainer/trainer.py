@@ -16,6 +16,7 @@ from torch import nn
 from xtrainer import goodput
 from xtrainer.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from xtrainer.callbacks.base import Callback
+from xtrainer.checkpoint import fs
 from xtrainer.config import arguments
 from xtrainer.config.redaction import redact
 from xtrainer.config.settings import TrainerSettings
@@ -181,7 +182,8 @@ class Trainer:
         self.gradient_clip_algorithm = settings.gradient_clip_algorithm
         self.detect_nonfinite = settings.detect_nonfinite
         self._publisher = Publisher(settings.detect_nonfinite)
-        self.default_root_dir = os.fspath(settings.default_root_dir or os.path.join(os.getcwd(), "xtrainer_logs"))
+        root = settings.default_root_dir or os.path.join(os.getcwd(), "xtrainer_logs")
+        self.default_root_dir = fs.local(os.fspath(root))  # a file:// URL is the local folder it names
         self._log_dir: str | None = None  # claimed on first use (log_dir)
 
         self.callbacks: list[Callback] = arguments.with_defaults(settings, callbacks)
@@ -526,7 +528,7 @@ class Trainer:
         if self._resolved_ckpt is not None and self._resolved_ckpt[0] == ckpt_path:
             resolved, self._resolved_ckpt = self._resolved_ckpt[1], None
             return resolved
-        return checkpoints.resolve_ckpt_path(self, os.fspath(ckpt_path), stage)
+        return checkpoints.resolve_ckpt_path(self, fs.local(os.fspath(ckpt_path)), stage)
 
     def validate(self, model: XModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
                  verbose: bool = True, datamodule: XDataModule | None = None) -> list[dict[str, float]]:
@@ -628,9 +630,9 @@ class Trainer:
             raise ValueError("save_checkpoint(storage_options=...) is not supported: give a local path.")
         if self._wrapped is not None:
             with goodput.timing(self, "checkpointing"):  # goodput: time spent saving
-                checkpoints.save(self, os.fspath(path), weights_only)
+                checkpoints.save(self, fs.local(os.fspath(path)), weights_only)
         elif self._fitted_model is not None:
-            checkpoints.save_fitted(self, self._fitted_model, os.fspath(path))
+            checkpoints.save_fitted(self, self._fitted_model, fs.local(os.fspath(path)))
         else:
             raise RuntimeError("save_checkpoint() needs a running fit (call it from a callback or hook) or a finished "
                                "one (after trainer.fit); this Trainer has neither.")

@@ -40,7 +40,7 @@ def verify(path: str | os.PathLike) -> layout.Header:
     and return its header. Raises ``UnreadableCheckpointError`` for damage, ``CheckpointError`` for
     a file that is not an xtrainer checkpoint (``safe.UnsafeCheckpointError`` for one that asks
     to run code)."""
-    path = os.fspath(path)
+    path = fs.local(os.fspath(path))
     kind = layout.layout_of(path)
     if kind == layout.FILE:
         storage.verify_zip(path)
@@ -61,7 +61,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint whole, on the host, after checking it against its checksums: a file, or
     a distributed (SPMD) folder with its shards assembled. An FSDP folder is refused (its shards
     need ``consolidate``). Nothing in the file runs: it is read weights-only."""
-    path = os.fspath(path)
+    path = fs.local(os.fspath(path))
     kind = layout.layout_of(path)
     if kind == layout.FSDP:
         state = layout.trainer_state(path)
@@ -76,7 +76,7 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
     """One plain state dict (as the unwrapped module names it) from a checkpoint of any layout,
     checked against its checksums first: an FSDP folder's shards stitched, an SPMD folder's
     shards assembled, a whole file's ``state_dict`` as it is."""
-    path = os.fspath(path)
+    path = fs.local(os.fspath(path))
     if not fs.exists(path):
         raise CheckpointError(f"{path!r} does not exist.")
     with storage.pinned(path) as pinned:  # what is verified is what is read
@@ -100,7 +100,7 @@ def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, di
     Lightning wrote), checked against its checksums: the module's hyperparameters, the
     ``__init__`` argument that held them whole (or None), and the checkpoint (for
     ``on_load_checkpoint``) with the full state dict as its ``state_dict``."""
-    path = os.fspath(path)
+    path = fs.local(os.fspath(path))
     if not fs.exists(path):
         raise CheckpointNotFoundError(f"{path!r} does not exist.")
     with storage.pinned(path) as pinned:  # what is verified is what is read
@@ -117,14 +117,14 @@ def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, di
 def read_hyperparameters(path: str | os.PathLike) -> dict[str, Any]:
     """The module's hyperparameters in a checkpoint of any layout, read weights-only: a whole
     file checked against its checksum, a sharded folder's ``trainer.pt`` without its shards."""
-    path = os.fspath(path)
+    path = fs.local(os.fspath(path))
     return _hyperparameters(_trainer_state(path), path)[0]
 
 
 def read_datamodule(path: str | os.PathLike) -> tuple[dict[str, Any], Any]:
     """The data module's saved hyperparameters and state in a checkpoint of any layout, read
     weights-only and checked as ``read_hyperparameters`` reads (``XDataModule.load_from_checkpoint``)."""
-    path = os.fspath(path)
+    path = fs.local(os.fspath(path))
     state = _trainer_state(path)
     hparams = state.get("datamodule_hyper_parameters") or {}
     if not isinstance(hparams, dict):

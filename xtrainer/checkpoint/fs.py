@@ -1,5 +1,10 @@
 """Paths that are local or fsspec URLs (``s3://``, ``gs://``, ``memory://``, any fsspec protocol).
 
+A ``file://`` URL (fsspec's local filesystem, also ``local://``) is a local path: ``local`` turns
+it into one where a path is taken (``default_root_dir``, a logger's ``save_dir``, ``ckpt_path``,
+``ModelCheckpoint(dirpath=...)``, a checkpoint's path, the compilation cache), so it gets the
+local code path below.
+
 A local path keeps the code path it has always had (``os`` calls, atomic renames, fsync): every
 function here hands a local path to ``os`` / ``os.path`` unchanged. A URL goes through fsspec,
 which is an optional extra: ``pip install 'xtrainer[cloud]'`` for fsspec itself, ``[s3]`` for
@@ -30,6 +35,22 @@ _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 class MissingExtraError(CheckpointError, ImportError):
     """A URL's fsspec client is not installed; the message names the extra to install (the CLI
     shows it as one line, as every ``CheckpointError``)."""
+
+
+_LOCAL_URL = re.compile(r"^(?:file|local)://(?:localhost(?=/))?", re.IGNORECASE)
+
+
+def local(path: Any) -> Any:
+    """``path`` with a ``file://`` (or ``local://``) URL as the local path it names:
+    ``file:///data/runs`` and ``file://localhost/data/runs`` are ``/data/runs``, ``file://runs``
+    is ``runs`` (relative, as fsspec reads it). Any other path or URL is returned unchanged
+    (a ``PathLike`` as its string)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        return path
+    match = _LOCAL_URL.match(path)
+    return path[match.end():] or "." if match else path
 
 
 def is_url(path: Any) -> bool:

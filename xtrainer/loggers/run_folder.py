@@ -88,7 +88,7 @@ def _claim_version(root: str, start: int | None = None) -> int:
 
 def claim_version_dir(root: str) -> str:
     """Create and return ``root/version_N`` for the first N not taken (race-free, ``os.mkdir``)."""
-    root = os.fspath(root)
+    root = fs.local(os.fspath(root))
     return os.path.join(root, f"{_VERSION_PREFIX}{_claim_version(root)}")
 
 
@@ -97,7 +97,7 @@ def run_folder_root(loggers: Iterable[Logger], default_root_dir: str) -> str:
     first folder logger's ``<save_dir>/<name>``, else ``default_root_dir``. Folder loggers built
     without ``save_dir`` get ``default_root_dir`` here (so ``trainer.logger.save_dir`` and
     ``log_dir`` are known once the Trainer is built, as in Lightning)."""
-    default_root_dir = os.fspath(default_root_dir)
+    default_root_dir = fs.local(os.fspath(default_root_dir))
     root = None
     for logger in loggers:
         if isinstance(logger, FolderLogger):
@@ -114,7 +114,7 @@ def claim_run_folder(loggers: Iterable[Logger], default_root_dir: str) -> str:
     ``<save_dir>/<name>`` with no version of their own share one claimed version (a
     ``TensorBoardLogger`` and a ``CSVLogger`` side by side, as in Lightning). Call it once per
     run, in the process that launches the replicas (the loggers travel to them with the claim)."""
-    default_root_dir = os.fspath(default_root_dir)
+    default_root_dir = fs.local(os.fspath(default_root_dir))
     shared: dict[str, int | str] = {}
     run_folder = None
     for logger in loggers:
@@ -161,7 +161,7 @@ def _check_version(version: Any) -> int | str | None:
 def _check_save_dir(save_dir: Any) -> str | None:
     if save_dir is None:
         return None
-    save_dir = os.path.expanduser(os.path.expandvars(os.fspath(save_dir)))
+    save_dir = os.path.expanduser(os.path.expandvars(fs.local(os.fspath(save_dir))))
     if not save_dir:
         raise ValueError("save_dir is empty: give a folder (or leave it out to write into the Trainer's "
                          "default_root_dir).")
