@@ -131,3 +131,84 @@ def test_a_method_named_like_a_hook_that_is_none_warns_and_the_fit_runs_on(tmp_p
         trainer = Trainer(strategy=strategy, max_epochs=2, callbacks=[OnEveryThing()], **quiet(tmp_path))
         trainer.fit(model, DataLoader(make_data(16), batch_size=8))
     assert trainer.global_step == 4 and not model.called
+
+
+# ---- the model summary ----------------------------------------------------------------------
+
+class WithMockedMetric(LightningModule):
+    """torchmetrics' integration test: a metric whose ``reset`` is a ``unittest.mock.Mock``
+    (to count the Trainer's calls), an attribute that answers every ``getattr``."""
+
+    def __init__(self):
+        super().__init__()
+        from unittest import mock
+
+        torch.manual_seed(0)
+        self.layer = nn.Linear(8, 1)
+        self.metric = SumMetric()
+        self.metric.reset = mock.Mock()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layer(x), y)
+        self.metric(loss.detach())
+        self.log("summed", self.metric, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy", ["native", "xla_native", "xla_fsdp"])
+def test_the_summary_counts_named_parameters_of_a_module_with_a_mock(tmp_path, strategy, capsys):
+    model = WithMockedMetric()
+    kwargs = {**quiet(tmp_path), "enable_model_summary": True}
+    trainer = Trainer(strategy=strategy, max_epochs=2, **kwargs)
+    trainer.fit(model, DataLoader(make_data(16), batch_size=8))
+    out = capsys.readouterr().out
+    assert "9         Total params" in out and "| layer  | Linear    | 9      | train" in out
+    assert ("per replica (MB), sharded over 1 replica" in out) == (strategy == "xla_fsdp")
+    assert model.metric.reset.call_count >= 2  # once per epoch, by the Trainer
+
+
+def test_shards_parameters_is_the_strategys_to_say():
+    from xtrainer.strategies import STRATEGIES
+
+    assert {name for name, cls in STRATEGIES.items() if cls.shards_parameters} == {
+        "xla_fsdp", "xla_fsdpv2", "native_fsdp"}
+
+
+class Summarized(LightningModule):
+    """A Lightning course's model-summary lesson."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(28 * 28, 64), nn.ReLU(), nn.Linear(64, 3))
+        self.decoder = nn.Sequential(nn.Linear(3, 64), nn.ReLU(), nn.Linear(64, 28 * 28))
+        self.unused = nn.Linear(2, 2)
+        self.example_input_array = torch.zeros(5, 28 * 28)
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+
+def test_lightnings_model_summary_class_with_example_input_sizes():
+    from xtrainer.utilities.model_summary import ModelSummary, summarize
+
+    model = Summarized()
+    model.decoder.eval()
+    summary = ModelSummary(model, max_depth=1)
+    text = str(summary)
+    lines = text.splitlines()
+    assert lines[0].split(" | ")[1:] == ["Name   ", "Type      ", "Params", "Mode ", "In sizes", "Out sizes"]
+    assert lines[2].split(" | ")[1:] == ["encoder", "Sequential", "50.4 K", "train", "[5, 784]", "[5, 3]"]
+    assert lines[3].split(" | ")[1:] == ["decoder", "Sequential", "51.2 K", "eval ", "[5, 3]  ", "[5, 784]"]
+    assert lines[4].split(" | ")[1:] == ["unused ", "Linear    ", "6     ", "train", "?       ", "?"]
+    assert "101 K     Total params" in text and "0.407     Total estimated model params size (MB)" in text
+    assert model.encoder.training and not model.decoder.training  # the modes are as they were
+    assert summary.total_parameters == sum(p.numel() for p in model.parameters())
+    assert summary.layer_names == ["encoder", "decoder", "unused"]
+    assert summary.in_sizes[0] == [5, 784] and summary.out_sizes[2] == "?"
+    deep = summarize(model, max_depth=-1)
+    assert "encoder.0" in str(deep) and deep.layer_types[1] == "Linear"
+    assert len(str(ModelSummary(model, max_depth=0)).splitlines()) == 6  # the totals alone

@@ -34,7 +34,7 @@ class ModelSummary(Callback):
         from xtrainer.summary import summarize
 
         print(summarize(module, max_depth=self.max_depth, world_size=trainer.world_size,
-                        sharded=trainer.strategy.name in ("xla_fsdp", "xla_fsdpv2")), flush=True)
+                        sharded=trainer.strategy.shards_parameters), flush=True)
 
 
 class RichModelSummary(ModelSummary):

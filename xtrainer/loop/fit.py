@@ -402,4 +402,4 @@ def print_summary(trainer: "Trainer") -> None:
         return
 
     print(summarize(trainer.module, world_size=trainer.world_size,
-                    sharded=trainer.strategy.name in ("xla_fsdp", "xla_fsdpv2")), flush=True)
+                    sharded=trainer.strategy.shards_parameters), flush=True)

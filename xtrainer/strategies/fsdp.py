@@ -52,6 +52,7 @@ class XlaFSDP(Strategy):
     """
 
     name = "xla_fsdp"
+    shards_parameters = True
 
     def __init__(self, reshard_after_forward: bool = True, auto_wrap_policy: Any = None,
                  activation_checkpointing: bool = False, reduce_every_micro_batch: bool = False,

@@ -624,6 +624,7 @@ class NativeFSDP(NativeSingle):
 
     name = "native_fsdp"
     multi_process = True
+    shards_parameters = True
 
     def __init__(self, auto_wrap_policy: Any = None, activation_checkpointing: bool = False,
                  reshard_after_forward: bool = True, compile: bool = False,
