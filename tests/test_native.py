@@ -359,7 +359,7 @@ def test_the_native_loader_moves_every_tensor_and_every_object_with_a_to_method_
     """A native strategy on an accelerator moves what the loader yields (here onto torch's meta
     device, which every torch build has): tensors in containers and objects with ``to``; strings
     and numbers stay; on the CPU, or for a module with its own transfer hooks, nothing moves."""
-    from xtrainer.strategies.torch_native import _OnDevice
+    from xtrainer.runtimes.eager import _OnDevice
 
     batch = {"x": torch.ones(2), "graph": _Graph(torch.zeros(3)), "names": ["a", "b"], "n": 4}
     [moved] = list(_OnDevice([batch], torch.device("meta")))

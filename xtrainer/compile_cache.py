@@ -104,7 +104,7 @@ def process_folder(root: str, replicas_in_process: int, global_rank: int, proces
 def activate(trainer: "Trainer") -> None:
     """At the start of each replica, before its first compilation: give this process its cache
     folder (or make sure it has none when the run asks for none). Host-side only."""
-    if not trainer.strategy.compiles_with_xla:
+    if not trainer.strategy.runtime.compiles_with_xla:
         _activate_inductor(trainer)
         return
     root = folder_for(trainer.settings.compilation_cache, trainer._runs_root)

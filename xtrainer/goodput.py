@@ -125,7 +125,7 @@ class Goodput(Callback):
         self._replicas = replicas_in_process(trainer)
         first = _last_fit_ended_at == 0.0
         self._since = self.process_started_at if first else _last_fit_ended_at
-        self._compile_seconds = trainer.strategy.compile_seconds
+        self._compile_seconds = trainer.strategy.runtime.compile_seconds
         self._compiled = 0.0 if first else self._compile_seconds() / self._replicas
         self._phase, self._active = "startup", True
         # Wall seconds of the batches' waits and steps since the last _switch, which splits out

@@ -23,6 +23,7 @@ from xtrainer.config.settings import TrainerSettings
 from xtrainer.datamodule import XDataModule
 from xtrainer.launch import interrupts, stages
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
+from xtrainer.loggers.run_folder import planned_run_folder
 from xtrainer.loop import checkpoints, loaders, replica
 from xtrainer.loop.checkpoints import seed_everything
 from xtrainer.loop.hooks import HookTable
@@ -43,13 +44,17 @@ __all__ = ["Trainer", "seed_everything"]
 
 
 class Trainer:
-    """Trains an ``XModule`` on XLA devices.
+    """Trains an ``XModule`` on a native PyTorch device (CPU, CUDA, TorchTPU, TorchNeuron) or an
+    XLA device.
 
     Args:
-        strategy: ``"xla_native"``, ``"xla_ddp"``, ``"xla_fsdp"``, ``"xla_spmd"``, ``"xla_fsdpv2"``
-            (``xtrainer.strategies.STRATEGIES``) or a ``Strategy`` instance.
-        devices: replicas to run: an int, or ``"auto"`` (every local device; 1 on the CPU runtime,
-            where ``devices=N`` runs N replicas on N virtual devices).
+        strategy: ``"auto"`` (Lightning's: the accelerator's family, one device or data
+            parallel), Lightning's ``"ddp"``/``"fsdp"`` (the accelerator's family's), or one of
+            ``xtrainer.strategies.STRATEGIES``: ``"native"``, ``"native_ddp"``, ``"native_fsdp"``,
+            ``"xla_native"``, ``"xla_ddp"``, ``"xla_fsdp"``, ``"xla_spmd"``, ``"xla_fsdpv2"``; or a
+            ``Strategy`` instance.
+        devices: replicas to run: an int, or ``"auto"`` (every local device; 1 on the CPU, and on
+            torch_xla's CPU runtime, where ``devices=N`` runs N replicas on N virtual devices).
         max_epochs: stop after this many epochs; -1: no limit. Not given: 1000, or no limit where
             ``max_steps`` or ``max_time`` is set (``trainer.max_epochs`` then reads -1), as in Lightning.
         max_steps: stop after this many optimizer steps (-1: no limit).
@@ -100,7 +105,7 @@ class Trainer:
 
     def __init__(
         self,
-        strategy: str | Strategy = "xla_native",
+        strategy: str | Strategy = "auto",
         devices: int | str = "auto",
         max_epochs: int | None = None,
         max_steps: int = -1,
@@ -165,7 +170,7 @@ class Trainer:
         self.reload_dataloaders_every_n_epochs = settings.reload_dataloaders_every_n_epochs
         self.use_distributed_sampler = settings.use_distributed_sampler
         self.num_nodes = settings.num_nodes
-        self.strategy = resolve_strategy(strategy)
+        self.strategy = resolve_strategy(strategy, settings.accelerator, settings.devices)
         self.strategy.check_accelerator(settings.accelerator, settings.num_nodes)
         self.precision = Precision(settings.precision)
         self.strategy.connect(self.strategy.resolve_devices(settings.devices), self.precision)
@@ -263,6 +268,8 @@ class Trainer:
         and the saved configuration. Claimed on first use with ``os.mkdir``, which fails when the
         folder exists, so runs started at the same moment never share one."""
         if self._log_dir is None:
+            if not stages.claims_run_folder():  # rank 0's, once the replica starts; until then the likely one
+                return planned_run_folder(self.loggers, self.default_root_dir)
             self._log_dir = claim_run_folder(self.loggers, self.default_root_dir)
         return self._log_dir
 
@@ -294,7 +301,7 @@ class Trainer:
     @property
     def num_devices(self) -> int:
         """Devices per host the run uses (``devices``, or every local one for ``"auto"``)."""
-        return self.strategy.devices or self.strategy.local_device_count() or 1
+        return self.strategy.devices or self.strategy.runtime.local_device_count() or 1
 
     @property
     def device_ids(self) -> list[int]:
@@ -572,7 +579,7 @@ class Trainer:
     def _device_data(self, loader: Any) -> Any:
         if isinstance(loader, CombinedLoader):  # training loaders read together: each one as a loader is
             return CombinedData(loader, [self._device_data(inner) for inner in loader.flattened],
-                                self.strategy.rng_state_kept)
+                                self.strategy.runtime.rng_state_kept)
         return self.strategy.process_dataloader(loader, distribute=self.use_distributed_sampler)
 
     def _call_on_exception(self, err: BaseException) -> None:

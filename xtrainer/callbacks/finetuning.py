@@ -146,15 +146,16 @@ class BaseFinetuning(Callback):
     def setup(self, trainer: "Trainer", pl_module: "XModule", stage: str) -> None:
         if stage != "fit":
             return
-        name = trainer.strategy.name
-        if name == "xla_fsdp":
-            raise ValueError(f"{type(self).__name__} cannot run under xla_fsdp: its FSDP flattens the parameters, so "
-                             "no layer can be unfrozen or given a group of its own; use strategy='xla_native' or "
+        strategy = trainer.strategy
+        if strategy.flattens_parameters:
+            raise ValueError(f"{type(self).__name__} cannot run under {strategy.name}: its FSDP flattens the parameters, "
+                             "so no layer can be unfrozen or given a group of its own; use strategy='xla_native' or "
                              "'xla_fsdpv2'.")
-        if name == "xla_ddp" and trainer.world_size > 1:
-            raise ValueError(f"{type(self).__name__} cannot run under xla_ddp with several replicas: DDP reduces only "
-                             "the parameters that needed gradients when it wrapped the module, so unfrozen layers "
-                             "would train apart; use strategy='xla_native' (gradients reduced at the optimizer step).")
+        if strategy.reduces_wrapped_trainable_only and trainer.world_size > 1:
+            raise ValueError(f"{type(self).__name__} cannot run under {strategy.name} with several replicas: DDP "
+                             "reduces only the parameters that needed gradients when it wrapped the module, so "
+                             "unfrozen layers would train apart; use strategy='xla_native' (gradients reduced at the "
+                             "optimizer step), or 'native_fsdp'.")
         self._module = pl_module
         if trainer.ckpt_path is None:  # a fresh fit: nothing to rebuild from an earlier one
             self._internal_optimizer_metadata, self._pending = {}, False

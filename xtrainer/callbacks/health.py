@@ -93,14 +93,14 @@ class XlaHealth(Callback):
         self._data_warned = False
 
     def _mark(self, trainer: "Trainer") -> dict[str, float]:
-        return {"time": time.perf_counter(), "step": trainer.global_step, **trainer.strategy.device_counters(),
+        return {"time": time.perf_counter(), "step": trainer.global_step, **trainer.strategy.runtime.device_counters(),
                 **_data_counters(trainer)}
 
     def _step_compiles(self, trainer: "Trainer") -> tuple[int, int]:
         """Graphs compiled by the steps (a checkpoint's and the data loading's left out), and by
         the data loading, in this process so far."""
         data = _data_counters(trainer)["data_compiles"]
-        return trainer.strategy.compile_count() - trainer.checkpoint_compilations - data, data
+        return trainer.strategy.runtime.compile_count() - trainer.checkpoint_compilations - data, data
 
     # ---- every batch: recompilations (host counters only) ------------------------------------
     def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
@@ -176,7 +176,7 @@ class XlaHealth(Callback):
         record = {"step": trainer.global_step, "epoch": trainer.current_epoch, "where": where, "graphs": new,
                   "reason": why}
         self.recompilations.append(record)
-        compiler = trainer.strategy.compiler
+        compiler = trainer.strategy.runtime.compiler
         message = (f"{compiler.name} recompiled {new} graph(s) at step {trainer.global_step} (epoch "
                    f"{trainer.current_epoch}, {where}), after the first epoch: {why}. Each recompilation stalls "
                    f"training; {compiler.reasons}.")
@@ -201,18 +201,18 @@ class XlaHealth(Callback):
         now, before = self._mark(trainer), self._interval
         seconds = max(now["time"] - before["time"], 1e-9)
         per_replica = self._replicas
-        prefix = trainer.strategy.compiler.prefix
+        prefix = trainer.strategy.runtime.compiler.prefix
         # The counters this strategy's compiler keeps (``Strategy.device_counters``), by their figure's name.
         figures = {f"{prefix}/{figure}": (now[counter] - before[counter]) / per_replica
                    for counter, figure in _FIGURES.items() if counter in now}
-        if trainer.strategy.compiles_with_xla:
+        if trainer.strategy.runtime.compiles_with_xla:
             figures["xla/data_loading_compilations"] = (now["data_compiles"] - before["data_compiles"]) / per_replica
         figures.update({"throughput/steps_per_second": (now["step"] - before["step"]) / seconds,
                         "throughput/samples_per_second": self._interval_samples / seconds})
         figures.update(self._work.figures(seconds, interval=True))
-        memory = trainer.strategy.memory_info()
+        memory = trainer.strategy.runtime.memory_info()
         if memory is not None:
-            where = "xla" if trainer.strategy.compiles_with_xla else "device"
+            where = "xla" if trainer.strategy.runtime.compiles_with_xla else "device"
             figures.update({f"{where}/memory_bytes_used": memory["bytes_used"],
                             f"{where}/memory_bytes_limit": memory["bytes_limit"]})
         self._interval, self._interval_samples = now, 0
@@ -234,7 +234,7 @@ class XlaHealth(Callback):
                        "data_loading_compilations": (end["data_compiles"] - start["data_compiles"]) / replicas,
                        "data_loading_compile_seconds": (end["data_compile_s"] - start["data_compile_s"]) / replicas,
                        "recompilations": sum(r["graphs"] for r in self.recompilations),
-                       "compiler": trainer.strategy.compiler.name}
+                       "compiler": trainer.strategy.runtime.compiler.name}
         if "transfers" in end:  # counted where the compiler keeps the count (XLA)
             self.totals["transfers_per_step"] = (end["transfers"] - start["transfers"]) / max(steps, 1) / replicas
         if "graph_breaks" in end:  # torch.compile's
@@ -266,7 +266,7 @@ _NO_DATA_COUNTERS: dict[str, float] = {"data_compiles": 0, "data_compile_s": 0.0
 def _data_counters(trainer: "Trainer") -> dict[str, float]:
     """Graphs compiled while a dataset ran ops on the XLA device during loading (host counters;
     zeros for a strategy that does not compile with XLA)."""
-    if not trainer.strategy.compiles_with_xla:
+    if not trainer.strategy.runtime.compiles_with_xla:
         return _NO_DATA_COUNTERS
     counters = _xla.data_loading_counters()
     return {"data_compiles": counters["compiles"], "data_compile_s": counters["compile_s"],
@@ -275,7 +275,7 @@ def _data_counters(trainer: "Trainer") -> dict[str, float]:
 
 def _cache_counts(trainer: "Trainer") -> dict[str, int]:
     """The persistent compilation cache's counters: XLA's, or torch.compile's (Inductor's)."""
-    return _xla.persistent_cache_counts() if trainer.strategy.compiles_with_xla else compile_cache.inductor_counts()
+    return _xla.persistent_cache_counts() if trainer.strategy.runtime.compiles_with_xla else compile_cache.inductor_counts()
 
 
 class _Work:
@@ -284,7 +284,7 @@ class _Work:
     seconds. No device value is read."""
 
     def __init__(self, trainer: "Trainer") -> None:
-        xla = trainer.strategy.compiles_with_xla
+        xla = trainer.strategy.runtime.compiles_with_xla
         spmd = xla and _xla.is_spmd()
         # MPMD: every replica runs the counted step on its own batch; SPMD: one program whose
         # batch and module are the global ones, spread over every device.
@@ -312,9 +312,9 @@ class _Work:
             self.note = "declared by the module"
         elif not module.automatic_optimization:
             self.note = "not counted under manual optimization: declare flops_per_step on the module"
-        elif trainer.strategy.name == "xla_fsdp":
-            self.note = ("not counted under xla_fsdp (its parameters are flattened shards): declare flops_per_step "
-                         "on the module")
+        elif trainer.strategy.flattens_parameters:
+            self.note = (f"not counted under {trainer.strategy.name} (its parameters are flattened shards): declare "
+                         "flops_per_step on the module")
         else:
             try:
                 self.flops = flops.count_training_step(module, batch, batch_idx, keep=(trainer,),

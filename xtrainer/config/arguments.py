@@ -134,7 +134,7 @@ def check_accelerator(accelerator: str, num_nodes: int) -> None:
     if accelerator == "cpu" and requested != "CPU":
         raise ValueError(f"accelerator='cpu' asks for the XLA CPU runtime, but PJRT_DEVICE={requested}; "
                          "unset PJRT_DEVICE (or set it to CPU), or use accelerator='auto'.")
-    if accelerator in ("tpu", "xla") and requested == "CPU":
+    if accelerator == "tpu" and requested == "CPU":
         rank_zero_warn(f"accelerator={accelerator!r}, but PJRT_DEVICE is CPU: running on the XLA CPU runtime.")
     if num_nodes > 1 and requested == "CPU":
         raise ValueError(f"num_nodes={num_nodes}: the XLA CPU runtime runs on one host; use devices=N for N replicas.")

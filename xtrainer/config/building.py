@@ -59,7 +59,7 @@ def plan(config: RunConfig, stage: Optional[str] = None) -> Plan:
                               "and the arguments of the classes they name.")
     _refuse_redacted(tree, "")
     strategy, strategy_where = _one_place(config, "strategy")
-    strategy = _plan_strategy(strategy, strategy_where)
+    strategy = _plan_strategy(strategy, strategy_where, config.trainer.accelerator, config.trainer.devices)
     specs, where = _one_place(config, "callbacks")
     callbacks = [resolve_target(spec, f"{where}[{i}]", place("callbacks")) for i, spec in enumerate(specs or [])]
     logger = config.trainer.logger
@@ -98,13 +98,14 @@ def _refuse_redacted(node: Any, where: str) -> None:
             _refuse_redacted(v, f"{where}[{i}]")
 
 
-def _plan_strategy(strategy: Any, where: str) -> Any:
+def _plan_strategy(strategy: Any, where: str, accelerator: str = "auto", devices: Any = "auto") -> Any:
     """A strategy's name (checked) or the ``Target`` of ``{name: ..., <option>: ...}`` or of
-    ``{_target_: mypackage.MyStrategy, ...}``."""
-    from xtrainer.strategies import LIGHTNING_NAMES, STRATEGIES, resolve_strategy
+    ``{_target_: mypackage.MyStrategy, ...}`` (Lightning's names mean a strategy of the family
+    ``accelerator`` runs)."""
+    from xtrainer.strategies import STRATEGIES, known_name, lightning_name, resolve_strategy
 
     if strategy is None:
-        return "xla_native"
+        return "auto"
     if isinstance(strategy, dict):
         options = dict(strategy)
         glued = [k for k, v in options.items() if isinstance(k, str) and ":" in k and v is None]
@@ -116,11 +117,12 @@ def _plan_strategy(strategy: Any, where: str) -> Any:
             if "name" in options:
                 raise ConfigError(f"{where} has both name and {TARGET}: give one (a strategy's name, or a class).")
             return resolve_target(options, where, place("strategy"))
-        name = LIGHTNING_NAMES.get(options.get("name"), options.pop("name", None))
+        name = options.pop("name", None)
+        name = lightning_name(name, accelerator, devices) if isinstance(name, str) else name
         if name not in STRATEGIES:
             raise ConfigError(f"{where}.name={name!r}: use one of {', '.join(STRATEGIES)}.")
         return Target(STRATEGIES[name], check_arguments(STRATEGIES[name], options, where), where)
-    if isinstance(strategy, str) and LIGHTNING_NAMES.get(strategy, strategy) in STRATEGIES:
+    if known_name(strategy):
         return strategy
     try:
         resolve_strategy(strategy)  # not a name it knows: its message says which ones it does
@@ -174,9 +176,9 @@ def _trainer(config: RunConfig, checked: Plan, own_only: bool) -> Any:
 
     strategy = checked.strategy
     if isinstance(strategy, Target):
-        strategy = strategy.build() if not own_only or strategy.is_own() else "xla_native"
+        strategy = strategy.build() if not own_only or strategy.is_own() else "auto"
     try:
-        strategy = resolve_strategy(strategy)
+        strategy = resolve_strategy(strategy, config.trainer.accelerator, config.trainer.devices)
     except (TypeError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise

@@ -89,9 +89,12 @@ class TrainerSettings:
         if accelerator == "mps":
             raise ValueError(f"accelerator={self.accelerator!r}: xtrainer runs on XLA devices, or with a native "
                              "strategy on 'cpu', 'cuda', 'tpu' (TorchTPU) or 'neuron' (TorchNeuron); not on MPS.")
-        if accelerator not in ("auto", "tpu", "xla", "cpu", "gpu", "cuda", "neuron"):
-            raise ValueError(f"accelerator={self.accelerator!r}: use 'auto', 'tpu', 'xla' or 'cpu' (and with a native "
-                             "strategy 'cuda'/'gpu' or 'neuron').")
+        from xtrainer.runtimes import native_accelerator
+
+        if accelerator not in ("auto", "tpu", "xla", "cpu", "gpu", "cuda", "neuron") \
+                and accelerator != native_accelerator():
+            raise ValueError(f"accelerator={self.accelerator!r}: use 'auto', 'cpu', 'cuda'/'gpu', 'tpu', 'neuron', "
+                             "a device type that PyTorch registered, or 'xla' (torch_xla).")
         _check_positive("num_nodes", self.num_nodes)
         if isinstance(self.num_sanity_val_steps, bool) or not isinstance(self.num_sanity_val_steps, int) \
                 or self.num_sanity_val_steps < -1:

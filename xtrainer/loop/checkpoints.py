@@ -52,7 +52,7 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
         "loops": {**trainer.loop.state_dict(),
                   "callback_metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}},
         "rng_states": rng_states(strategy),
-        "epoch_results": per_replica(strategy, trainer._train_results.state_dict(strategy.to_cpu)),
+        "epoch_results": per_replica(strategy, trainer._train_results.state_dict(strategy.runtime.to_cpu)),
         "data_state": per_replica(strategy, trainer._train_data_state()),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "hyper_parameters": ckpt_format.plain_hparams(trainer.module.hparams),
@@ -71,19 +71,19 @@ def save(trainer: "Trainer", path: str, weights_only: bool = False) -> None:
             f"Not writing {path!r}: the training loss became NaN or infinite at global step {bad}, so "
             "the weights are not good any more. The checkpoints written before are intact.")
     module = trainer.module
-    with trainer.strategy.rng_state_kept():  # the run goes on from the state the checkpoint records, as a resumed one does
+    with trainer.strategy.runtime.rng_state_kept():  # the run goes on from the state the checkpoint records, as a resumed one does
         checkpoint = build_checkpoint(trainer)
         for cb in trainer.callbacks:  # the callbacks, then the module, as in Lightning
             cb.on_save_checkpoint(trainer, module, checkpoint)
         module.on_save_checkpoint(checkpoint)
         if weights_only:
             keep_weights_only(checkpoint)
-        compiles = trainer.strategy.device_counters()["compiles"]
+        compiles = trainer.strategy.runtime.device_counters()["compiles"]
         trainer.strategy.checkpoint_layout.save(trainer.strategy.collectives, checkpoint, path)
         # A save that computes anything on the device (gathering shards, say) compiles graphs of
         # its own; those are not the training step's, and XlaHealth does not count them as
         # recompilations.
-        trainer.checkpoint_compilations += trainer.strategy.device_counters()["compiles"] - compiles
+        trainer.checkpoint_compilations += trainer.strategy.runtime.device_counters()["compiles"] - compiles
 
 
 def save_fitted(trainer: "Trainer", model: Any, path: str) -> None:
@@ -300,7 +300,7 @@ def rng_states(strategy: Any) -> dict[str, Any]:
     if _numpy is not None:  # as plain lists: the checkpoint stays loadable with torch.load(weights_only=True)
         name, keys, pos, has_gauss, cached = _numpy.random.get_state()
         states["numpy"] = [name, keys.tolist(), pos, has_gauss, cached]  # a NumPy array: no device involved
-    xla = strategy.rng_state()
+    xla = strategy.runtime.rng_state()
     states["xla"] = strategy.collectives.all_gather_object(xla) if strategy.world_size > 1 else [xla]
     return states
 
@@ -317,7 +317,7 @@ def set_rng_states(states: dict[str, Any] | None, strategy: Any) -> None:
         name, keys, pos, has_gauss, cached = states["numpy"]
         _numpy.random.set_state((name, _numpy.array(keys, dtype=_numpy.uint32), pos, has_gauss, cached))
     xla = states["xla"]
-    strategy.set_rng_state(xla[rank] if len(xla) == world_size else strategy.derived_rng_state(xla[0], rank))
+    strategy.runtime.set_rng_state(xla[rank] if len(xla) == world_size else strategy.runtime.derived_rng_state(xla[0], rank))
 
 
 def seed_everything(seed: int, workers: bool = False) -> int:

@@ -60,9 +60,9 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
                 outputs = wrapped(stage, batch, batch_idx, *extra)
                 if stage == "predict":
                     # host sync: predictions are returned on the host, batch by batch
-                    outputs = trainer.strategy.to_cpu(outputs)
+                    outputs = trainer.strategy.runtime.to_cpu(outputs)
                     outputs_of_loader.append(outputs)
-                trainer.strategy.sync()  # the graph cut: one execution per evaluation batch
+                trainer.strategy.runtime.sync()  # the graph cut: one execution per evaluation batch
                 trainer._call(f"on_{hook}_batch_end", outputs, batch, batch_idx, *extra)
                 results.in_step = False
             predictions.append(outputs_of_loader)
@@ -116,7 +116,7 @@ def sanity_check(trainer: "Trainer", val: list) -> None:
     trainer.sanity_checking = True
     steps = trainer.num_sanity_val_steps
     try:
-        with trainer.strategy.rng_state_kept(), torch.random.fork_rng(devices=[]):
+        with trainer.strategy.runtime.rng_state_kept(), torch.random.fork_rng(devices=[]):
             for cb in trainer.callbacks:
                 cb.on_sanity_check_start(trainer, trainer.module)
             run(trainer, "validate", val, cap=steps if steps > 0 else None)

@@ -122,13 +122,13 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
             asked = trainer.should_stop or publisher.stop_agreed  # stopping() can say yes only then
             stops = asked and stopping(trainer) and loop.stepped
             if stops or (max_steps != -1 and loop.global_step >= max_steps):
-                if stops and validate_every is not None and not validated and interrupts.requested() is None:
+                if stops and validate_every is not None and not validated and stop_signal(trainer) is None:
                     # Asked to stop (not by a signal): validate at this batch first, as Lightning does,
                     # so that the stop's monitored checkpoint and final metrics see this step.
                     evaluation.validate_during_fit(trainer, val)
                 finished = False
                 break
-        signum = interrupts.requested()
+        signum = stop_signal(trainer)
         if signum is not None and not finished and stopping(trainer) and not limits_reached(trainer):
             checkpoints.stop_on_signal(trainer, signum)  # the epoch is cut short: no epoch-end hooks
         if val and finished and math.isinf(trainer.num_training_batches) and validation_epoch(trainer) \
@@ -143,13 +143,13 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
             # A stop asked for at the epoch's end reaches every replica. The exchange may cut a
             # graph, which advances the XLA generator: kept as it was, since a run resumed from a
             # checkpoint written in the epoch-end hooks above does not make this exchange.
-            with trainer.strategy.rng_state_kept():
+            with trainer.strategy.runtime.rng_state_kept():
                 trainer._publisher.publish(trainer, {})
         if loop.epoch_finished:
             if trainer._optim.automatic:  # under manual optimization the module steps its schedulers
                 trainer._optim.step_schedulers(trainer, "epoch")
             loop.next_epoch()
-    signum = interrupts.requested()
+    signum = stop_signal(trainer)
     if signum is not None and not limits_reached(trainer):
         # Stopped by a signal at an epoch's end (on its last batch, in its validation, or where the
         # replicas agreed): an interruption like any other, saved as the start of the next epoch
@@ -181,9 +181,9 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHo
         if loop.global_step % trainer.log_every_n_steps == 0:
             # Read once the step's graph is launched, as torch_xla's step closures run: the values
             # are this step's outputs, and reading them is the interval's one host sync.
-            strategy.add_step_closure(lambda: publish_step_values(trainer))
+            strategy.runtime.add_step_closure(lambda: publish_step_values(trainer))
             read = True
-    strategy.sync()  # the graph cut: this micro-batch's work runs as one execution
+    strategy.runtime.sync()  # the graph cut: this micro-batch's work runs as one execution
     loop.batches_in_epoch = batch_idx + 1
     plateau = steps and trainer._optim.plateau_per_step
     if hooks.on_train_batch_end is not None or plateau:
@@ -268,8 +268,8 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: 
     trainer._optim.forget_pending_clips()
     read = loop.global_step // trainer.log_every_n_steps > before // trainer.log_every_n_steps
     if read:  # a logging step was crossed: read as in training_step
-        trainer.strategy.add_step_closure(lambda: publish_step_values(trainer))
-    trainer.strategy.sync()  # the graph cut: one execution per training_step call
+        trainer.strategy.runtime.add_step_closure(lambda: publish_step_values(trainer))
+    trainer.strategy.runtime.sync()  # the graph cut: one execution per training_step call
     loop.batches_in_epoch = batch_idx + 1
     if hooks.on_train_batch_end is not None:
         batch_end(trainer, hooks.on_train_batch_end, read, manual_batch_end_outputs(outputs), batch, batch_idx)
@@ -329,6 +329,7 @@ def note_stop_requests(trainer: "Trainer") -> None:
     if not asked and trainer.strategy.preempted(trainer.loop.global_step):
         interrupts.request(signal.SIGTERM)  # the preemption notice: every process stops at this step
         trainer._publisher.stop_agreed = asked = True
+        trainer._publisher.stop_signal = signal.SIGTERM
     if asked:
         trainer.should_stop = True
     elif trainer.max_time is not None and time.monotonic() - trainer._started_at >= trainer.max_time:
@@ -342,9 +343,18 @@ def stopping(trainer: "Trainer") -> bool:
     ``min_epochs``/``min_steps`` only a signal stops the fit."""
     publisher = trainer._publisher
     asked = publisher.stop_agreed if publisher.several else trainer.should_stop
-    if asked and interrupts.requested() is None and not minimum_done(trainer):
+    if asked and stop_signal(trainer) is None and not minimum_done(trainer):
         return False
     return asked
+
+
+def stop_signal(trainer: "Trainer") -> int | None:
+    """The signal the fit stops on, if one asked: with several replicas, the one their stop vote
+    agreed on (a signal to one replica becomes every replica's, ``interrupts.adopt``), never this
+    replica's own request before the vote has carried it, so that every replica takes the same
+    path (the signal's checkpoint, or the epoch's end and its collectives); alone, this process's."""
+    publisher = trainer._publisher
+    return publisher.stop_signal if publisher.several else interrupts.requested()
 
 
 def minimum_done(trainer: "Trainer") -> bool:

@@ -44,10 +44,10 @@ class Optimization:
         try:
             config = strategy.setup_optimizers(trainer.model, module.configure_optimizers)
         except ValueError as err:
-            if strategy.name != "xla_fsdp" or "self.parameters()" not in str(err):
+            if not strategy.flattens_parameters or "self.parameters()" not in str(err):
                 raise
             raise ValueError(
-                f"{name}.configure_optimizers() builds an optimizer over parameters xla_fsdp does not train: its FSDP "
+                f"{name}.configure_optimizers() builds an optimizer over parameters {strategy.name} does not train: its FSDP "
                 "flattens the module's parameters, so only self.parameters() (all of them, sharded) can be optimized. "
                 "For an optimizer over part of the model (self.layer.parameters()) use strategy='xla_fsdpv2', which "
                 "shards each parameter in place; else build it from self.parameters().") from err

@@ -4,8 +4,12 @@ Values logged with ``self.log`` stay on the device; every ``log_every_n_steps`` 
 and at the end of each epoch the Trainer hands them here. ``Publisher.publish`` reads them in one
 batched transfer (the interval's one host sync), together with two numbers that ride along:
 
-- whether any replica asked to stop (``trainer.should_stop``): all replicas then stop together,
-  at the same step, since stopping one alone would leave the others waiting in a collective;
+- whether any replica asked to stop (``trainer.should_stop``), and the signal that asked, if one
+  did (the largest signal number: ``stop_vote``): all replicas then stop together, at the same
+  step, since stopping one alone would leave the others waiting in a collective. A signal that
+  reached one replica only (one host's launcher) becomes every replica's own request
+  (``interrupts.adopt``), so that all of them take the signal's path: one checkpoint written
+  together, and the exit with 128 + the signal;
 - the global step of the first non-finite training loss (``NonFiniteWatch``), tracked inside each
   step's graph, so that ``detect_nonfinite`` costs no extra host sync.
 
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
+from xtrainer.launch import interrupts
 from xtrainer.loop.metric_values import as_tensor
 from xtrainer.loop.results import to_floats
 
@@ -48,6 +53,14 @@ LOSS_KEY = "xtrainer/loss"
 STEP_VALUES = "train-step"
 _STOP_KEY = "xtrainer/should_stop"
 _NEXT_KEY = "xtrainer/next_agreement_step"
+
+
+def stop_vote(trainer: "Trainer") -> int:
+    """This replica's stop vote: twice the number of the signal that asked this process to stop
+    (0: none), plus 1 where ``should_stop`` is set. The largest over the replicas (one reduction,
+    the one the read makes anyway) says whether any replica asked to stop (more than 0), and the
+    largest signal number among those that asked (half of it, rounded down)."""
+    return 2 * (interrupts.requested() or 0) + (1 if trainer.should_stop else 0)
 
 
 def automatic_lr_names(optimizers: list[Any]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -223,6 +236,10 @@ class Publisher:
         self._previewed: dict[str, Any] = {}  # per-step values callback_metrics has, in a batch's end hooks
         self.watch: NonFiniteWatch | None = None
         self.stop_agreed = False
+        # The signal the replicas agreed to stop on (None: none, or a stop not asked for by one);
+        # with several replicas the loop takes the signal's path on this, never on a replica's own
+        # request not yet voted on, so that all of them take the same path.
+        self.stop_signal: int | None = None
         self.several = False  # the fit has more than one replica (set at its start)
         self.loop_loss: float | None = None  # the latest read of the step's training loss (LOSS_KEY)
         self.counts_steps = False  # the watch must be told of each optimizer step
@@ -238,12 +255,13 @@ class Publisher:
 
     # ---- a fit's beginning and end ---------------------------------------------------------
     def start_fit(self, trainer: "Trainer") -> None:
-        watch = InGraphWatch if trainer.strategy.lazy else DeferredWatch
+        watch = InGraphWatch if trainer.strategy.runtime.lazy else DeferredWatch
         self.watch = watch(trainer.strategy.device, trainer.global_step) if self.detect_nonfinite != "off" else None
         self.counts_steps = self.watch is not None and self.watch.counts_steps
         self._checked_step = -1
         self._vote, self.vote_due = None, -1
         self._next_vote, self._voted = 0, None
+        self.stop_signal = None
         self.several = trainer.world_size > 1
         self.loop_loss = None
         if trainer.is_global_zero and trainer.module._log_hyperparams:
@@ -291,30 +309,29 @@ class Publisher:
         watched = check_loss and self.watch is not None
         if watched and not several:
             tensors = {**tensors, **self.watch.local_tensors()}
-        stop: torch.Tensor | bool = False
+        stop: torch.Tensor | int = 0
         if several and logging_step and trainer.global_step < self._next_vote:
             shares_stop = watched = False  # not yet: the next agreement's step was agreed on
         if shares_stop or (watched and several):  # the replicas agree on both in one reduction
             first = self.watch.local_first() if watched else None
-            flag = trainer.should_stop and shares_stop
+            vote = stop_vote(trainer) if shares_stop else 0
             collectives = trainer.strategy.collectives
-            finish = collectives.agree_later(flag, first, self._propose(trainer, collectives.agreement_seconds)) \
+            finish = collectives.agree_later(vote, first, self._propose(trainer, collectives.agreement_seconds)) \
                 if check_loss else None
             if finish is not None:
                 self._vote, self.vote_due = finish, trainer.loop.batches_done + 2  # after the next batch
                 watched = False
             else:
-                stop, first = trainer.strategy.collectives.agree(flag, first)
-                stop = stop if shares_stop else False
+                stop, first = trainer.strategy.collectives.agree(vote, first)
+                stop = stop if shares_stop else 0
                 if first is not None:
                     tensors = {**tensors, NonFiniteWatch._FIRST: first}
         if isinstance(stop, torch.Tensor):  # rides along with the values read
             tensors = {**tensors, _STOP_KEY: stop}
-        values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the only place logged values reach the host
+        values = to_floats(tensors, trainer.strategy.runtime.to_cpu) if tensors else {}  # host sync: the only place logged values reach the host
         if isinstance(stop, torch.Tensor):
-            stop = values.pop(_STOP_KEY) > 0
-        if stop:
-            trainer.should_stop = self.stop_agreed = True
+            stop = values.pop(_STOP_KEY)
+        self._take_vote(trainer, stop)
         if watched:
             self._report_nonfinite(trainer, self.watch.first_step(values))
         loop_loss = values.pop(LOSS_KEY, None)
@@ -351,7 +368,7 @@ class Publisher:
         self.previewing = None
         # metric objects are reset when published; several replicas: each one's own values
         tensors = epoch_tensors(trainer, stage, reset=False, local=trainer.world_size > 1)
-        values = to_floats(tensors, trainer.strategy.to_cpu) if tensors else {}  # host sync: the hook asked for the values
+        values = to_floats(tensors, trainer.strategy.runtime.to_cpu) if tensors else {}  # host sync: the hook asked for the values
         _into_callback_metrics(trainer, values)
 
     def open_step_preview(self, trainer: "Trainer", read: bool) -> None:
@@ -378,10 +395,10 @@ class Publisher:
             return
         # Read leaving the device's generator as it was: a run whose callback reads these values
         # draws the numbers of one that does not.
-        with trainer.strategy.rng_state_kept():
+        with trainer.strategy.runtime.rng_state_kept():
             tensors = results.step_tensors(trainer.strategy.collectives.reduce, trainer.world_size if synced else 1,
                                            only=new)
-            values = to_floats(tensors, trainer.strategy.to_cpu)  # host sync: a hook asked for the values
+            values = to_floats(tensors, trainer.strategy.runtime.to_cpu)  # host sync: a hook asked for the values
         for name in new:
             previewed[name] = results.entries[name].last
         _into_callback_metrics(trainer, values)
@@ -402,12 +419,25 @@ class Publisher:
         tensors = {_STOP_KEY: stop, _NEXT_KEY: next_vote}
         if first is not None:
             tensors[NonFiniteWatch._FIRST] = first
-        values = to_floats(tensors, trainer.strategy.to_cpu)  # host sync: of a reduction started a batch ago
+        values = to_floats(tensors, trainer.strategy.runtime.to_cpu)  # host sync: of a reduction started a batch ago
         self._next_vote = int(values.pop(_NEXT_KEY))
-        if values.pop(_STOP_KEY) > 0 and trainer.state == "fit":
-            trainer.should_stop = self.stop_agreed = True
+        vote = values.pop(_STOP_KEY)
+        if trainer.state == "fit":
+            self._take_vote(trainer, vote)
         if first is not None:
             self._report_nonfinite(trainer, self.watch.first_step(values))
+
+    def _take_vote(self, trainer: "Trainer", vote: float) -> None:
+        """The replicas' agreed stop vote (the largest ``stop_vote``): stop, on the signal it
+        carries, if any, taken as this process's own request."""
+        vote = int(vote)
+        if vote <= 0:
+            return
+        signum = vote // 2
+        if signum:
+            interrupts.adopt(signum)  # a no-op where this process has the signal already
+            self.stop_signal = max(self.stop_signal or 0, signum)
+        trainer.should_stop = self.stop_agreed = True
 
     def _propose(self, trainer: "Trainer", seconds: float) -> int:
         """The global step this replica proposes for the next agreement: ``seconds`` on, at the
@@ -466,8 +496,8 @@ class Publisher:
         if self.watch is None:
             return None
         if self._checked_step != trainer.global_step:
-            with trainer.strategy.rng_state_kept():  # whether a run checks or not, it draws the same numbers
-                local = to_floats(self.watch.local_tensors(), trainer.strategy.to_cpu)  # host sync: before a save only
+            with trainer.strategy.runtime.rng_state_kept():  # whether a run checks or not, it draws the same numbers
+                local = to_floats(self.watch.local_tensors(), trainer.strategy.runtime.to_cpu)  # host sync: before a save only
                 first = int(self.watch.first_step(local))
                 if trainer.world_size > 1:
                     first = min(trainer.strategy.collectives.all_gather_object(first))

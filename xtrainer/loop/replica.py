@@ -37,13 +37,15 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
     trainer.strategy.setup_environment()
     trainer._replica_ready = True
     if trainer.world_size > 1:
-        # On several hosts (or under torchrun) each calling process claimed a folder and drew a
-        # seed of its own; rank 0's are the run's, and a folder claimed for nothing is given back.
-        own = trainer.log_dir
-        trainer.log_dir, trainer.loop.seed = trainer.strategy.collectives.broadcast((trainer.log_dir, trainer.loop.seed))
-        if own != trainer.log_dir:
+        # On several hosts each calling process claimed a folder and drew a seed of its own (under
+        # torchrun only rank 0 claimed one: launch/stages.py); rank 0's are the run's, and a folder
+        # claimed for nothing is given back.
+        own = trainer._log_dir
+        ours = trainer.log_dir if trainer.is_global_zero else own
+        trainer.log_dir, trainer.loop.seed = trainer.strategy.collectives.broadcast((ours, trainer.loop.seed))
+        if own is not None and own != trainer.log_dir:
             remove_if_empty(own)
-    trainer.strategy.seed_replica(trainer.loop.seed, trainer.global_rank)
+    trainer.strategy.runtime.seed_replica(trainer.loop.seed, trainer.global_rank, trainer.strategy.launcher.runs_in_caller)
     trainer.state, trainer.should_stop, trainer._publisher.stop_agreed = stage, False, False
     module.trainer = trainer
     trainer._module = module
@@ -97,7 +99,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         result: dict[str, Any] = {"outputs": outputs}
         if not in_process:
             result.update(
-                state_dict=trainer.strategy.to_cpu(trainer.strategy.full_module_state_dict(trainer._wrapped)),  # host sync
+                state_dict=trainer.strategy.runtime.to_cpu(trainer.strategy.full_module_state_dict(trainer._wrapped)),  # host sync
                 loop=dataclasses.replace(trainer.loop), should_stop=trainer.should_stop,
                 callback_metrics=dict(trainer.callback_metrics), logged_metrics=dict(trainer.logged_metrics),
                 progress_bar_metrics=dict(trainer.progress_bar_metrics),

@@ -17,10 +17,11 @@ checkpoints are written. The Trainer owns the loop and calls these members in th
       checkpoint_layout.save / .load     # called on every replica, never on one only
       teardown(wrapped)                  # the user's module unwrapped, on the CPU
 
-The loop reaches the device only through the strategy: ``to_cpu``, the device's random generator
-(``rng_state``, ``set_rng_state``, ``rng_state_kept``), ``add_step_closure`` (the logging step's
-read), ``batches_on_device``, ``device_counters`` and ``memory_info``. The XLA strategies hand
-these to ``xtrainer._xla``; the native ones (``strategies/torch_native.py``) to PyTorch.
+The device is not the strategy's: it belongs to the runtime the strategy holds
+(``strategy.runtime``, ``xtrainer.runtimes``): graph cuts, host transfers, the device's random
+generator, counters, memory figures and the device loader. The loop calls the runtime directly.
+The XLA strategies hold an ``XlaRuntime``; the native ones (``strategies/torch_native.py``) an
+``EagerRuntime`` for the Trainer's ``accelerator``.
 
 Launching is a family of its own (``strategies.launch``), and so are the replicas' collectives
 (``strategies.collectives``), and delivering batches (``strategies.data``). What replicas that
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import inspect
 from typing import Any, Callable, ClassVar, Iterable, Iterator
 
@@ -43,10 +43,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from xtrainer import stepping
-from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint import layout as ckpt_layout
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.whole import WholeFile
+from xtrainer.runtimes import Runtime, XlaRuntime
 from xtrainer.strategies import launch, shared_process
 from xtrainer.strategies.collectives import Collectives, XlaReplicas
 from xtrainer.strategies.data import DeviceData, _plain_random, distribute_dataloader
@@ -54,23 +54,21 @@ from xtrainer.strategies.precision import Precision
 from xtrainer.suggest import did_you_mean
 
 
-@dataclasses.dataclass(frozen=True)
-class CompilerNames:
-    """What ``XlaHealth`` calls a strategy's compiler (``Strategy.compiler``)."""
-
-    prefix: str  # of the logged figures: "xla" gives "xla/compilations"
-    name: str  # in messages: "XLA recompiled 1 graph(s)..."
-    reasons: str  # how to see the compiler's own reasons for a recompilation
-
-
-XLA_COMPILER = CompilerNames("xla", "XLA", "run with PT_XLA_DEBUG_LEVEL=2 to see torch_xla's reasons")
-
-
 class Strategy(abc.ABC):
     """Base class of all strategies. Subclasses override what differs and nothing else."""
 
     #: The name ``Trainer(strategy=...)`` accepts for this class.
     name: ClassVar[str]
+
+    # What the strategy does, for code outside ``strategies/`` that must know (never its name):
+    #: Parameters are split over the replicas (each holds a shard of each), FSDP's way.
+    shards_parameters: ClassVar[bool] = False
+    #: Parameters are flattened into shards that keep no per-layer tensors (torch_xla's FSDP):
+    #: an optimizer or a callback cannot address a layer's parameters on their own.
+    flattens_parameters: ClassVar[bool] = False
+    #: Gradients are reduced only for the parameters that needed them when the module was
+    #: wrapped (DDP's reducer): a layer unfrozen later would train apart on each replica.
+    reduces_wrapped_trainable_only: ClassVar[bool] = False
     #: Whether the replicas hold shards of the parameters (FSDP), not each a whole copy: the
     #: model summary then counts the shards whole and adds each replica's share.
     shards_parameters: ClassVar[bool] = False
@@ -78,10 +76,15 @@ class Strategy(abc.ABC):
     def __init__(self) -> None:
         self.devices: int | None = 1
         self.precision = Precision("32")
-        self._device: torch.device | None = None
+        #: The device this strategy's replicas compute on (``xtrainer.runtimes``).
+        self.runtime: Runtime = self._make_runtime()
         #: How the replicas combine values and agree (``strategies.collectives``); this process
         #: alone until ``setup_environment()``.
         self.collectives: Collectives = Collectives()
+
+    def _make_runtime(self) -> Runtime:
+        """The runtime of a new strategy: torch_xla's, for the XLA strategies."""
+        return XlaRuntime()
 
     # ---- configuration (calling process, before launch) --------------------------------
     def connect(self, devices: int | None, precision: Precision) -> None:
@@ -113,16 +116,13 @@ class Strategy(abc.ABC):
     def setup_environment(self) -> None:
         """Per replica, before anything else: pick the device, set up process groups; from here
         on ``collectives`` spans every replica."""
-        self._device = _xla.device()
-        self.collectives = XlaReplicas(self._device)
+        self.collectives = XlaReplicas(self.runtime.start(0))
 
     # ---- where we are --------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        """This replica's XLA device."""
-        if self._device is None:
-            raise RuntimeError("The strategy has no device before setup_environment().")
-        return self._device
+        """This replica's device (the runtime's)."""
+        return self.runtime.device
 
     @property
     def world_size(self) -> int:
@@ -258,90 +258,11 @@ class Strategy(abc.ABC):
             before_step()
         stepping.step(optimizer)
 
-    def sync(self) -> None:
-        """Cut the lazy graph and launch its execution (asynchronously)."""
-        _xla.sync()
-
-    def add_step_closure(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once the step's work has been launched, at the next ``sync()`` (where
-        reading the step's values costs one host sync)."""
-        _xla.add_step_closure(fn)
-
-    # ---- the device: transfers, random numbers, counters -----------------------------------
-    def to_cpu(self, data: Any) -> Any:
-        """Every device tensor in ``data`` (nested) copied to the host in one batched transfer.
-        Syncs the host: callers say so where they call it."""
-        return _xla.to_cpu(data)
-
-    def rng_state(self) -> Any:
-        """This replica's device random generator state (for XLA, a seed that every random op
-        advances); what ``set_rng_state`` takes back."""
-        return _xla.rng_state()
-
-    def set_rng_state(self, state: Any) -> None:
-        """Set this replica's device random generator: a state from ``rng_state()``, or an int seed."""
-        _xla.set_rng_state(state)
-
-    def seed_replica(self, seed: int, rank: int) -> None:
-        """As a stage starts: this replica's device generator seeded with the run's seed plus its
-        rank, so that replicas draw differently and a run draws the same as its repeat."""
-        self.set_rng_state(seed + rank)
-
-    def rng_state_kept(self) -> contextlib.AbstractContextManager:
-        """Leave this replica's device generator as it was found (see ``_xla.rng_state_kept``)."""
-        return _xla.rng_state_kept()
-
-    def derived_rng_state(self, state: Any, offset: int) -> Any:
-        """A generator state for replica ``offset`` when a checkpoint of another world size holds
-        ``state`` (rank 0's): for XLA's seed, the seed plus the rank."""
-        return state + offset
-
-    def device_counters(self) -> dict[str, float]:
-        """This process's counters (host counters: reading them syncs nothing), for ``XlaHealth``
-        and goodput: always ``compiles`` (graphs compiled) and ``compile_s`` (their seconds); and
-        those this strategy's compiler keeps among ``executions`` (graphs run), ``transfers``
-        (device-to-host transfers) and ``graph_breaks``. XLA's: compilations, executions, transfers."""
-        return {"compiles": self.compile_count(), "compile_s": self.compile_seconds(),
-                "executions": _xla.execute_count(), "transfers": _xla.transfer_from_device_count()}
-
-    # The two counters read at every step (by XlaHealth and goodput), each on its own.
-    def compile_count(self) -> int:
-        """``device_counters()["compiles"]``."""
-        return _xla.compile_count()
-
-    def compile_seconds(self) -> float:
-        """``device_counters()["compile_s"]``."""
-        return _xla.compile_seconds()
-
-    #: How ``XlaHealth`` names this strategy's compiler: the prefix of its logged figures
-    #: (``xla/compilations``...), the compiler in its messages, and how to see the compiler's own
-    #: reasons for a recompilation.
-    compiler: ClassVar[CompilerNames] = XLA_COMPILER
-
-    def memory_info(self) -> dict[str, int] | None:
-        """``{"bytes_used", "bytes_limit"}`` of this replica's device, or None where unknown."""
-        return _xla.memory_info()
-
-    def local_device_count(self) -> int:
-        """This host's devices, as known without starting the runtime (0: unknown)."""
-        return _xla.local_device_count_without_runtime()
-
-    #: Whether this strategy's graphs are XLA's (the compilation cache, XLA's counters and chips).
-    compiles_with_xla: bool = True
-    #: Whether ops are recorded into a lazy graph that runs at ``sync`` (XLA), so that a few more
-    #: in a step cost nothing until then; False where each op runs as it is called.
-    lazy: bool = True
-
     #: Set for a run whose module (or data module) overrides a batch-transfer hook: its
     #: ``transfer_batch_to_device`` moves the batches, so a strategy that moves them in the
     #: training process delivers them on the host. The XLA strategies' batches still travel in
     #: torch_xla's loader (the hooks see them on the device, as in Lightning on TPUs).
     module_moves_batches: bool = False
-
-    def batches_on_device(self, loader: Iterable, start: int = 0) -> Iterable:
-        """``loader``'s batches delivered on this replica's device (``start``: the index of its
-        first batch in the epoch, for messages)."""
-        return _xla.DeviceBatches(loader, self.device, self._input_sharding(), start=start)
 
     # ---- data ----------------------------------------------------------------------------
     def process_dataloader(self, loader: Iterable, distribute: bool = True) -> DeviceData:
@@ -351,7 +272,11 @@ class Strategy(abc.ABC):
         if distribute and isinstance(loader, DataLoader) and (self.world_size > 1 or _plain_random(loader)):
             distributed = distribute_dataloader(loader, self.world_size, self.global_rank)
             owns_sampler, loader = distributed is not loader, distributed
-        return DeviceData(loader, self.batches_on_device, owns_sampler, replicas=self.world_size)
+        return DeviceData(loader, self._deliver, owns_sampler, replicas=self.world_size)
+
+    def _deliver(self, loader: Iterable, start: int = 0) -> Iterable:
+        """``loader``'s batches on this replica's device, laid out as this strategy shards them."""
+        return self.runtime.batches_on_device(loader, start, self._input_sharding(), self.module_moves_batches)
 
     def _input_sharding(self) -> Any:
         """How batches are laid out over the devices as they are sent (None: on this replica's)."""

@@ -13,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.strategies import shared_process
-from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
+from xtrainer.strategies.base import check_wrapper_kwargs
+from xtrainer.strategies.parallel import ParallelStrategy
 from xtrainer.strategies.process import free_port
 
 
@@ -21,7 +22,7 @@ from xtrainer.strategies.process import free_port
 _PER_PARAMETER_BUCKETS_MB = 1e-6
 
 
-class XlaDDP(Strategy):
+class XlaDDP(ParallelStrategy):
     """Wraps the module in ``DistributedDataParallel`` (``gradient_as_bucket_view=True``, which
     XLA needs); DDP all-reduces gradients during backward and the optimizer steps with a plain
     ``optimizer.step()``. Micro-batches that do not step the optimizer run under ``no_sync()``.
@@ -40,6 +41,7 @@ class XlaDDP(Strategy):
     """
 
     name = "xla_ddp"
+    reduces_wrapped_trainable_only = True
 
     def __init__(self, **ddp_kwargs: Any) -> None:
         super().__init__()

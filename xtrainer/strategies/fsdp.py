@@ -12,7 +12,8 @@ from torch import nn
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.fsdp import FsdpShards, consolidate_state_dicts
-from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
+from xtrainer.strategies.base import check_wrapper_kwargs
+from xtrainer.strategies.parallel import ParallelStrategy
 from xtrainer.strategies.wrap_policies import check_wrap_policy, wrap_policy
 
 #: Instance attributes FSDP and activation checkpointing patch onto the user's modules.
@@ -20,7 +21,7 @@ _PATCHED_ATTRIBUTES = frozenset({"forward", "_xla_checkpointed_forward_original"
                                  "_xla_checkpointed_forward_no_kwargs"})
 
 
-class XlaFSDP(Strategy):
+class XlaFSDP(ParallelStrategy):
     """Shards parameters, gradients and optimizer state across replicas.
 
     Args:
@@ -52,6 +53,8 @@ class XlaFSDP(Strategy):
     """
 
     name = "xla_fsdp"
+    shards_parameters = True
+    flattens_parameters = True
     shards_parameters = True
 
     def __init__(self, reshard_after_forward: bool = True, auto_wrap_policy: Any = None,

@@ -33,14 +33,14 @@ from torch import nn
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
 from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
-from xtrainer.strategies.base import Strategy
+from xtrainer.strategies.parallel import ParallelStrategy
 from xtrainer.strategies.collectives import SpmdHosts
 from xtrainer.strategies.launch import SpmdProcess
 from xtrainer.strategies.process import free_port
 from xtrainer.strategies.wrap_policies import check_wrap_policy, wrap_policy
 
 
-class XlaSPMD(Strategy):
+class XlaSPMD(ParallelStrategy):
     """Data parallel by sharding: parameters replicated, each batch split on its first dimension.
 
     Args:
@@ -73,6 +73,10 @@ class XlaSPMD(Strategy):
         self._specs: dict[int, tuple] = {}  # id(parameter) -> its partition spec
         self._owns_process_group = False
         self._preemption: _xla.PreemptionNotice | None = None
+
+    #: One process per host drives every device of the host (ParallelStrategy's count), and its
+    #: loader gives the host's whole batch, which the mesh splits.
+    num_processes = 1
 
     # ---- launching: one new process, SPMD on -------------------------------------------------
     @property
@@ -232,6 +236,7 @@ class XlaFSDPv2(XlaSPMD):
     """
 
     name = "xla_fsdpv2"
+    shards_parameters = True
     shards_parameters = True
     _default_axes = ("fsdp",)
 

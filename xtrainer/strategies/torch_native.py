@@ -7,8 +7,8 @@
   checkpoints through ``torch.distributed.checkpoint`` that resume at any world size.
 
 Each takes ``compile=True`` (the module's ``forward`` runs through ``torch.compile``). The device
-comes from the Trainer's ``accelerator`` (``strategies/torch_devices.py`` holds every device
-specific: only ``cpu`` is tested here). Processes: ``devices=N`` starts N processes on this host
+comes from the Trainer's ``accelerator``: the strategy holds an ``EagerRuntime``
+(``xtrainer/runtimes/eager.py`` holds every device specific: only ``cpu`` is tested here). Processes: ``devices=N`` starts N processes on this host
 (``NativeProcesses``); under ``torchrun`` (its ``RANK``/``WORLD_SIZE``... in the environment) each
 process runs its replica in place (``TorchrunInPlace``), on any number of nodes.
 
@@ -23,11 +23,10 @@ per ``log_every_n_steps`` (``add_step_closure`` runs the read at that step's ``s
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import os
 import warnings
-from typing import Any, Callable, ClassVar, Iterable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,10 +37,12 @@ from torch import nn
 from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
 from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
 from xtrainer.launch import interrupts
-from xtrainer.module import move_data_to_device
-from xtrainer.strategies import launch, torch_devices
-from xtrainer.strategies.base import CompilerNames, Strategy, check_wrapper_kwargs
+from xtrainer.runtimes import EagerRuntime
+from xtrainer.runtimes.eager import to_host
+from xtrainer.strategies import launch
+from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
 from xtrainer.strategies.collectives import Collectives
+from xtrainer.strategies.parallel import ParallelStrategy
 from xtrainer.strategies.process import end_now, free_port, killed_by_signal, run_in_new_processes
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
@@ -82,12 +83,6 @@ def _store_of_this_attempt(store: dist.Store) -> dist.Store:
     if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
         return dist.PrefixStore("default_pg", store)  # several hosts: see above
     return dist.PrefixStore(f"default_pg/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def to_host(data: Any) -> Any:
-    """Every tensor in ``data`` (nested) on the host; a host sync for device tensors (callers
-    say so). CPU tensors pass unchanged."""
-    return apply_to_collection(data, torch.Tensor, lambda t: t if t.device.type == "cpu" else t.cpu())  # host sync
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,24 +128,24 @@ class ProcessGroup(Collectives):
         dist.all_reduce(reduced, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
         return reduced
 
-    def any_replica(self, flag: bool) -> torch.Tensor | bool:
-        return self.reduce(torch.tensor([1.0 if flag else 0.0], device=self.device), "max")
+    def any_replica(self, vote: int) -> torch.Tensor | int:
+        return self.reduce(torch.tensor([vote], dtype=torch.int64, device=self.device), "max")
 
-    def agree(self, flag: bool, first: torch.Tensor | None) -> tuple[torch.Tensor | bool, torch.Tensor | None]:
+    def agree(self, vote: int, first: torch.Tensor | None) -> tuple[torch.Tensor | int, torch.Tensor | None]:
         """``agree_later`` waited for at once: the stop vote and the first bad step in one
         all-reduce (its proposal for the next agreement unused)."""
-        finish = self.agree_later(flag, first, 0)
-        return (flag, first) if finish is None else finish()[:2]
+        finish = self.agree_later(vote, first, 0)
+        return (vote, first) if finish is None else finish()[:2]
 
-    def agree_later(self, flag: bool, first: torch.Tensor | None, next_step: int
+    def agree_later(self, vote: int, first: torch.Tensor | None, next_step: int
                     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None:
-        """The all-reduce (min) of ``[-flag, next_step, first]``, started without waiting
-        (``async_op``); what this returns waits for it. A blocking one waits for the slowest
+        """The all-reduce (min) of ``[-vote, next_step, first]`` (so the largest vote), started
+        without waiting (``async_op``); what this returns waits for it. A blocking one waits for the slowest
         replica: on gloo, once every 10 steps of about 1 ms, it cost 50-75 us of CPU per step here,
         started early and waited later 10-30; ``agreement_seconds`` spaces them out further."""
         if self.world_size == 1:
             return None
-        head = torch.tensor([-1 if flag else 0, next_step], dtype=torch.int64, device=self.device)
+        head = torch.tensor([-vote, next_step], dtype=torch.int64, device=self.device)
         both = head if first is None else torch.cat([head, first.to(torch.int64)])
         work = dist.all_reduce(both, op=dist.ReduceOp.MIN, async_op=True)
 
@@ -276,41 +271,6 @@ def _process_main(job: Callable[[], None]) -> None:
 # ---------------------------------------------------------------------------------------------
 # The strategies.
 # ---------------------------------------------------------------------------------------------
-TORCH_COMPILE = CompilerNames("torch_compile", "torch.compile",
-                              "run with TORCH_LOGS=recompiles to see the guard that failed")
-
-
-@functools.cache
-def _dynamo_utils() -> Any:
-    """``torch._dynamo.utils`` (private), imported once; None for a torch without Dynamo."""
-    try:
-        from torch._dynamo import utils as dynamo_utils
-    except ImportError:
-        return None
-    return dynamo_utils
-
-
-def compiled_graphs() -> int:
-    """Graphs Dynamo compiled in this process so far (a recompilation is one more): the one
-    counter XlaHealth reads after every batch; 0 if it moved."""
-    counters = getattr(_dynamo_utils(), "counters", None)
-    stats = counters.get("stats") if isinstance(counters, dict) else None
-    return int(stats.get("unique_graphs", 0)) if stats else 0
-
-
-def torch_compile_counters() -> dict[str, float]:
-    """This process's torch.compile counters so far (host counters, read only where XlaHealth
-    reads XLA's): graphs Dynamo compiled (``compiled_graphs``), the seconds spent compiling them,
-    and graph breaks. Read from ``torch._dynamo.utils`` (private: its ``counters`` and
-    ``compilation_time_metrics``, checked with torch 2.9 and 2.13); zeros if they moved."""
-    dynamo_utils = _dynamo_utils()
-    counters = getattr(dynamo_utils, "counters", {})
-    times = getattr(dynamo_utils, "compilation_time_metrics", {})
-    seconds = times.get("_compile.compile_inner") or times.get("entire_frame_compile") or []
-    return {"compiles": compiled_graphs(), "compile_s": float(sum(seconds)),
-            "graph_breaks": int(sum(counters["graph_break"].values())) if "graph_break" in counters else 0}
-
-
 class NativeSingle(Strategy):
     """One process on one device of standard PyTorch (``accelerator``: ``cpu``, ``cuda``, or a
     native backend's ``tpu``/``neuron``, untested here). The base of the native family.
@@ -338,16 +298,19 @@ class NativeSingle(Strategy):
             raise ValueError(f"{type(self).__name__}(agreement_seconds={agreement_seconds!r}): give seconds, 0 or more.")
         self.compile, self.compile_kwargs, self.timeout_seconds = compile, dict(compile_kwargs or {}), timeout_seconds
         self.agreement_seconds = float(agreement_seconds)
+        self.runtime.compiling = compile
         self.accelerator = "auto"
-        self._kind: str | None = None
-        self._closures: list[Callable[[], None]] = []
         self._owns_process_group = False
         self.collectives = ProcessGroup(torch.device("cpu"))
+
+    def _make_runtime(self) -> EagerRuntime:
+        return EagerRuntime("cpu")  # until check_accelerator() names the device
 
     # ---- configuration --------------------------------------------------------------------
     def check_accelerator(self, accelerator: str, num_nodes: int) -> None:
         self.accelerator = str(accelerator).lower()
-        self._kind = torch_devices.kind_of(self.accelerator)  # refuses what this host cannot run
+        self.runtime = EagerRuntime.for_accelerator(self.accelerator)  # refuses what this host cannot run
+        self.runtime.compiling = self.compile
         del num_nodes  # torchrun's --nnodes decides; the processes agree over the process group
 
     def resolve_devices(self, devices: int | str) -> int | None:
@@ -360,7 +323,7 @@ class NativeSingle(Strategy):
                 self._check_local_count(int(local), f"torchrun started {local} processes on this host")
             return int(os.environ["WORLD_SIZE"])
         if devices == "auto":
-            return torch_devices.local_count(self._kind or "cpu") if self.multi_process else 1
+            return self.runtime.local_device_count() if self.multi_process else 1
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices={devices!r}: give a positive int or 'auto'.")
         if devices > 1 and not self.multi_process:
@@ -372,8 +335,8 @@ class NativeSingle(Strategy):
     def _check_local_count(self, processes: int, asked: str) -> None:
         """Refuses more processes on this host than it has devices of the kind. Only the CPU,
         which takes any number, runs here: the test gives the host a device count."""
-        kind = self._kind or "cpu"
-        if kind != "cpu" and processes > (here := torch_devices.local_count(kind)):
+        kind = self.runtime.type
+        if kind != "cpu" and processes > (here := self.runtime.local_device_count()):
             raise ValueError(f"{asked}, but this host has {here} {kind} device(s): start {here} or fewer "
                              f"processes per host, and more hosts (torchrun --nnodes) for more.")
 
@@ -384,32 +347,31 @@ class NativeSingle(Strategy):
         return InPlace(self.devices)
 
     def setup_environment(self) -> None:
-        kind = self._kind or torch_devices.kind_of(self.accelerator)
+        runtime = self.runtime
         grouped = in_process_group_env()
-        local_rank = int(os.environ["LOCAL_RANK"]) if grouped else 0
-        self._device = torch_devices.device(kind, local_rank)
-        self.precision.device_type = kind
+        device = runtime.start(int(os.environ["LOCAL_RANK"]) if grouped else 0)
+        self.precision.device_type = runtime.autocast_device_type
         if grouped and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
             import datetime
 
             timeout = datetime.timedelta(seconds=self.timeout_seconds)
             options: dict[str, Any] = {}
-            if kind != "cpu":
-                options["device_id"] = self._device  # untested here: no accelerator
+            if device.type != "cpu":
+                options["device_id"] = device  # untested here: no accelerator
             with interrupts.ending_at_once():  # joining the process group: nothing to save yet
                 store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
                 store.set_timeout(timeout)
-                dist.init_process_group(torch_devices.backend(kind), store=_store_of_this_attempt(store), rank=rank,
+                dist.init_process_group(runtime.process_group_backend(), store=_store_of_this_attempt(store), rank=rank,
                                         world_size=world_size, timeout=timeout, **options)
             self._owns_process_group = True
-        self.collectives = ProcessGroup(self._device, self.agreement_seconds)
+        self.collectives = ProcessGroup(device, self.agreement_seconds)
         _rank_zero_only_rank(self.global_rank)
 
     # ---- the module -----------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)
         if self.compile:
-            module.module.compile(**self.compile_kwargs)  # the user's forward, compiled on first call
+            module.module.compile(**self.runtime.compile_options(self.compile_kwargs))  # compiled on first call
         return self._wrap(module)
 
     def _wrap(self, module: nn.Module) -> nn.Module:
@@ -449,113 +411,9 @@ class NativeSingle(Strategy):
         for (device, dtype), group in groups.items():
             torch._foreach_mul_(group, coefficient.to(device=device, dtype=dtype))
 
-    # ---- the step -------------------------------------------------------------------------
-    def sync(self) -> None:
-        """No lazy graph to cut: the step ran as it was called. Closures added during the step
-        (the logging step's read of its values) run here."""
-        if self._closures:
-            closures, self._closures = self._closures, []
-            for fn in closures:
-                fn()
-
-    def add_step_closure(self, fn: Callable[[], None]) -> None:
-        self._closures.append(fn)
-
-    # ---- the device -----------------------------------------------------------------------
-    def to_cpu(self, data: Any) -> Any:
-        return to_host(data)
-
-    def rng_state(self) -> Any:
-        return torch_devices.rng_state(self.device)
-
-    def set_rng_state(self, state: Any) -> None:
-        torch_devices.set_rng_state(self.device, state)
-
-    def seed_replica(self, seed: int, rank: int) -> None:
-        """On the CPU the device's generator is the host's, which the calling process has drawn
-        from already (the module's initialisation, after ``seed_everything``): rank 0 running in
-        that process goes on from where it stands, as in Lightning, instead of seeding it again
-        and drawing the initialisation's numbers once more in its steps. Other ranks, and
-        processes of their own, are seeded with the run's seed plus their rank."""
-        if self.device.type == "cpu" and rank == 0 and self.launcher.runs_in_caller:
-            return
-        super().seed_replica(seed, rank)
-
-    @contextlib.contextmanager
-    def rng_state_kept(self) -> Iterator[None]:
-        state = self.rng_state()
-        try:
-            yield
-        finally:
-            self.set_rng_state(state)
-
-    def derived_rng_state(self, state: Any, offset: int) -> Any:
-        """A checkpoint of another world size: a seed for replica ``offset`` derived from rank 0's
-        generator state (torch's states are not seeds that can be offset)."""
-        seed = int.from_bytes(bytes(torch.as_tensor(state, dtype=torch.uint8)[-8:].tolist()), "little") % 2**62  # a CPU state, at restore: no device
-        return seed + offset
-
-    compiler = TORCH_COMPILE
-
-    def device_counters(self) -> dict[str, float]:
-        """torch.compile's counters (``torch_compile_counters``); no compilations without ``compile``.
-        Executions and transfers are not counted: PyTorch keeps no such counters."""
-        if not self.compile:
-            return {"compiles": 0, "compile_s": 0.0}
-        return torch_compile_counters()
-
-    def compile_count(self) -> int:
-        return compiled_graphs() if self.compile else 0
-
-    def compile_seconds(self) -> float:
-        return torch_compile_counters()["compile_s"] if self.compile else 0.0
-
-    def memory_info(self) -> dict[str, int] | None:
-        return torch_devices.memory_info(self.device)
-
-    compiles_with_xla = False
-    lazy = False
-
-    def local_device_count(self) -> int:
-        return torch.accelerator.device_count() if torch.accelerator.is_available() else 1
-
-    def batches_on_device(self, loader: Iterable, start: int = 0) -> Iterable:
-        return _OnDevice(loader, None if self.module_moves_batches else self.device, start)
-
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
-        self._closures = []
+        self.runtime.drop_closures()
         super().teardown(wrapped, failed)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_closures"] = []
-        return state
-
-
-class _OnDevice:
-    """A host loader's batches moved to ``device`` as they are drawn (``move_data_to_device``:
-    every tensor and every object with a ``to`` method, as Lightning moves them; non-blocking
-    copies; the CPU's batches pass unchanged; None: left on the host, for the module's
-    batch-transfer hooks).
-    A loader's exception is raised with a note naming the batch."""
-
-    def __init__(self, loader: Iterable, device: torch.device | None, start: int = 0) -> None:
-        self.loader, self.device, self.start = loader, device, start
-
-    def __iter__(self) -> Iterator[Any]:
-        index = self.start
-        device = self.device if self.device is not None and self.device.type != "cpu" else None
-        try:
-            # What the loop does with a batch happens outside this generator: an exception here
-            # comes from the loader or the move.
-            for batch in self.loader:
-                yield batch if device is None else move_data_to_device(batch, device)
-                index += 1
-        except Exception as err:
-            dataset = getattr(self.loader, "dataset", None)
-            what = type(self.loader).__name__ + (f" over {type(dataset).__name__}" if dataset is not None else "")
-            err.add_note(f"(raised while loading batch index {index} of {what}; the batches before it were used)")
-            raise
 
 
 def _rank_zero_only_rank(rank: int) -> None:
@@ -563,7 +421,7 @@ def _rank_zero_only_rank(rank: int) -> None:
     rank_zero_only.rank = rank
 
 
-class NativeDDP(NativeSingle):
+class NativeDDP(NativeSingle, ParallelStrategy):
     """``DistributedDataParallel`` over the processes: rank 0's weights are broadcast when the
     module is wrapped, gradients are all-reduced (averaged) in backward, each process steps.
 
@@ -575,6 +433,7 @@ class NativeDDP(NativeSingle):
 
     name = "native_ddp"
     multi_process = True
+    reduces_wrapped_trainable_only = True
 
     def __init__(self, compile: bool = False, compile_kwargs: dict[str, Any] | None = None,
                  timeout_seconds: float = 1800.0, agreement_seconds: float = AGREEMENT_SECONDS,
@@ -607,7 +466,7 @@ class NativeDDP(NativeSingle):
         rebuild_buckets(wrapped)
 
 
-class NativeFSDP(NativeSingle):
+class NativeFSDP(NativeSingle, ParallelStrategy):
     """FSDP2: ``torch.distributed.fsdp.fully_shard`` on every layer the policy names, then on the
     whole module; parameters, gradients and optimizer state are sharded over the processes.
 
@@ -624,6 +483,7 @@ class NativeFSDP(NativeSingle):
 
     name = "native_fsdp"
     multi_process = True
+    shards_parameters = True
     shards_parameters = True
 
     def __init__(self, auto_wrap_policy: Any = None, activation_checkpointing: bool = False,
@@ -787,7 +647,7 @@ class NativeFSDP(NativeSingle):
         torchrun (where the module stays in the process) it runs forward on its own, saves plain
         tensors under its own names, and a later ``validate``/``test`` shards it afresh. Gathering
         the weights is a collective: every process tears down at the same point."""
-        self._closures, self._root, self._manual = [], None, False
+        self._root, self._manual = None, False
         if failed and self.world_size > 1:
             return  # as the base: this process's copy is discarded, and a peer may be gone
         _unshard_for_good(wrapped)
