@@ -34,6 +34,7 @@ from typing import Iterator
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _requested: int | None = None
+_adopted = False  # _requested came from another replica (``adopt``), not to this process
 _children: set[int] = set()
 _announce = True
 
@@ -67,12 +68,30 @@ def request(signum: int) -> None:
         _requested = signum
 
 
-def _handle(signum: int, frame: object) -> None:
-    global _requested
-    if _requested is not None and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+def adopt(signum: int) -> None:
+    """Record the signal another replica received as this process's own request: the replicas'
+    stop vote carries it (``loop/publishing.py``), so that every replica stops on the same path,
+    writes the one checkpoint together and exits with 128 + that signal. Where this process has a
+    request of its own, the larger signal number wins (SIGTERM over SIGINT), as the vote's does.
+    An adopted SIGINT is no first Ctrl-C: this process's own SIGINT after it still stops
+    gracefully."""
+    global _requested, _adopted
+    if _requested is not None and signum <= _requested:
+        return
     first = _requested is None
-    _requested = signum
+    _requested, _adopted = signum, _adopted or first
+    if first and _announce:
+        name = signal.Signals(signum).name
+        print(f"xtrainer: {name} reached another replica: finishing the current step, then writing a checkpoint.",
+              file=sys.stderr, flush=True)
+
+
+def _handle(signum: int, frame: object) -> None:
+    global _requested, _adopted
+    if _requested is not None and not _adopted and signum == signal.SIGINT:
+        raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+    first = _requested is None or _adopted  # this process's own first signal
+    _requested, _adopted = max(signum, _requested or 0), False
     for pid in list(_children):
         with contextlib.suppress(OSError):
             os.kill(pid, signum)
@@ -87,12 +106,12 @@ def graceful(announce: bool = True) -> Iterator[None]:
     """While a run lasts: SIGTERM and SIGINT request a graceful stop (main thread only; elsewhere,
     a notebook's worker thread say, signals keep their handlers). ``announce``: say so on stderr
     (a replicas' process leaves that to its caller)."""
-    global _requested, _announce
+    global _requested, _adopted, _announce
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
-    _requested, _announce = None, announce
+    _requested, _adopted, _announce = None, False, announce
     for signum in _SIGNALS:
         signal.signal(signum, _handle)
     try:

@@ -59,29 +59,31 @@ class Collectives:
         del op
         return tensor
 
-    def any_replica(self, flag: bool) -> torch.Tensor | bool:
-        """Whether any replica's ``flag`` is set: a device value recorded in the graph (read with
-        the values it rides along with), or a bool where the replicas agree on the host."""
+    def any_replica(self, vote: int) -> torch.Tensor | int:
+        """The largest replica's ``vote`` (a small number, 0 or more: the stop vote of
+        ``loop/publishing.py``, which carries a signal's number): a device value recorded in the
+        graph (read with the values it rides along with), or an int where the replicas agree on
+        the host."""
         raise RuntimeError("The strategy has no device before setup_environment().")
 
-    def agree(self, flag: bool, first: torch.Tensor | None) -> tuple[torch.Tensor | bool, torch.Tensor | None]:
-        """``any_replica(flag)``, and the minimum of ``first`` (a ``(1,)`` int64 tensor, or None)
+    def agree(self, vote: int, first: torch.Tensor | None) -> tuple[torch.Tensor | int, torch.Tensor | None]:
+        """``any_replica(vote)``, and the minimum of ``first`` (a ``(1,)`` int64 tensor, or None)
         over the replicas: what a logging step's read agrees on (where each collective runs as it
         is called, one reduction for both)."""
-        return self.any_replica(flag), None if first is None else self.reduce(first, "min")
+        return self.any_replica(vote), None if first is None else self.reduce(first, "min")
 
     #: Where agreements cost a collective of their own (``agree_later``): the least time, in
     #: seconds, between two that logging steps start (0: at every logging step).
     agreement_seconds = 0.0
 
-    def agree_later(self, flag: bool, first: torch.Tensor | None, next_step: int
+    def agree_later(self, vote: int, first: torch.Tensor | None, next_step: int
                     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None:
         """``agree`` started now and finished by calling what this returns, for collectives that
         run as they are called: the host does not wait for the other replicas where it starts.
         The replicas also agree on the global step from which a logging step starts the next
         agreement: the least ``next_step`` any of them proposes, the third tensor returned.
         None where collectives are recorded in the graph (``agree`` rides along with the read)."""
-        del flag, first, next_step
+        del vote, first, next_step
         return None
 
     def all_gather_tensors(self, data: Any) -> Any:
@@ -127,8 +129,9 @@ class XlaReplicas(Collectives):
             tensor = tensor.to(self.device)
         return _xla.all_reduce(tensor, op)
 
-    def any_replica(self, flag: bool) -> torch.Tensor | bool:
-        return self.reduce(torch.tensor([1.0 if flag else 0.0]).to(self.device), "max")
+    def any_replica(self, vote: int) -> torch.Tensor | int:
+        # a float: XLA's all-reduce of floats is the one every runtime has; exact for such numbers
+        return self.reduce(torch.tensor([float(vote)]).to(self.device), "max")
 
     def all_gather_tensors(self, data: Any) -> Any:
         def gather(tensor: torch.Tensor) -> torch.Tensor:
@@ -191,14 +194,14 @@ class SpmdHosts(XlaReplicas):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def any_replica(self, flag: bool) -> torch.Tensor | bool:
-        """On the host, over the CPU process group: a host's own flag is not a global value of the
+    def any_replica(self, vote: int) -> torch.Tensor | int:
+        """On the host, over the CPU process group: a host's own vote is not a global value of the
         program, so it cannot ride in the graph (untested here: no pod)."""
         if self.world_size == 1:
-            return flag
-        votes = torch.tensor([1 if flag else 0])
+            return vote
+        votes = torch.tensor([vote])
         dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        return bool(votes.item())  # a CPU tensor: no device sync
+        return int(votes.item())  # a CPU tensor: no device sync
 
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """The step's values are computed over the whole mesh already: nothing to combine."""
