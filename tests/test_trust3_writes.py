@@ -113,3 +113,150 @@ def test_a_write_still_queued_at_exit_is_finished_and_reported():
         assert open(path, "rb").read() == b"written"
         assert "waiting for 2 background checkpoint write(s) still queued at exit" in done.stderr, done.stderr
         assert "a background checkpoint write failed" in done.stderr and "the disk went away" in done.stderr
+
+
+# ---- what a dead writer left, when its successor has its PID ----------------------------------
+def instance_of(pid, start=None, boot=None):
+    """The instance name of process ``pid`` as ``writers`` writes it, its start time or boot id
+    replaced where given."""
+    from xtrainer.checkpoint import writers
+
+    real_start, real_boot = writers.start_time(pid), writers._boot()
+    if real_start is None or real_boot is None:
+        pytest.skip("no /proc here: instances are drawn, not read")
+    return f"{pid}.{real_start if start is None else start}x{real_boot if boot is None else boot}"
+
+
+def test_a_dead_writer_with_this_process_pid_is_told_from_the_live_one(tmp_path):
+    from xtrainer.checkpoint import writers
+
+    host, me = socket.gethostname(), os.getpid()
+    mine = instance_of(me)
+    assert writers.instance() == mine
+    # What a restarted container leaves: its process has the dead one's PID, started later.
+    before_restart = instance_of(me, start=writers.start_time(me) - 5)
+    other_boot = instance_of(me, boot="00000000" if writers._boot() != "00000000" else "11111111")
+    sleeper = subprocess.Popen(["sleep", "120"])
+    try:
+        for _ in range(100):  # its start time is read from /proc: wait until it is sleep itself
+            if open(f"/proc/{sleeper.pid}/cmdline", "rb").read().startswith(b"sleep"):
+                break
+            time.sleep(0.02)
+        live_other = instance_of(sleeper.pid)
+        reused_pid = instance_of(sleeper.pid, start=writers.start_time(sleeper.pid) + 3)
+        dirpath = tmp_path / "ckpts"
+        dirpath.mkdir()
+        dead = [f".tmp-{host}-{before_restart}-abcd1234-epoch=0-step=3.ckpt",
+                f".tmp-{host}-{other_boot}-abcd1234-epoch=0-step=4.ckpt",
+                f".tmp-{host}-{reused_pid}-abcd1234-epoch=0-step=5.ckpt",
+                f".tmp-{host}-{me}-abcd1234-epoch=0-step=7.ckpt"]  # an older version's name with this PID
+        for name in dead:
+            (dirpath / name).write_bytes(b"partial")
+        staging = dirpath / f".tmp-{host}-{before_restart}-abcd1234-epoch=0-step=6.ckpt"  # a staging folder
+        staging.mkdir()
+        (staging / "rank-0-of-2.pt").write_bytes(b"a shard")
+        dead.append(staging.name)
+        complete = dirpath / f".tmp-{host}-{before_restart}-abcd1234-epoch=0-step=8.ckpt"  # killed between renames
+        complete.mkdir()
+        (complete / "manifest.json").write_text("{}")
+        alive = [storage.temp_name("epoch=0-step=9.ckpt"),  # this process, saving now
+                 f".tmp-{host}-{live_other}-abcd1234-epoch=0-step=10.ckpt",  # another run, still saving
+                 f".tmp-{host}-{sleeper.pid}-abcd1234-epoch=0-step=11.ckpt",  # an older version's, still running
+                 f".tmp-{host}-1-{before_restart}-abcd1234-x.ckpt",  # host {host}-1's: left alone
+                 f".tmp-elsewhere-{before_restart}-abcd1234-x.ckpt"]  # another host's: left alone
+        for name in alive:
+            (dirpath / name).write_bytes(b"in progress")
+        with pytest.warns(UserWarning, match="already holds checkpoints of another run"):  # the one put in place
+            Trainer(max_steps=2, default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=str(dirpath))]
+                    ).fit(Regressor(), make_loader(32, 8))
+        left = sorted(p.name for p in dirpath.iterdir() if p.name.startswith("."))
+        assert left == sorted(alive), left
+        assert alive[0].startswith(f".tmp-{host}-{mine}-")  # this process names its writes by its instance
+        assert sorted(p.name for p in dirpath.iterdir() if not p.name.startswith(".")) == ["epoch=0-step=2.ckpt",
+                                                                                    "epoch=0-step=8.ckpt", "last.ckpt"]
+        assert (dirpath / "epoch=0-step=8.ckpt" / "manifest.json").is_file()  # put in place, not removed
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_launch_folder_of_a_dead_caller_with_this_process_pid_is_removed():
+    import tempfile
+
+    from xtrainer.checkpoint import writers
+    from xtrainer.strategies import launch
+
+    me, root = os.getpid(), tempfile.gettempdir()
+    dead = [os.path.join(root, f"{launch._LAUNCH_PREFIX}{instance_of(me, start=writers.start_time(me) - 5)}-a1b2c3"),
+            os.path.join(root, f"{launch._LAUNCH_PREFIX}{me}-d4e5f6")]  # an older version's name
+    live = os.path.join(root, f"{launch._LAUNCH_PREFIX}{writers.instance()}-g7h8i9")
+    try:
+        for folder in (*dead, live):
+            os.mkdir(folder)
+            open(os.path.join(folder, "result.pt"), "wb").close()
+        launch._remove_stale_launch_folders()
+        assert [os.path.exists(folder) for folder in dead] == [False, False] and os.path.isdir(live)
+    finally:
+        for folder in (*dead, live):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+PID_ONE_RUN = textwrap.dedent("""
+    import json, os, sys, time
+    import conftest
+    from xtrainer import Trainer
+    from xtrainer.callbacks import ModelCheckpoint
+    from xtrainer.checkpoint import storage
+
+    dirpath, mode = sys.argv[1:3]
+    print("pid", os.getpid(), flush=True)
+    if mode == "die":  # the write of step 4 stops midway, and the container is killed there
+        write = storage._HashingWriter.write
+        def stuck_write(self, data):
+            written = write(self, data)
+            if self.size > 64 and any("step=4" in name for name in os.listdir(dirpath) if name.startswith(".tmp-")):
+                print("writing", json.dumps(sorted(os.listdir(dirpath))), flush=True)
+                time.sleep(600)
+            return written
+        storage._HashingWriter.write = stuck_write
+    Trainer(strategy="native", max_steps=6 if mode == "die" else 2, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=os.path.dirname(dirpath),
+            callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)]
+            ).fit(conftest.Regressor(), conftest.make_loader(64, 8))
+    print("left", json.dumps(sorted(os.listdir(dirpath))), flush=True)
+""")
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def test_a_container_restarted_as_pid_1_removes_what_its_killed_predecessor_left(tmp_path):
+    import json
+    import signal
+
+    if shutil.which("unshare") is None or subprocess.run([*UNSHARE, "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --pid is not permitted here")
+    dirpath = tmp_path / "ckpts"
+    dirpath.mkdir()
+    run = [*UNSHARE, sys.executable, "-c", PID_ONE_RUN, str(dirpath)]
+    first = subprocess.Popen([*run, "die"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                             cwd=TESTS)
+    try:
+        assert first.stdout.readline().split() == ["pid", "1"]
+        line = first.stdout.readline()
+        assert line.startswith("writing"), line + first.stderr.read()[-3000:]
+        os.kill(first.pid, signal.SIGKILL)  # unshare, and with it the container's PID 1
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    time.sleep(0.5)
+    leftovers = [n for n in os.listdir(dirpath) if n.startswith(".tmp-") and n.endswith("epoch=0-step=4.ckpt")]
+    host = socket.gethostname()
+    assert len(leftovers) == 1 and leftovers[0].startswith(f".tmp-{host}-1"), os.listdir(dirpath)  # PID 1's
+    second = subprocess.run([*run, "restart"], capture_output=True, text=True, env=ENV, cwd=TESTS, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.splitlines()[0] == "pid 1"  # the same PID as the killed writer
+    left = json.loads(next(line for line in second.stdout.splitlines() if line.startswith("left"))[5:])
+    assert not [n for n in left if n.startswith(".tmp-")], left  # the killed write is gone
+    assert "epoch=0-step=2.ckpt" in left and load_checkpoint(str(dirpath / "epoch=0-step=2.ckpt"))
+    assert leftovers[0].startswith(f".tmp-{host}-1.")  # named by its instance: PID 1, started then

@@ -1,7 +1,8 @@
 """Files on disk: atomic writes, manifests and checksums, disk errors, leftovers.
 
-- **Atomic.** A file is written under a temporary name in its folder (``.tmp-<host>-<pid>-...``)
-  and renamed into place once flushed to disk; a sharded folder is staged the same way and
+- **Atomic.** A file is written under a temporary name in its folder
+  (``.tmp-<host>-<instance>-<tag>-<name>``, the writing process's instance: ``writers``) and
+  renamed into place once flushed to disk; a sharded folder is staged the same way and
   renamed when complete. A crash leaves the previous file or nothing, never a partial one.
 - **Verified.** A whole-file checkpoint is a zip archive (``torch.save``'s format) whose central
   directory lists every record with its size and CRC-32, written last: reading every record
@@ -12,7 +13,8 @@
 - **Clear errors.** A full disk, a quota or an unwritable folder is a ``CheckpointError`` that
   names the path (and, for a full disk, the bytes needed and free); files keep the user's umask.
 - **Tidy.** Leftovers of saves interrupted by a crash (temporary files and staging folders whose
-  process is gone) are removed when the next run starts saving in that folder.
+  process is gone) are removed when the next run starts saving in that folder; a process that
+  has the dead writer's PID (a restarted container's PID 1) is told from it by its start time.
 - **Object stores** (an fsspec URL: ``s3://``, ``gs://``, ``memory://``; see ``fs``): no rename
   exists, so files are written under their final name (an object appears whole when its upload
   completes) and a folder's ``manifest.json`` is still written last: a folder whose manifest is
@@ -28,6 +30,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import uuid
@@ -37,7 +40,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from xtrainer.checkpoint import background, fs
+from xtrainer.checkpoint import background, fs, writers
 from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointError
 
 LAST = "last.ckpt"
@@ -49,9 +52,10 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def temp_name(name: str) -> str:
-    """A temporary name for ``name``, unique to this host and process (so leftovers can be told
-    from another live run's temporary files)."""
-    return f"{TEMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}"
+    """A temporary name for ``name``, unique to this host and process instance (so leftovers can
+    be told from another live run's temporary files, also when a restarted process has the dead
+    one's PID): ``.tmp-<host>-<instance>-<tag>-<name>`` (``writers.instance``)."""
+    return f"{TEMP_PREFIX}{socket.gethostname()}-{writers.instance()}-{uuid.uuid4().hex[:8]}-{name}"
 
 
 @dataclass(frozen=True)
@@ -542,20 +546,19 @@ def publish(staging: str, path: str) -> None:
 
 def remove_leftovers(dirpath: str) -> list[str]:
     """Remove what interrupted saves left in ``dirpath``: temporary files and staging folders of
-    processes of this host that no longer run. Another host's (on shared storage) are left alone:
-    whether it still runs cannot be told from here. Returns the names removed. Nothing on an object
-    store, where nothing is written under a temporary name."""
+    process instances of this host that no longer run (``writers.alive``: a PID that runs again,
+    started at another time, is another process). Another host's (on shared storage) are left
+    alone: whether it still runs cannot be told from here. Returns the names removed. Nothing on
+    an object store, where nothing is written under a temporary name."""
     if fs.is_url(dirpath) or not os.path.isdir(dirpath):
         return []
     removed, host = [], socket.gethostname()
     for name in os.listdir(dirpath):
-        if not name.startswith(TEMP_PREFIX):
-            continue
-        pid = _pid_of(name, host)
-        if pid is None or _alive(pid):
+        parsed = _parse_temp(name, host)
+        if parsed is None or writers.alive(parsed[0]):
             continue
         path = os.path.join(dirpath, name)
-        final = os.path.join(dirpath, _final_name(name))
+        final = os.path.join(dirpath, parsed[1].removesuffix(".old"))
         try:
             if os.path.isfile(os.path.join(path, MANIFEST)) and not os.path.lexists(final) \
                     and not name.endswith(_DELETED):
@@ -569,29 +572,18 @@ def remove_leftovers(dirpath: str) -> list[str]:
     return removed
 
 
-def _final_name(name: str) -> str:
-    """The name a temporary ``.tmp-<host>-<pid>-<tag>-NAME[.old]`` stands for."""
-    rest = name[len(TEMP_PREFIX):].split("-", 3)
-    final = rest[3] if len(rest) == 4 else name
-    return final.removesuffix(".old")
+# after ``.tmp-<host>-``: the writer (an instance, or a bare PID in older names), the tag, the name
+_TEMP_REST = re.compile(r"^([0-9][0-9.a-fxr]*)-([0-9a-f]{8})-(.+)$")
 
 
-def _pid_of(name: str, host: str) -> int | None:
-    """The process id in a temporary name of this host, or None (another host's, or not ours)."""
+def _parse_temp(name: str, host: str) -> tuple[str, str] | None:
+    """``(writer, final name)`` of a temporary name written on ``host``, or None (another host's,
+    or not a temporary name). The tag's fixed form keeps a host whose name extends this one
+    (``node`` and ``node-1``) from being read as this host."""
     prefix = f"{TEMP_PREFIX}{host}-"
     if not name.startswith(prefix):
         return None
-    pid = name[len(prefix):].split("-", 1)[0]
-    return int(pid) if pid.isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    found = _TEMP_REST.match(name[len(prefix):])
+    if found is None or not writers.is_instance(found.group(1)):
+        return None
+    return found.group(1), found.group(3)

@@ -32,6 +32,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from xtrainer._lazy_xla import xla as _xla
+from xtrainer.checkpoint import writers
 from xtrainer.launch import interrupts
 from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE, RunHung
 from xtrainer.launch.interrupts import TrainingInterrupted
@@ -98,7 +99,7 @@ class _StartedReplicas(Launcher):
         self.check()
         rng_state = torch.get_rng_state()
         _remove_stale_launch_folders()
-        with tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_PREFIX}{os.getpid()}-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_PREFIX}{writers.instance()}-") as tmp:
             job = _ReplicaJob(fn, args, tmp, rng_state, type(self).ranks)
             try:
                 exitcode = self.start(job)
@@ -262,27 +263,18 @@ _LAUNCH_PREFIX = "xtrainer-launch-"
 
 def _remove_stale_launch_folders() -> None:
     """Remove the private folders of launches whose calling process is gone (killed before it
-    could clean up): they hold a copy of the fitted weights each."""
+    could clean up): they hold a copy of the fitted weights each. Named by the caller's process
+    instance (``writers``), so that a restarted container's PID 1 removes its predecessor's."""
     root = tempfile.gettempdir()
     try:
         names = os.listdir(root)
     except OSError:
         return
     for name in names:
-        pid = name[len(_LAUNCH_PREFIX):].split("-", 1)[0] if name.startswith(_LAUNCH_PREFIX) else ""
-        if not pid.isdigit() or _alive(int(pid)):
+        writer = name[len(_LAUNCH_PREFIX):].split("-", 1)[0] if name.startswith(_LAUNCH_PREFIX) else ""
+        if not writers.is_instance(writer) or writers.alive(writer):
             continue
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's: alive
-    return True
 
 
 class _ReplicaJob:
