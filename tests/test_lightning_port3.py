@@ -212,3 +212,111 @@ def test_lightnings_model_summary_class_with_example_input_sizes():
     deep = summarize(model, max_depth=-1)
     assert "encoder.0" in str(deep) and deep.layer_types[1] == "Linear"
     assert len(str(ModelSummary(model, max_depth=0)).splitlines()) == 6  # the totals alone
+
+
+# ---- Lightning's ParallelStrategy: the ImageNet template's batch size ------------------------
+
+class ImageNetLike(LightningModule):
+    """Lightning's ImageNet template: the batch size per process is the given one divided by
+    the processes (``ParallelStrategy.num_processes``), in ``setup``."""
+
+    def __init__(self, batch_size: int = 16, expect_processes: int = 1):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(8, 1)
+        self.batch_size = batch_size
+
+    def setup(self, stage):
+        from xtrainer.strategies import ParallelStrategy
+
+        if isinstance(self.trainer.strategy, ParallelStrategy):
+            num_processes = max(1, self.trainer.strategy.num_processes)
+            assert num_processes == self.hparams.expect_processes, num_processes
+            assert len(self.trainer.strategy.parallel_devices) == num_processes
+            self.batch_size = int(self.batch_size / num_processes)
+
+    def train_dataloader(self):
+        return DataLoader(make_data(64), batch_size=self.batch_size)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_multi_process_strategies_are_parallel_strategies():
+    from xtrainer.strategies import STRATEGIES, ParallelStrategy, Strategy
+
+    assert issubclass(ParallelStrategy, Strategy)
+    assert {name for name, cls in STRATEGIES.items() if issubclass(cls, ParallelStrategy)} == set(STRATEGIES) - {
+        "native"}
+
+
+@pytest.mark.parametrize("strategy", ["native", "xla_native"])
+def test_the_imagenet_templates_batch_size_at_one_device(tmp_path, strategy):
+    trainer = Trainer(strategy=strategy, max_epochs=1, **quiet(tmp_path))
+    trainer.fit(ImageNetLike())
+    assert trainer.global_step == 4  # 64 samples, batches of 16
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("strategy", ["native_ddp", "xla_ddp"])
+def test_the_imagenet_templates_batch_size_divided_by_the_processes(tmp_path, strategy):
+    trainer = Trainer(strategy=strategy, devices=2, max_epochs=1, **quiet(tmp_path))
+    trainer.fit(ImageNetLike(expect_processes=2))
+    assert trainer.global_step == 4  # each process: 32 samples in batches of 8
+
+
+# ---- export after fit ----------------------------------------------------------------------
+
+class Exported(LightningModule):
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.example_input_array = torch.randn(2, 8)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_to_torchscript_and_to_onnx_on_the_trained_module(tmp_path, strategy):
+    model = Exported()
+    trainer = Trainer(strategy=strategy, max_epochs=1, **quiet(tmp_path))
+    trainer.fit(model, DataLoader(make_data(16), batch_size=8))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        expected = model(x)
+    assert model.training  # as fit left it
+    scripted = model.to_torchscript(file_path=tmp_path / "model.pt")
+    assert model.training
+    assert torch.equal(scripted(x), expected)
+    assert torch.equal(torch.jit.load(str(tmp_path / "model.pt"))(x), expected)
+    traced = model.to_torchscript(method="trace")
+    assert torch.equal(traced(x), expected)
+    with pytest.raises(ValueError, match="'script' or 'trace'"):
+        model.to_torchscript(method="compile")
+
+    pytest.importorskip("onnx")
+    import onnx
+
+    model.to_onnx(tmp_path / "model.onnx", export_params=True)
+    graph = onnx.load(str(tmp_path / "model.onnx")).graph
+    assert [node.op_type for node in graph.node].count("Gemm") == 2 and model.training
+    del model.example_input_array
+    with pytest.raises(ValueError, match="needs an example input"):
+        model.to_onnx(tmp_path / "other.onnx")

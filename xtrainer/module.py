@@ -537,6 +537,73 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         clear_gradients(optimizer)  # optimizer.zero_grad(set_to_none=True), as the Trainer's own step clears them
 
+    # ---- export (the trained module, on the CPU after fit) --------------------------------------
+    #: An input of ``forward`` (a tensor, or a tuple or dict of its arguments): the model summary
+    #: shows each layer's sizes for it, and ``to_onnx`` and ``to_torchscript(method="trace")`` use
+    #: it when given none.
+    example_input_array = None
+
+    def _example_input(self, given: Any, method: str) -> Any:
+        example = self.example_input_array if given is None else given
+        if example is None:
+            raise ValueError(f"{type(self).__name__}.{method} needs an example input: pass one, or set "
+                             "self.example_input_array in __init__.")
+        return move_data_to_device(example, self.device)
+
+    @torch.no_grad()
+    def to_torchscript(self, file_path: str | os.PathLike | None = None, method: str = "script",
+                       example_inputs: Any = None, **kwargs: Any) -> Any:
+        """The module as TorchScript (Lightning's ``to_torchscript``), in eval mode; its mode is
+        restored after.
+
+        Args:
+            file_path: where to save it as well (``torch.jit.save``); None: not saved.
+            method: ``"script"`` (``torch.jit.script``) or ``"trace"`` (``torch.jit.trace`` over
+                ``example_inputs``, else ``example_input_array``).
+            example_inputs: the inputs to trace with.
+            **kwargs: passed to ``torch.jit.script`` or ``torch.jit.trace``.
+        """
+        if method not in ("script", "trace"):
+            raise ValueError(f"to_torchscript(method={method!r}): use 'script' or 'trace'.")
+        mode = self.training
+        try:
+            if method == "script":
+                exported = torch.jit.script(self.eval(), **kwargs)
+            else:
+                example = self._example_input(example_inputs, "to_torchscript(method='trace')")
+                exported = torch.jit.trace(self.eval(), example_inputs=example, **kwargs)
+        finally:
+            self.train(mode)
+        if file_path is not None:
+            torch.jit.save(exported, os.fspath(file_path))
+        return exported
+
+    def to_onnx(self, file_path: str | os.PathLike | Any = None, input_sample: Any = None, **kwargs: Any) -> Any:
+        """Export the module to ONNX (Lightning's ``to_onnx``, through ``torch.onnx.export``), in
+        eval mode; its mode is restored after. Needs the ``onnx`` package. Where ``onnxscript``
+        (what torch's default exporter needs) is not installed and ``dynamo`` is not given, torch's
+        TorchScript-based exporter (``dynamo=False``) runs.
+
+        Args:
+            file_path: the file (or file object) to write; None: what ``torch.onnx.export`` returns.
+            input_sample: the input to export with (default: ``example_input_array``).
+            **kwargs: passed to ``torch.onnx.export`` (``export_params``, ``dynamo``, ...).
+        """
+        import importlib.util
+
+        if importlib.util.find_spec("onnx") is None:
+            raise ModuleNotFoundError(f"{type(self).__name__}.to_onnx() needs the onnx package: pip install onnx.")
+        if "dynamo" not in kwargs and importlib.util.find_spec("onnxscript") is None:
+            kwargs["dynamo"] = False
+        sample = self._example_input(input_sample, "to_onnx()")
+        if isinstance(file_path, os.PathLike):
+            file_path = os.fspath(file_path)
+        mode = self.training
+        try:
+            return torch.onnx.export(self.eval(), sample, file_path, **kwargs)
+        finally:
+            self.train(mode)
+
     # ---- setup and teardown ---------------------------------------------------------------------
     def prepare_data(self) -> None:
         """Download or write data once per host, in the calling process, before any replica starts."""
@@ -594,3 +661,11 @@ MODULE_HOOKS = frozenset(name for name, value in vars(XModule).items()
                          if name.startswith("on_") and callable(value) and "_model_" not in name)
 #: The evaluation loops' model-mode hooks: the module's alone (Lightning has no callback hooks of these names).
 MODEL_MODE_HOOKS = frozenset(name for name in vars(XModule) if name.startswith("on_") and "_model_" in name)
+
+
+#: Properties and attributes TorchScript leaves out when it scripts a module (``to_torchscript``):
+#: the Trainer's and the hyperparameters', which a scripted module has no use for.
+XModule.__jit_unused_properties__ = sorted(
+    {name for klass in XModule.__mro__ for name, value in vars(klass).items() if isinstance(value, property)})
+XModule.__jit_ignored_attributes__ = ["_trainer", "_hparams", "_hparams_initial", "_hparams_name",
+                                      "_log_hyperparams", "_automatic_optimization", "example_input_array"]

@@ -7,10 +7,10 @@ from typing import Callable
 import torch
 
 from xtrainer._lazy_xla import xla as _xla
-from xtrainer.strategies.base import Strategy
+from xtrainer.strategies.parallel import ParallelStrategy
 
 
-class XlaNative(Strategy):
+class XlaNative(ParallelStrategy):
     """The module is not wrapped; ``xm.optimizer_step`` all-reduces the gradients and steps.
 
     With ``Trainer(devices=N)``, N > 1, the replicas are started by ``torch_xla.launch`` (one
