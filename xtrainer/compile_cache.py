@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint import fs
+from xtrainer.strategies import shared_process
 
 if TYPE_CHECKING:
     from xtrainer.trainer import Trainer
@@ -122,7 +123,7 @@ def activate(trainer: "Trainer") -> None:
                                                    "executables)" if default_cpu else ""))
             return
         # One process for the host's devices: an SPMD program, or replicas that share the process.
-        shared = _xla.is_spmd() or trainer.strategy.replicas_in_this_process() > 1
+        shared = _xla.is_spmd() or shared_process.current().replicas() > 1
         path = process_folder(root, 2 if shared else 1, 0 if shared else _xla.global_rank(), _xla.process_index())
         current = _xla.compilation_cache_path()
         if _xla.compilation_cache_started():

@@ -171,9 +171,8 @@ class Trainer:
         self.use_distributed_sampler = settings.use_distributed_sampler
         self.num_nodes = settings.num_nodes
         self.strategy = resolve_strategy(strategy, settings.accelerator, settings.devices)
-        self.strategy.check_accelerator(settings.accelerator, settings.num_nodes)
         self.precision = Precision(settings.precision)
-        self.strategy.connect(self.strategy.resolve_devices(settings.devices), self.precision)
+        self.strategy.configure(settings.accelerator, settings.devices, settings.num_nodes, self.precision)
         self.settings = settings
         self.max_epochs, self.max_steps = settings.max_epochs, settings.max_steps
         self.limits = {"train": settings.limit_train_batches, "validate": settings.limit_val_batches,

@@ -89,7 +89,7 @@ class Tuner:
                 tuning.fit(model, train_dataloaders, val_dataloaders, datamodule=datamodule)
         finally:
             saved.restore(model)
-            strategy.connect(strategy_devices, strategy_precision)  # the strategy is the user's Trainer's again
+            strategy.devices, strategy.precision = strategy_devices, strategy_precision  # the user's Trainer's again
             shutil.rmtree(root, ignore_errors=True)
 
         finder = _LRFinder(mode, min_lr, max_lr, num_training)

@@ -12,6 +12,7 @@ from xtrainer import compile_cache, flops
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks.base import Callback
 from xtrainer.loop.results import batch_size
+from xtrainer.strategies import shared_process
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -362,7 +363,7 @@ def replicas_in_process(trainer: "Trainer") -> int:
     """How many replicas this process runs, whose work torch_xla's process-wide counters add up:
     every replica where they are threads of one process (the CPU runtime with ``devices=N``), else
     1 (one process per replica, or one SPMD program)."""
-    return trainer.strategy.replicas_in_this_process()
+    return shared_process.current().replicas()
 
 
 def summary_line(totals: dict[str, Any]) -> str:

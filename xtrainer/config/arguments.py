@@ -29,7 +29,7 @@ def resolve(values: dict[str, Any], callbacks: Any, logger: Any, plugins: Any, m
     if plugins is not None:
         raise ValueError("plugins=...: Lightning's plugins (precision, environment, checkpoint IO) have no "
                          "counterpart here; precision= and the strategy's arguments cover what XLA needs.")
-    settings = TrainerSettings(**values).check()  # the strategy checks the accelerator (check_accelerator)
+    settings = TrainerSettings(**values).check()  # the strategy checks the accelerator (Strategy.configure)
     callbacks = as_list(callbacks)
     if settings.barebones:  # Lightning's meaning: nothing that costs time beyond the loop itself
         settings.enable_progress_bar = settings.enable_model_summary = settings.enable_checkpointing = False

@@ -222,11 +222,18 @@ class EagerRuntime(Runtime):
 
     # ---- random numbers ----------------------------------------------------------------------------
     def rng_state(self) -> Any:
+        """The device generator's state. Read through torch (``torch.utils.checkpoint``'s
+        ``get_device_states``), not the device module: TorchTPU refuses its RNG getters called
+        from outside PyTorch (torch >= 2.13). An empty tensor names the device; no sync."""
         if self.type == "cpu":
             return torch.get_rng_state()
-        return torch.get_device_module(self.type).get_rng_state(self.device)
+        from torch.utils.checkpoint import get_device_states
+
+        return get_device_states(torch.empty(0, device=self.device))[1][0]
 
     def set_rng_state(self, state: Any) -> None:
+        """An int seeds the device's generator; a state from ``rng_state`` is set back through
+        torch (``set_device_states``), as it was read."""
         if isinstance(state, int):
             if self.type == "cpu":
                 torch.manual_seed(state)
@@ -235,7 +242,9 @@ class EagerRuntime(Runtime):
         elif self.type == "cpu":
             torch.set_rng_state(state)
         else:
-            torch.get_device_module(self.type).set_rng_state(state, self.device)
+            from torch.utils.checkpoint import set_device_states
+
+            set_device_states([self.device.index or 0], [state], device_type=self.type)
 
     def seed_replica(self, seed: int, rank: int, in_caller: bool) -> None:
         """On the CPU the device's generator is the host's, which the calling process has drawn

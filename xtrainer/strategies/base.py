@@ -61,7 +61,8 @@ class Strategy(abc.ABC):
     name: ClassVar[str]
 
     # What the strategy does, for code outside ``strategies/`` that must know (never its name):
-    #: Parameters are split over the replicas (each holds a shard of each), FSDP's way.
+    #: Parameters are split over the replicas (each holds a shard of each, FSDP's way), not each a
+    #: whole copy: the model summary counts the shards whole and adds each replica's share.
     shards_parameters: ClassVar[bool] = False
     #: Parameters are flattened into shards that keep no per-layer tensors (torch_xla's FSDP):
     #: an optimizer or a callback cannot address a layer's parameters on their own.
@@ -69,9 +70,6 @@ class Strategy(abc.ABC):
     #: Gradients are reduced only for the parameters that needed them when the module was
     #: wrapped (DDP's reducer): a layer unfrozen later would train apart on each replica.
     reduces_wrapped_trainable_only: ClassVar[bool] = False
-    #: Whether the replicas hold shards of the parameters (FSDP), not each a whole copy: the
-    #: model summary then counts the shards whole and adds each replica's share.
-    shards_parameters: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.devices: int | None = 1
@@ -87,20 +85,20 @@ class Strategy(abc.ABC):
         return XlaRuntime()
 
     # ---- configuration (calling process, before launch) --------------------------------
-    def connect(self, devices: int | None, precision: Precision) -> None:
-        """Receive the Trainer's ``devices`` (None: every local device) and precision."""
-        self.devices = devices
+    def configure(self, accelerator: str, devices: int | str, num_nodes: int, precision: Precision) -> None:
+        """Take the Trainer's settings (calling process, before launch): refuse an
+        ``accelerator`` (or ``num_nodes``) this strategy cannot run on, and keep ``devices`` as a
+        count (None: every local device) and the precision."""
+        self._check_accelerator(accelerator, num_nodes)
+        self.devices = self._resolve_devices(devices)
         self.precision = precision
 
-    def check_accelerator(self, accelerator: str, num_nodes: int) -> None:
-        """Refuse an ``accelerator`` (or ``num_nodes``) this strategy cannot run on (calling
-        process, before launch)."""
+    def _check_accelerator(self, accelerator: str, num_nodes: int) -> None:
         from xtrainer.config import arguments
 
         arguments.check_accelerator(accelerator, num_nodes)
 
-    def resolve_devices(self, devices: int | str) -> int | None:
-        """The Trainer's ``devices`` as a count (None: every local device)."""
+    def _resolve_devices(self, devices: int | str) -> int | None:
         from xtrainer.config import arguments
 
         return arguments.resolve_devices(devices)
@@ -148,13 +146,6 @@ class Strategy(abc.ABC):
     def node_rank(self) -> int:
         """This replica's host among all of them (0 before ``setup_environment()``)."""
         return self.collectives.node_rank
-
-    def replicas_in_this_process(self) -> int:
-        """How many replicas this process runs, sharing its counters, caches and CPU random
-        generator: 1, unless the runtime that started them runs several as threads of one process
-        (``strategies.shared_process``). Known from the replica's start, before
-        ``setup_environment()``."""
-        return shared_process.current().replicas()
 
     # ---- the module and the optimizers -------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -55,7 +55,6 @@ class XlaFSDP(ParallelStrategy):
     name = "xla_fsdp"
     shards_parameters = True
     flattens_parameters = True
-    shards_parameters = True
 
     def __init__(self, reshard_after_forward: bool = True, auto_wrap_policy: Any = None,
                  activation_checkpointing: bool = False, reduce_every_micro_batch: bool = False,

@@ -237,7 +237,6 @@ class XlaFSDPv2(XlaSPMD):
 
     name = "xla_fsdpv2"
     shards_parameters = True
-    shards_parameters = True
     _default_axes = ("fsdp",)
 
     def __init__(self, auto_wrap_policy: Any = None, activation_checkpointing: bool = False,

@@ -304,16 +304,16 @@ class NativeSingle(Strategy):
         self.collectives = ProcessGroup(torch.device("cpu"))
 
     def _make_runtime(self) -> EagerRuntime:
-        return EagerRuntime("cpu")  # until check_accelerator() names the device
+        return EagerRuntime("cpu")  # until configure() names the device
 
     # ---- configuration --------------------------------------------------------------------
-    def check_accelerator(self, accelerator: str, num_nodes: int) -> None:
+    def _check_accelerator(self, accelerator: str, num_nodes: int) -> None:
         self.accelerator = str(accelerator).lower()
         self.runtime = EagerRuntime.for_accelerator(self.accelerator)  # refuses what this host cannot run
         self.runtime.compiling = self.compile
         del num_nodes  # torchrun's --nnodes decides; the processes agree over the process group
 
-    def resolve_devices(self, devices: int | str) -> int | None:
+    def _resolve_devices(self, devices: int | str) -> int | None:
         if under_torchrun():
             if int(os.environ["WORLD_SIZE"]) > 1 and not self.multi_process:
                 raise ValueError(f"strategy={self.name!r} runs on one device, but torchrun started "
@@ -376,12 +376,6 @@ class NativeSingle(Strategy):
 
     def _wrap(self, module: nn.Module) -> nn.Module:
         return module
-
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        if self.module_backward is not None:
-            self.module_backward(loss, *args, **kwargs)
-        else:
-            loss.backward(*args, **kwargs)
 
     def clip_gradients(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, value: float,
                        algorithm: str) -> None:
@@ -483,7 +477,6 @@ class NativeFSDP(NativeSingle, ParallelStrategy):
 
     name = "native_fsdp"
     multi_process = True
-    shards_parameters = True
     shards_parameters = True
 
     def __init__(self, auto_wrap_policy: Any = None, activation_checkpointing: bool = False,
