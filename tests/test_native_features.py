@@ -355,17 +355,18 @@ def test_more_processes_than_the_hosts_devices_are_refused_with_what_to_do(monke
     """devices=3 on a host with two devices of the kind (or torchrun starting three there) is
     refused before any process starts. The device count is the one thing mocked: this host has
     no accelerator."""
-    from xtrainer.strategies import torch_devices, torch_native
+    from xtrainer.runtimes import EagerRuntime
+    from xtrainer.strategies import torch_native
 
-    monkeypatch.setattr(torch_devices, "local_count", lambda kind: 2)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     strategy = torch_native.NativeDDP()
-    strategy._kind = "cuda"
-    assert strategy.resolve_devices(2) == 2
-    assert strategy.resolve_devices("auto") == 2
+    strategy.runtime = EagerRuntime("cuda")
+    monkeypatch.setattr(strategy.runtime, "local_device_count", lambda: 2)
+    assert strategy._resolve_devices(2) == 2
+    assert strategy._resolve_devices("auto") == 2
     with pytest.raises(ValueError, match=r"devices=3, but this host has 2 cuda device\(s\): start 2 or fewer"):
-        strategy.resolve_devices(3)
+        strategy._resolve_devices(3)
     monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -373,9 +374,9 @@ def test_more_processes_than_the_hosts_devices_are_refused_with_what_to_do(monke
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     with pytest.raises(ValueError, match="torchrun started 3 processes on this host, but this host has 2 cuda"):
-        strategy.resolve_devices("auto")
-    strategy._kind = "cpu"
-    assert strategy.resolve_devices("auto") == 6
+        strategy._resolve_devices("auto")
+    strategy.runtime = EagerRuntime("cpu")
+    assert strategy._resolve_devices("auto") == 6
 
 
 @pytest.mark.multi_device
