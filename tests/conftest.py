@@ -32,6 +32,19 @@ def subprocess_timeout(seconds: float) -> float:
     return seconds * TIMEOUT_SCALE
 
 
+def torchrun(*args: str) -> list[str]:
+    """The command ``python -m torch.distributed.run *args``, on a free port: a single host's
+    rendezvous (no ``--rdzv-endpoint`` given) gets ``--master-port``, never torch's default 29500,
+    which another program on a busy machine may hold."""
+    import sys
+
+    from xtrainer.strategies.process import free_port
+
+    given = any(a.startswith(("--rdzv-endpoint", "--rdzv_endpoint", "--master-port", "--master_port")) for a in args)
+    port = [] if given else [f"--master-port={free_port()}"]
+    return [sys.executable, "-m", "torch.distributed.run", *port, *args]
+
+
 def make_data(n: int = 64, seed: int = 0, features: int = 8) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=g)

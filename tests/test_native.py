@@ -24,7 +24,9 @@ import warnings
 import pytest
 import torch
 
+import conftest
 import native_run
+from conftest import subprocess_timeout
 from xtrainer import Trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,7 +43,7 @@ def _env() -> dict[str, str]:
 def _script(*args: str, timeout: float = 240, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in {**_env(), **(env or {})}.items() if v is not None}  # None: unset
     return subprocess.run([sys.executable, os.path.join(HERE, "native_run.py"), *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=subprocess_timeout(timeout))
 
 
 def _paused_run(tmp_path, common: list[str], wait_for: str = "ready", pause: str = "0.2"
@@ -54,7 +56,7 @@ def _paused_run(tmp_path, common: list[str], wait_for: str = "ready", pause: str
                                 "--ready", str(tmp_path / "ready")],
                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     marker = tmp_path / wait_for
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + subprocess_timeout(180)
     while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), process.communicate()[1][-3000:]
@@ -184,7 +186,7 @@ def test_sigterm_stops_both_processes_at_one_step_and_the_run_resumes_bitwise(tm
     assert reference.returncode == 0, reference.stderr[-3000:]
     process, _ = _paused_run(tmp_path, common)
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=120)
+    _, err = process.communicate(timeout=subprocess_timeout(120))
     assert process.returncode == 143, err[-3000:]
     root = tmp_path / "run"
     stopped = {open(p).read() for p in glob.glob(str(root / "rank-*.step"))}
@@ -195,11 +197,10 @@ def test_sigterm_stops_both_processes_at_one_step_and_the_run_resumes_bitwise(tm
 
 @pytest.mark.multi_device
 def test_torchrun_runs_each_replica_in_place(tmp_path, one_process):
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                          os.path.join(HERE, "native_run.py"), "--strategy", "native_fsdp", "--devices", "1",
-                          "--steps", str(STEPS), "--root", str(tmp_path), "--out", str(tmp_path / "out.pt"),
-                          "--layers", "--after-fit"],
-                         env=_env(), capture_output=True, text=True, timeout=240)
+    run = subprocess.run(_torchrun("--nproc_per_node=2", os.path.join(HERE, "native_run.py"), "--strategy",
+                                   "native_fsdp", "--devices", "1", "--steps", str(STEPS), "--root", str(tmp_path),
+                                   "--out", str(tmp_path / "out.pt"), "--layers", "--after-fit"),
+                         env=_env(), capture_output=True, text=True, timeout=subprocess_timeout(240))
     assert run.returncode == 0, run.stderr[-3000:]
     out = torch.load(tmp_path / "out.pt")
     assert out["world_size"] == 2 and out["global_step"] == STEPS
@@ -222,7 +223,7 @@ def test_torchrun_runs_each_replica_in_place(tmp_path, one_process):
 
 
 def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *args]
+    return conftest.torchrun(*args)  # on a free port, never the default 29500
 
 
 def test_free_ports_are_drawn_below_the_kernels_ephemeral_range_and_bind():
@@ -255,7 +256,7 @@ def test_two_torchrun_nodes_on_one_rendezvous_make_one_run(tmp_path, one_process
                                         f"--rdzv-endpoint={endpoint}", "--rdzv-id=native-test", *script),
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
-    errs = [node.communicate(timeout=240)[1] for node in nodes]
+    errs = [node.communicate(timeout=subprocess_timeout(240))[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], (errs[0][-3000:], errs[1][-3000:])
     out = torch.load(tmp_path / "out.pt")
     assert out["world_size"] == 2 and out["global_step"] == STEPS
@@ -279,13 +280,13 @@ def test_torchrun_restarts_after_a_killed_worker_and_resumes_bitwise(tmp_path):
                                      "--root", str(tmp_path / "run"), "--out", str(tmp_path / "out.pt"),
                                      "--ckpt", "last", "--pause", "0.2", "--ready", str(ready)),
                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + subprocess_timeout(180)
     while not os.path.exists(f"{ready}-1") and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert os.path.exists(f"{ready}-1"), job.communicate()[1][-3000:]
     time.sleep(0.5)  # a step or two later: mid-epoch, after the checkpoint of step 2
     os.kill(int(open(f"{ready}-1").read()), signal.SIGKILL)
-    out, err = job.communicate(timeout=300)
+    out, err = job.communicate(timeout=subprocess_timeout(300))
     assert job.returncode == 0, err[-12000:]
     assert "resuming from" in out + err  # the restarted group resumed from a checkpoint
     a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
@@ -327,7 +328,7 @@ def test_the_examples_run_under_native_ddp_on_two_processes_from_the_cli(tmp_pat
     run = subprocess.run([exe, "fit", "--config", f"examples/{example}.yaml", "trainer.strategy=native_ddp",
                           "trainer.devices=2", "trainer.max_steps=2", "trainer.limit_val_batches=1",
                           f"trainer.default_root_dir={tmp_path}"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=subprocess_timeout(400))
     assert run.returncode == 0, run.stderr[-3000:]
     header = verify(os.path.join(tmp_path, "version_0", "checkpoints", "last.ckpt"))
     assert (header.strategy, header.world_size, header.global_step) == ("native_ddp", 2, 2)
@@ -508,7 +509,7 @@ def test_a_process_of_devices_2_that_dies_importing_the_script_ends_the_fit_with
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     run = subprocess.run([sys.executable, str(script)], env={**_env(), "TMPDIR": str(temporary)},
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=subprocess_timeout(120))
     assert run.returncode != 0
     assert "the replica cannot import this script" in run.stderr
     assert "The replicas' process ended with exit code 1" in run.stderr

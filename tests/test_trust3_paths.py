@@ -4,8 +4,10 @@ startup after an ``exec``, and torchrun tests that never need the default port."
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import Regressor, make_loader, subprocess_timeout
+from conftest import Regressor, make_loader, subprocess_timeout, torchrun
 from xtrainer import Trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -124,3 +126,144 @@ def test_file_urls_are_local_paths():
     assert fs.local("FILE://localhost/data/runs") == "/data/runs"
     assert fs.local("file://runs") == "runs"
     assert fs.local("s3://bucket/runs") == "s3://bucket/runs" and fs.local("/data") == "/data"
+
+
+_TORCHRUN_CONFIG = """
+seed: 3
+model:
+  _target_: conftest.Regressor
+data:
+  _target_: conftest.RegressionData
+  batch_size: 8
+trainer:
+  strategy: native_ddp
+  max_epochs: 2
+  enable_progress_bar: false
+  logger: false
+  callbacks:
+    - _target_: kill_once.KillRankOneOnce
+"""
+
+_KILL_ONCE = textwrap.dedent("""
+    import os
+    import signal
+
+    from xtrainer.callbacks import Callback
+
+    class KillRankOneOnce(Callback):
+        \"\"\"Rank 1 of torchrun's first attempt dies (SIGKILL) in the second epoch, after the first
+        epoch's checkpoint, when KILL_ONCE is set.\"\"\"
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if (os.environ.get("KILL_ONCE") and os.environ.get("RANK") == "1" and trainer.current_epoch == 1
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+                os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@contextlib.contextmanager
+def _holding_port(port: int):
+    """Hold ``port`` (listening, as another program's server would) while inside; where it is
+    already held, it stays held by its owner."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+            sock.listen()
+        except OSError:
+            pass  # held already: all the better for the test
+        yield
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("restart", [False, True], ids=["one-attempt", "a-worker-killed-and-restarted"])
+def test_xtrainer_fit_under_torchrun_makes_one_run_folder_and_one_summary(tmp_path, restart):
+    """``torchrun --nproc-per-node 2 -m xtrainer fit``: only rank 0 claims a run folder (with its
+    config.yaml) and prints the values at the end; the other rank learns rank 0's folder and
+    leaves none of its own (it left a ``version_N`` with a ``config.yaml`` per rank and restart).
+    With a worker killed and the group restarted (``--max-restarts``), each attempt is one run:
+    one folder each, and one summary from the attempt that finished. Torch's default port 29500
+    is held meanwhile: the launch must not need it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "kill_once.py").write_text(_KILL_ONCE)
+    (work / "run.yaml").write_text(_TORCHRUN_CONFIG + f"  default_root_dir: {tmp_path / 'runs'}\n")
+    restarts = ["--max-restarts=1", "--monitor-interval=0.2"] if restart else []
+    env = _env(**({"KILL_ONCE": "1"} if restart else {}))
+    env["PYTHONPATH"] = os.pathsep.join([str(work), env["PYTHONPATH"]])
+    with _holding_port(29500):
+        done = subprocess.run(torchrun("--nproc-per-node=2", *restarts, "-m", "xtrainer", "fit", "--config",
+                                       str(work / "run.yaml"), *(["ckpt_path=last"] if restart else [])),
+                              cwd=work, env=env, capture_output=True, text=True, timeout=subprocess_timeout(300))
+    assert done.returncode == 0, done.stderr[-5000:]
+    folders = sorted(os.listdir(tmp_path / "runs"))
+    attempts = 2 if restart else 1
+    assert [f for f in folders if f.startswith("version_")] == [f"version_{i}" for i in range(attempts)], folders
+    for folder in range(attempts):
+        assert os.path.isfile(tmp_path / "runs" / f"version_{folder}" / "config.yaml")
+    assert done.stdout.count("run folder") == attempts, done.stdout
+    assert done.stdout.count("  train_loss_epoch:") == 1, done.stdout  # the end-of-fit summary, once
+    if restart:
+        assert "resuming from" in done.stdout  # the second attempt continued from the first's checkpoint
+
+
+_GOODPUT_FIT = textwrap.dedent("""
+    import time
+    python_ran_at = time.time()  # this script's first line
+    import json
+    from conftest import Regressor, make_loader
+    from xtrainer import Trainer
+    from xtrainer.goodput import Goodput
+
+    goodput = Goodput(summary=False)
+    trainer = Trainer(strategy="native", max_steps=2, default_root_dir="runs", enable_progress_bar=False,
+                      logger=False, enable_checkpointing=False, callbacks=[goodput])
+    trainer.fit(Regressor(), make_loader())
+    print(json.dumps({"python_ran_at": python_ran_at, "started_at": goodput.record["process_started_at"],
+                      "startup": goodput.record["seconds"]["startup"]}))
+""")
+
+
+def _dev_function(name: str) -> str:
+    """The shell function ``name`` as ``./dev`` defines it."""
+    lines = open(os.path.join(REPO, "dev")).read().splitlines()
+    start = lines.index(f"{name}() {{")
+    return "\n".join(lines[start:lines.index("}", start) + 1])
+
+
+@pytest.mark.parametrize("stamped", [True, False], ids=["through-dev's-exec", "a-bare-exec"])
+def test_goodput_startup_counts_from_pythons_start_after_a_shell_execs_it(tmp_path, stamped):
+    """A shell that works for 3 s (``./dev``'s first install took 123 s) and then ``exec``s Python:
+    the pid, and its start time, are the shell's. Through ``./dev``'s own ``run_python`` the
+    startup counts from the exec, after the 3 s; a bare exec says nothing of when it happened,
+    and its startup still holds the shell's 3 s (what the ``./dev example`` line was wrong about)."""
+    import json
+
+    (tmp_path / "fit.py").write_text(_GOODPUT_FIT)
+    run = "run_python" if stamped else "exec"
+    script = (f"{_dev_function('run_python')}\ndate +%s.%N > shell_started\nsleep 3\n"
+              f"{run} {sys.executable} fit.py\n")
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=_env(PJRT_DEVICE="CPU"), capture_output=True,
+                          text=True, timeout=subprocess_timeout(240))
+    assert done.returncode == 0, done.stderr[-3000:]
+    shell_started = float((tmp_path / "shell_started").read_text())
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    python_took = got["startup"] - (got["python_ran_at"] - got["started_at"])  # from the script's first line
+    if stamped:  # from the exec: after the shell's 3 s, before the script's first line
+        assert shell_started + 3 <= got["started_at"] <= got["python_ran_at"], got
+        assert got["python_ran_at"] - got["started_at"] < 3, got  # the interpreter's own start only
+    else:  # the shell's start (whole seconds of boot time in /proc: within a second)
+        assert got["started_at"] < shell_started + 1.5 and got["startup"] >= 2.5 + python_took, got
+
+
+def test_a_started_at_inherited_from_another_process_is_not_taken(tmp_path):
+    """``XTRAINER_STARTED_AT`` is taken out of the environment once read, and one set before this
+    process started (inherited from a parent that never read it) is ignored."""
+    import time
+
+    code = ("import os, time, xtrainer.goodput as g; print(g.process_started_at() < time.time() - 4, "
+            "g.STARTED_AT_VARIABLE in os.environ)")
+    stale = str(time.time() - 30)  # set long before the child starts
+    done = subprocess.run([sys.executable, "-c", code], env=_env(XTRAINER_STARTED_AT=stale), capture_output=True,
+                          text=True, timeout=subprocess_timeout(120))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "False"]

@@ -5,7 +5,11 @@ the host clock, to one of:
 
 - ``startup``: from the start of the process (the one ``xtrainer fit`` or the script runs in; a
   restart loop starts a new one each time) to the end of the first training step: imports, the
-  runtime, restoring the checkpoint, the sanity check and the first compilations;
+  runtime, restoring the checkpoint, the sanity check and the first compilations. Python started
+  by a shell's ``exec`` keeps the shell's process, and its start (the kernel keeps no time of an
+  ``exec``): where ``XTRAINER_STARTED_AT`` (wall-clock seconds) was set just before the ``exec``,
+  as ``./dev`` sets it, startup counts from there, and what the shell did before (``./dev``'s
+  first install) is not counted;
 - ``compiling``: XLA compilations after that (torch_xla's ``CompileTime``, per replica);
 - ``data``: waiting for the next batch (from the end of one batch's hooks to the start of the
   next, less what validation and checkpoints took in between);
@@ -44,13 +48,29 @@ if TYPE_CHECKING:
 FILE = "goodput.json"
 BUCKETS = ("startup", "compiling", "data", "checkpointing", "validating", "training")
 _IMPORTED_AT = time.time()
+#: Wall-clock seconds set just before a shell's ``exec`` of Python (``./dev`` sets it): when
+#: Python started, which the pid's start time (the shell's) does not say. Read once, and
+#: taken out of the environment, so that processes this one starts never take it for their own.
+STARTED_AT_VARIABLE = "XTRAINER_STARTED_AT"
+_EXEC_STAMP = os.environ.pop(STARTED_AT_VARIABLE, None)
 #: When the last fit of this process ended: a second fit's startup counts from there.
 _last_fit_ended_at = 0.0
 
 
 def process_started_at() -> float:
-    """This process's start, as wall-clock seconds (Linux: ``/proc``; elsewhere the time xtrainer
-    was imported, a little later)."""
+    """This process's start, as wall-clock seconds: the ``XTRAINER_STARTED_AT`` set before the
+    ``exec`` that started Python (module docstring), else the pid's start (Linux: ``/proc``;
+    elsewhere the time xtrainer was imported, a little later)."""
+    pid_started = _pid_started_at()
+    try:
+        stamp = float((_EXEC_STAMP or "").replace(",", "."))  # bash's EPOCHREALTIME has the locale's decimal point
+    except ValueError:
+        return pid_started
+    # Set in this process (after its pid started: /proc's boot time is whole seconds) and not in the future.
+    return stamp if pid_started - 1.0 <= stamp <= time.time() else pid_started
+
+
+def _pid_started_at() -> float:
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()

@@ -54,16 +54,25 @@ def run_stage(stage: str, config: "RunConfig") -> tuple[Any, Any]:
     # The saved configuration names the checkpoint actually used (not "last"), so running it
     # again starts from the same state.
     config.ckpt_path = _resolve_checkpoint(trainer, stage, run.ckpt_path)
-    path = cfg_io.save_config(config, trainer.log_dir)
-    print(f"xtrainer {stage}: run folder {trainer.log_dir} (configuration: {path})", flush=True)
+    path = None
+    if claims_run_folder():  # one run folder, one config.yaml (torchrun's other ranks learn rank 0's)
+        path = cfg_io.save_config(config, trainer.log_dir)
+        print(f"xtrainer {stage}: run folder {trainer.log_dir} (configuration: {path})", flush=True)
     try:
         if stage == "fit":
             return trainer, trainer.fit(model, loaders["train"], loaders.get("val"), ckpt_path=run.ckpt_path)
         method = {"validate": trainer.validate, "test": trainer.test, "predict": trainer.predict}[stage]
         return trainer, method(model, loaders[_LOADER[stage]], ckpt_path=run.ckpt_path)
     except BaseException:
-        _remove_unused_run_folder(trainer.log_dir, path)
+        if path is not None:
+            _remove_unused_run_folder(trainer.log_dir, path)
         raise
+
+
+def claims_run_folder() -> bool:
+    from xtrainer.launch.stages import claims_run_folder
+
+    return claims_run_folder()
 
 
 def _has_step(model: Any, step: str) -> bool:
@@ -166,6 +175,8 @@ def _stage_command(args: argparse.Namespace) -> int:
 
     config = cfg_io.load(args.items)
     trainer, result = run_stage(args.command, config)
+    if not claims_run_folder():
+        return 0  # rank 0 of the processes torchrun started prints the run's values, and writes its predictions
     if args.command == "fit":
         for name, value in sorted(trainer.callback_metrics.items()):
             print(f"  {name}: {value:.6g}")

@@ -7,6 +7,7 @@ What each replica then does is ``loop/replica.py``."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,7 +74,9 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
     other processes, rank 0's weights, loop state, metrics and callback states come home."""
     resolved = trainer._resolve_ckpt_path(ckpt_path, stage)
     trainer.ckpt_path = resolved
-    trainer.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
+    claims = claims_run_folder()
+    if claims:
+        trainer.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
     # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the
     # epoch) and each replica's XLA random generator (with its rank).
     trainer.loop.seed = torch.initial_seed() % 2**31
@@ -85,7 +88,8 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
     except BaseException as err:
         # (where the replicas ran in other processes, the caller's Trainer learns it here)
         trainer.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
-        remove_if_empty(trainer.log_dir)  # a run that failed before writing anything leaves no folder
+        if claims:
+            remove_if_empty(trainer.log_dir)  # a run that failed before writing anything leaves no folder
         raise
     if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
         model.load_state_dict(result["state_dict"])
@@ -97,6 +101,18 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
         for cb in trainer.callbacks:
             cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
     return result["outputs"]
+
+
+def claims_run_folder() -> bool:
+    """Whether this calling process claims the run folder (and writes what the ``xtrainer``
+    command writes and prints there): every one but a process of rank other than 0 that torchrun
+    (or a launcher setting its variables: ``RANK``, ``WORLD_SIZE``...) started. Such a process
+    learns rank 0's folder when its replica starts (``loop/replica.py``) and claims nothing, so
+    that a run, and each of torchrun's restarts, makes one folder."""
+    from xtrainer.strategies.torch_native import in_process_group_env
+
+    rank = os.environ.get("RANK", "0")
+    return not (in_process_group_env() and rank.isdigit() and int(rank) != 0)
 
 
 def planned_world_size(trainer: Trainer) -> int:

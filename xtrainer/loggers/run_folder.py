@@ -106,6 +106,14 @@ def run_folder_root(loggers: Iterable[Logger], default_root_dir: str) -> str:
     return root or default_root_dir
 
 
+def planned_run_folder(loggers: Iterable[Logger], default_root_dir: str) -> str:
+    """The folder ``claim_run_folder`` would claim now, without creating anything (another run
+    may claim it first)."""
+    root = run_folder_root(loggers, default_root_dir)
+    folder = next((logger.version_dir for logger in loggers if isinstance(logger, FolderLogger)), None)
+    return folder or os.path.join(root, f"{_VERSION_PREFIX}{_next_version(root)}")
+
+
 def claim_run_folder(loggers: Iterable[Logger], default_root_dir: str) -> str:
     """Claim every folder logger's version folder and return the run's folder: the first folder
     logger's (``<save_dir>/<name>/version_N``), else ``<default_root_dir>/version_N``.
