@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import subprocess_timeout
+from conftest import HAS_XLA, subprocess_timeout
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -45,6 +45,8 @@ def test_auto_runs_eagerly_on_the_cpu_and_torch_xla_is_an_explicit_choice(kwargs
     """Lightning's ``accelerator="auto"`` on a machine with no accelerator: the CPU, eagerly; the
     XLA CPU runtime only when asked for (``accelerator="xla"`` or an ``xla_*`` strategy), and
     Lightning's ``"ddp"``/``"fsdp"`` name the chosen family's."""
+    if runtime == "xla" and not HAS_XLA:
+        pytest.skip("torch_xla is not installed in this environment")
     trainer = Trainer(**kwargs, **QUIET)
     assert (trainer.strategy.name, trainer.strategy.runtime.type) == (strategy, runtime)
     assert trainer.strategy.runtime.lazy == (runtime == "xla")
@@ -56,6 +58,10 @@ def test_auto_picks_torch_xla_only_where_pjrt_has_a_real_accelerator(monkeypatch
     """torch_xla installed: ``auto`` is XLA where ``PJRT_DEVICE`` names a real device (a TPU),
     and the CPU where it names the CPU runtime or, unset, no TPU chip is on the PCI bus (torch_xla's
     own scan; no runtime is started)."""
+    if not HAS_XLA:
+        monkeypatch.setenv("PJRT_DEVICE", "TPU")
+        assert select_family("auto") == NATIVE and select_family("tpu") == NATIVE  # no torch_xla: never XLA
+        return
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     assert select_family("auto") == XLA and select_family("tpu") == XLA
     monkeypatch.setenv("PJRT_DEVICE", "CPU")

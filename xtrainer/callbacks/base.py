@@ -37,7 +37,7 @@ class Callback:
                     reduce gradients (across replicas)
                     on_before_optimizer_step; clip (gradient_clip_val); optimizer.step()
                     schedulers with interval="step"
-                torch_xla.sync()                                  # GRAPH CUT: one execution
+                runtime.sync()                                    # GRAPH CUT on XLA: one execution
                 every log_every_n_steps steps: read logged values # HOST SYNC (one transfer)
                 on_train_batch_end
                 if val_check_interval hits: validation loop
@@ -48,7 +48,7 @@ class Callback:
         on_exception(exception)                                   # instead, when the run ends with an error or a signal
 
         validation loop: on_validation_start; on_validation_epoch_start
-            for each batch: the batch-transfer hooks; on_validation_batch_start; validation_step; torch_xla.sync(); on_validation_batch_end
+            for each batch: the batch-transfer hooks; on_validation_batch_start; validation_step; runtime.sync(); on_validation_batch_end
             read epoch values                                     # HOST SYNC (one transfer)
             on_validation_epoch_end; on_validation_end
 

@@ -76,6 +76,7 @@ class XlaHealth(Callback):
         self._cache_counts: dict[str, int] = {}
         self._data_compiles_seen, self._data_warned = 0, False
         self._compiles_seen = 0  # graphs compiled by the steps at the last check (a fit starts it afresh)
+        self._compiling = True
 
     def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
         # From the replica's start: restoring a checkpoint compiles too (cache lookups included).
@@ -89,6 +90,9 @@ class XlaHealth(Callback):
         self._samples = self._interval_samples = 0
         self._work = _Work(trainer)
         self._replicas = replicas_in_process(trainer)
+        # Whether anything compiles in this run (not so on an eager device without torch.compile):
+        # else the per-batch watch of recompilations has nothing to watch, and does nothing.
+        self._compiling = trainer.strategy.runtime.counts_compilations
         self._compiles_seen = self._fit["compiles"] - trainer.checkpoint_compilations - self._fit["data_compiles"]
         self._data_compiles_seen = self._fit["data_compiles"]
         self._data_warned = False
@@ -150,6 +154,8 @@ class XlaHealth(Callback):
         cache); after it, looked at only when graphs were compiled, they tell whether the shapes
         are new (XLA compiles for every new shape; torch.compile with dynamic shapes may run one
         on a graph compiled for another)."""
+        if not self._compiling:
+            return
         count, data = self._step_compiles(trainer)
         new_data, self._data_compiles_seen = data - self._data_compiles_seen, data
         if self._warm and new_data > 0:
