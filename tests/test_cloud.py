@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import Regressor, make_loader
+from conftest import Regressor, make_loader, subprocess_timeout
 
 pytestmark = pytest.mark.filterwarnings("ignore:ModelCheckpoint. the dirpath has changed:UserWarning")
 
@@ -45,7 +45,7 @@ def s3_endpoint():
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
                                             "AWS_ENDPOINT_URL", "S3_ENDPOINT")}
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + subprocess_timeout(60)
         while True:
             try:
                 urllib.request.urlopen(f"{url}/moto-api/", timeout=1)

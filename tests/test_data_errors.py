@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import Regressor, make_data, make_loader
+from conftest import Regressor, make_data, make_loader, subprocess_timeout
 from failing_data import DataError, FailingCollate, FailingDataset, FailingSampler
 from torch.utils.data import DataLoader
 
@@ -129,7 +129,7 @@ def test_the_command_line_exits_with_an_error(tmp_path, stage):
                       f"  logger: false\n  default_root_dir: {tmp_path / 'runs'}\n")
     exe = os.path.join(os.path.dirname(sys.executable), "xtrainer")
     done = subprocess.run([exe, "fit", "--config", str(config)], capture_output=True, text=True, cwd=TESTS,
-                          env={**os.environ, "PJRT_DEVICE": "CPU"}, timeout=600)
+                          env={**os.environ, "PJRT_DEVICE": "CPU"}, timeout=subprocess_timeout(600))
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert lines[-2:] == ["failing_data.DataError: sample 9 cannot be read",

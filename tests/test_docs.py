@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import yaml
 
+from conftest import subprocess_timeout
 from xtrainer.callbacks import Callback
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -107,7 +108,7 @@ def test_a_program_in_the_docs_runs(name, program, tmp_path):
     script.write_text(program)
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=480)
+                          timeout=subprocess_timeout(480))
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     if "callback_metrics[\"val_acc\"]" in program:  # the quick start prints its validation accuracy
         printed = done.stdout.split()[-1]  # a 0-dim tensor, as Lightning's callback_metrics hold: tensor(0.95)
@@ -250,7 +251,7 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     """What ./dev docs and CI run: a broken link, a missing anchor or an API reference that does
     not resolve fails the build."""
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, capture_output=True, text=True, timeout=subprocess_timeout(300),
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     html = read(str(tmp_path / "site" / "reference" / "trainer" / "index.html"))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import Regressor, make_loader
+from conftest import Regressor, make_loader, subprocess_timeout
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -213,7 +213,7 @@ def test_a_script_that_trains_at_import_is_told_to_guard_it(tmp_path):
         "from xtrainer import Trainer\n"
         "Trainer(devices=2, max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,\n"
         f"        default_root_dir={str(tmp_path)!r}).fit(Regressor(), make_loader())\n")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=subprocess_timeout(600),
                           env={**os.environ, "PJRT_DEVICE": "CPU"}, cwd=tmp_path)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]

@@ -11,7 +11,7 @@ import sys
 import threading
 
 import pytest
-from conftest import Regressor, make_loader
+from conftest import Regressor, make_loader, subprocess_timeout
 
 from xtrainer import Trainer, _xla, compile_cache
 from xtrainer.callbacks import Callback, XlaHealth
@@ -23,7 +23,7 @@ def run_fit(root, timeout=240, env=None, **options):
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)]),
            **(env or {})}
     return subprocess.run([sys.executable, os.path.join(HERE, "goodput_run.py"), str(root), json.dumps(options)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+                          capture_output=True, text=True, timeout=subprocess_timeout(timeout), env=env)
 
 
 def cache_line(out):

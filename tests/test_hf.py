@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import Regressor, make_loader
+from conftest import Regressor, make_loader, subprocess_timeout
 from torch import nn
 
 from xtrainer import Trainer, _xla
@@ -174,7 +174,7 @@ def test_the_yaml_example_trains_through_the_cli_under_xla_fsdp_on_two_replicas(
          "trainer.strategy.auto_wrap_policy=no_split_modules", "model.hidden_size=64", "model.intermediate_size=128",
          "trainer.max_steps=20", "trainer.max_epochs=null", "trainer.val_check_interval=20", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false", "trainer.logger=false",
          f"trainer.default_root_dir={tmp_path}"],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PJRT_DEVICE": "CPU"}, timeout=600)
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PJRT_DEVICE": "CPU"}, timeout=subprocess_timeout(600))
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = dict(re.findall(r"^  (\w+): (\S+)$", done.stdout, re.MULTILINE))  # the final metrics, printed
     # byte-level text starts at ln(256) = 5.55 nats per token; 20 steps learn the Zen's bytes

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import Regressor
+from conftest import Regressor, subprocess_timeout
 from torch import nn
 from lightning_cli_run import Data
 
@@ -234,7 +234,7 @@ def test_a_lightning_cli_script_trains_on_two_processes(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, os.path.join(HERE, "lightning_cli_run.py"), "fit", *quiet(tmp_path),
                            "--trainer.strategy", "native_ddp", "--trainer.devices", "2", "--trainer.max_epochs", "1",
-                           "--seed_everything", "3"], env=env, capture_output=True, text=True, timeout=300)
+                           "--seed_everything", "3"], env=env, capture_output=True, text=True, timeout=subprocess_timeout(300))
     assert done.returncode == 0, done.stderr[-3000:]
     (folder,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path) if d.startswith("version_")]
     assert yaml.safe_load(_read(os.path.join(folder, "config.yaml")))["trainer"]["devices"] == 2

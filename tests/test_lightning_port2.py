@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import make_data
+from conftest import make_data, subprocess_timeout
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader, random_split
@@ -209,13 +209,13 @@ def test_rank_zero_only_is_set_when_xtrainer_is_imported(tmp_path):
     for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
         env.pop(name, None)
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=subprocess_timeout(300))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["ran", "0"]
     # a process a launcher started as rank 1: Lightning's environment variables
     probe = "import xtrainer; from lightning_utilities.core.rank_zero import rank_zero_only; print(rank_zero_only.rank)"
     done = subprocess.run([sys.executable, "-c", probe], env={**env, "LOCAL_RANK": "1"}, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=subprocess_timeout(60))
     assert done.stdout.strip() == "1", done.stderr
 
 

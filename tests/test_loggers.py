@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import Regressor, make_loader
+from conftest import Regressor, make_loader, subprocess_timeout
 from omegaconf import OmegaConf
 from tbparse import SummaryReader
 from torch import nn
@@ -231,7 +231,7 @@ def test_runs_claiming_at_once_never_share_a_folder(tmp_path):
     start = time.time() + 1.5
     procs = [subprocess.Popen([sys.executable, "-c", RACE, root, str(start)], stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
-    folders = [p.communicate(timeout=60)[0].strip() for p in procs]
+    folders = [p.communicate(timeout=subprocess_timeout(60))[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     barrier = threading.Barrier(8)
     claimed = []
@@ -568,7 +568,7 @@ def run_killed_writer(tmp_path, tag, *extra, delay=None):
     if delay is not None:
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    proc.wait(timeout=subprocess_timeout(60))
     assert proc.returncode == -signal.SIGKILL
     return str(save_dir / "version_0"), str(progress)
 

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from conftest import subprocess_timeout
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "PJRT_DEVICE": "CPU"}
 
@@ -117,6 +119,6 @@ def test_a_replica_that_keeps_the_others_waiting_too_long_is_named(tmp_path):
                     enable_xla_health=False, default_root_dir={str(tmp_path)!r}, callbacks=[SlowRankZero()]).fit(
                 Regressor(), make_loader(batch_size=4))
     """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=ENV, timeout=300)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=ENV, timeout=subprocess_timeout(300))
     assert done.returncode != 0
     assert "waits more than 10 s at a collective" in done.stderr, done.stderr[-3000:]

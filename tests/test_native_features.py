@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import native_run
+from conftest import subprocess_timeout
 from xtrainer import XModule
 from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE
 from test_native import _assert_bitwise, _env, _paused_run, _resumed_bitwise, _weights
@@ -198,7 +199,7 @@ def test_a_checkpoint_resumes_under_another_native_strategy(tmp_path, one_proces
 # ---------------------------------------------------------------------------------------------
 def _script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, os.path.join(HERE, "native_run.py"), *args], env=_env(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=subprocess_timeout(300))
 
 
 @pytest.mark.multi_device
@@ -213,7 +214,7 @@ def test_sigterm_mid_fit_under_fsdp_with_clipping_then_resume_is_bitwise(tmp_pat
     process, _ = _paused_run(tmp_path, common, pause="0.3")
     time.sleep(0.4)  # a step later: not on a checkpoint's step
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=120)
+    _, err = process.communicate(timeout=subprocess_timeout(120))
     assert process.returncode == 143, err[-3000:]
     root = tmp_path / "run"
     stopped = {open(p).read() for p in glob.glob(str(root / "rank-*.step"))}
@@ -277,7 +278,7 @@ def test_a_replica_stuck_while_the_other_waits_in_a_collective_is_ended_by_the_h
                           f"trainer.default_root_dir={tmp_path}", "trainer.hang_timeout=6", "trainer.exit_on_hang=true",
                           "callbacks=[{_target_: native_run.SleepOnRankOne}]"],
                          cwd=os.path.dirname(os.path.abspath(__file__)), env=_env(), capture_output=True, text=True,
-                         timeout=300)
+                         timeout=subprocess_timeout(300))
     assert run.returncode == HANG_EXIT_CODE, run.stderr[-3000:]
     assert time.monotonic() - started < 120
     assert "ended by the hang watchdog" in run.stderr and "ckpt_path='last'" in run.stderr
@@ -308,7 +309,7 @@ def test_the_pickled_job_is_not_kept_while_the_processes_of_devices_2_train(tmp_
     ready, held_by_caller = str(tmp_path / "ready"), []
 
     def look_in_the_caller():  # while the processes train (rank 0 writes READY after step 3)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + subprocess_timeout(120)
         while not os.path.exists(ready) and time.monotonic() < deadline:
             time.sleep(0.05)
         held_by_caller.append(native_run.largest_bytes_held(exclude=ballast.ballast))
@@ -316,7 +317,7 @@ def test_the_pickled_job_is_not_kept_while_the_processes_of_devices_2_train(tmp_
     looking = threading.Thread(target=look_in_the_caller, daemon=True)
     looking.start()
     trainer, _ = native_run.fit("native_ddp", 2, str(tmp_path), 8, 8, pause=0.3, ready=ready, callbacks=[ballast])
-    looking.join(timeout=60)
+    looking.join(timeout=subprocess_timeout(60))
     assert trainer.global_step == 8 and os.path.exists(ready)
     assert ballast.held is not None and ballast.held < size // 2, ballast.held  # rank 0's process, mid-fit
     assert held_by_caller and held_by_caller[0] < size // 2, held_by_caller
@@ -357,6 +358,7 @@ def test_more_processes_than_the_hosts_devices_are_refused_with_what_to_do(monke
     no accelerator."""
     from xtrainer.runtimes import EagerRuntime
     from xtrainer.strategies import torch_native
+    from xtrainer.strategies.process import free_port
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -372,7 +374,7 @@ def test_more_processes_than_the_hosts_devices_are_refused_with_what_to_do(monke
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # never bound here; never the default either
     with pytest.raises(ValueError, match="torchrun started 3 processes on this host, but this host has 2 cuda"):
         strategy._resolve_devices("auto")
     strategy.runtime = EagerRuntime("cpu")
@@ -391,7 +393,7 @@ def test_a_replica_killed_by_sigkill_is_named_and_the_run_resumes(tmp_path):
     process, rank1 = _paused_run(tmp_path, common, wait_for="ready-1", pause="0.3")
     time.sleep(0.2)
     os.kill(int(rank1.read_text()), signal.SIGKILL)
-    _, err = process.communicate(timeout=120)
+    _, err = process.communicate(timeout=subprocess_timeout(120))
     assert process.returncode == 1, err[-3000:]
     assert "RuntimeError: Replica 1's process was ended by SIGKILL (signal 9): SIGKILL comes from outside the " \
            "process: most often the kernel's out-of-memory killer" in err, err[-3000:]
@@ -414,7 +416,7 @@ def test_a_module_class_the_new_processes_cannot_import_is_named_with_what_to_do
         "    trainer = Trainer(strategy='native_ddp', devices=2, accelerator='cpu', max_steps=2, logger=False,\n"
         f"                      default_root_dir={str(tmp_path)!r}, enable_progress_bar=False)\n"
         "    trainer.fit(Local(), DataLoader(native_run.make_data(16), batch_size=4))\n")
-    done = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=subprocess_timeout(300))
     assert done.returncode == 1
     assert ("RuntimeError: Trainer(devices=2): a new process could not rebuild what it was sent (the trainer, the "
             "module, the callbacks and the dataloaders, pickled): AttributeError: Can't get attribute 'Local'") \

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import hand_ddp_run
+from conftest import subprocess_timeout
 import native_run
 from test_native import HERE, STEPS, _assert_bitwise, _env, _script, _torchrun, _weights
 
@@ -52,7 +53,7 @@ def hand_ddp(tmp_path_factory):
     out = tmp_path_factory.mktemp("hand") / "hand.pt"
     run = subprocess.run([sys.executable, os.path.join(HERE, "hand_ddp_run.py"), "--world-size", "4", "--steps",
                           str(STEPS), "--global-batch", "8", "--out", str(out)],
-                         env=_env(), capture_output=True, text=True, timeout=300)
+                         env=_env(), capture_output=True, text=True, timeout=subprocess_timeout(300))
     assert run.returncode == 0, run.stderr[-3000:]
     return {f"block.{name}": tensor for name, tensor in torch.load(out).items()}
 
@@ -129,13 +130,13 @@ def test_two_torchrun_nodes_of_two_stop_at_one_step_on_sigterm_and_resume_bitwis
     root.mkdir()
     nodes = _two_nodes(root, f"127.0.0.1:{free_port()}", "scale-stop", *common, "--pause", "0.3",
                        "--ready", str(ready))
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + subprocess_timeout(240)
     while not ready.exists() and all(n.poll() is None for n in nodes) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ready.exists(), [n.poll() for n in nodes]
     for node in nodes:  # what a cluster does to each host's launcher
         node.send_signal(signal.SIGTERM)
-    errs = [node.communicate(timeout=120)[1] for node in nodes]
+    errs = [node.communicate(timeout=subprocess_timeout(120))[1] for node in nodes]
     # Each worker stopped on the signal and exited 128 + SIGTERM. (torchrun itself ends with 1:
     # it re-raises the signal as a SignalException, whatever its workers returned.)
     exits = {os.path.basename(p): open(p).read() for p in glob.glob(str(root / "rank-*.exit"))}
@@ -154,7 +155,7 @@ def test_two_torchrun_nodes_of_two_stop_at_one_step_on_sigterm_and_resume_bitwis
     for path in glob.glob(str(root / "rank-*")):
         os.remove(path)
     nodes = _two_nodes(root, f"127.0.0.1:{free_port()}", "scale-resume", *common, "--ckpt", "last")
-    errs = [node.communicate(timeout=400)[1] for node in nodes]
+    errs = [node.communicate(timeout=subprocess_timeout(400))[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], (errs[0][-3000:], errs[1][-3000:])
     assert sorted(open(p).read() for p in glob.glob(str(root / "rank-*.exit"))) == ["0"] * 4
     a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import Regressor, make_data, make_loader
+from conftest import Regressor, make_data, make_loader, subprocess_timeout
 from tbparse import SummaryReader
 from torch import nn
 
@@ -292,7 +292,7 @@ def test_digits_with_two_replicas_from_the_command_line(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "digits.py")
     done = subprocess.run([sys.executable, script, "trainer.devices=2", "trainer.strategy=xla_ddp",
                            f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false"],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=subprocess_timeout(600))
     assert done.returncode == 0, done.stderr[-3000:]
     accuracy = float(done.stdout.split("validation accuracy:")[1])
     assert accuracy >= 0.95

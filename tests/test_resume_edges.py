@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import edge_run
+from conftest import subprocess_timeout
 from xtrainer.checkpoint import load_checkpoint
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -19,7 +20,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 def start(spec):
     done = subprocess.run([sys.executable, edge_run.__file__, json.dumps(spec)], cwd=TESTS, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"})
+                          text=True, timeout=subprocess_timeout(600), env={**os.environ, "PJRT_DEVICE": "CPU"})
     return done.returncode, done.stderr
 
 

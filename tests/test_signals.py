@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import signal_run
+from conftest import subprocess_timeout
 from xtrainer.checkpoint import load_checkpoint
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -23,14 +24,14 @@ def start(root, devices, when, out=None, **env):
 
 
 def finish(proc, timeout=300):
-    out, err = proc.communicate(timeout=timeout)
+    out, err = proc.communicate(timeout=subprocess_timeout(timeout))
     return proc.returncode, err
 
 
 def start_training_with_two_replicas(root, devices=2, **env):
     """A fit (two replicas unless told), returned once it trains (rank 0 wrote its process id)."""
     proc = start(root, devices, "wait", **env)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + subprocess_timeout(240)
     while not (root / "pid").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)

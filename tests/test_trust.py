@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import Regressor, make_loader
+from conftest import Regressor, make_loader, subprocess_timeout
 from torch.utils.data import DataLoader, TensorDataset
 
 from xtrainer import Trainer, cli
@@ -233,7 +233,7 @@ def test_runs_started_in_the_same_second_never_share_a_folder(tmp_path):
                               text=True, env={**os.environ, "PJRT_DEVICE": "CPU"}) for lr in (0.01, 0.02, 0.03)]
     folders = []
     for proc in procs:
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=subprocess_timeout(240))
         assert proc.returncode == 0, err[-2000:]
         folders.append(out.strip().splitlines()[-1])
     assert sorted(folders) == [os.path.join(root, f"version_{i}") for i in range(3)]

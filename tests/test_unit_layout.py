@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import xtrainer
+from conftest import subprocess_timeout
 from xtrainer.config.targets import locate, place
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +57,6 @@ def test_the_names_users_import_stay_where_they_import_them():
 
 @pytest.mark.parametrize("module", ["xtrainer", "xtrainer.cli"])
 def test_python_dash_m_runs_the_command(module):
-    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=subprocess_timeout(120))
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"xtrainer {xtrainer.__version__}")
