@@ -320,3 +320,60 @@ def test_to_torchscript_and_to_onnx_on_the_trained_module(tmp_path, strategy):
     del model.example_input_array
     with pytest.raises(ValueError, match="needs an example input"):
         model.to_onnx(tmp_path / "other.onnx")
+
+
+# ---- the callbacks' state restored by test(ckpt_path=...) ----------------------------------
+
+class Validated(LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_then_test_in_a_fresh_trainer(tmp_path, strategy, devices=1):
+    from xtrainer.callbacks import ModelCheckpoint
+
+    kwargs = dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+                  enable_model_summary=False, strategy=strategy, devices=devices)
+    data = DataLoader(make_data(32), batch_size=8)
+    trainer = Trainer(max_epochs=3, callbacks=[ModelCheckpoint(monitor="val_loss", save_top_k=2)], **kwargs)
+    trainer.fit(Validated(), data, DataLoader(make_data(16, seed=1), batch_size=8))
+    best, score = trainer.checkpoint_callback.best_model_path, trainer.checkpoint_callback.best_model_score
+    assert best and os.path.exists(best)
+
+    fresh = Trainer(callbacks=[ModelCheckpoint(monitor="val_loss", save_top_k=2)], **kwargs)
+    (result,) = fresh.test(Validated(), DataLoader(make_data(16, seed=1), batch_size=8), ckpt_path=best,
+                           verbose=False)
+    assert fresh.checkpoint_callback.best_model_path == best
+    assert fresh.checkpoint_callback.best_model_score.item() == pytest.approx(score.item())
+    assert result["test_loss"] == pytest.approx(score.item(), rel=1e-5)  # the best weights, on the same data
+    fresh = Trainer(callbacks=[ModelCheckpoint(monitor="val_loss")], **kwargs)
+    fresh.validate(Validated(), DataLoader(make_data(16, seed=1), batch_size=8), ckpt_path=best,
+                   verbose=False)
+    assert fresh.checkpoint_callback.best_model_path == best
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_fresh_trainers_test_with_ckpt_path_restores_the_callbacks_state(tmp_path, strategy):
+    _fit_then_test_in_a_fresh_trainer(tmp_path, strategy)
+
+
+@pytest.mark.multi_device
+def test_a_fresh_trainers_test_with_ckpt_path_restores_the_callbacks_state_at_two_processes(tmp_path):
+    _fit_then_test_in_a_fresh_trainer(tmp_path, "native_ddp", devices=2)

@@ -47,7 +47,7 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
         "xtrainer_version": __version__, "strategy": strategy.name, "world_size": trainer.world_size,
         "epoch": trainer.current_epoch, "global_step": trainer.global_step,  # Lightning's keys, for scripts that read them
         "state_dict": strategy.module_state_dict(trainer.model),
-        "optimizer_states": [strategy.optimizer_state_dict(opt) for opt in trainer.optimizers],
+        "optimizer_states": [opt.state_dict() for opt in trainer.optimizers],  # each replica's (sharded: its shards)
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "loops": {**trainer.loop.state_dict(),
                   "callback_metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}},
@@ -206,7 +206,8 @@ def restore_module(trainer: "Trainer", checkpoint: dict[str, Any], path: str, st
     (``restore_datamodule``): the module's ``on_load_checkpoint`` (first, so that it can change
     what is loaded: rename the keys of a layer that moved, or unfreeze what
     ``configure_optimizers`` will then optimize), its weights, and the callbacks'
-    ``on_load_checkpoint`` and, in a fit, their states."""
+    ``on_load_checkpoint`` and their states, in every stage (after ``test(ckpt_path=...)`` a
+    fresh Trainer's ``ModelCheckpoint`` knows the fit's ``best_model_path``)."""
     trainer.module.on_load_checkpoint(checkpoint)
     try:
         trainer.strategy.load_module_state_dict(trainer.model, checkpoint)
@@ -219,10 +220,9 @@ def restore_module(trainer: "Trainer", checkpoint: dict[str, Any], path: str, st
             "with Model.load_from_checkpoint(path), or evaluate it with validate/test(ckpt_path=path).")
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, trainer.module, checkpoint)
-    if stage == "fit":
-        for cb in trainer.callbacks:
-            if cb.state_key in checkpoint.get("callbacks", {}):
-                cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
+    for cb in trainer.callbacks:
+        if cb.state_key in checkpoint.get("callbacks", {}):
+            cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
 
 
 def restore_training(trainer: "Trainer", checkpoint: dict[str, Any], path: str) -> None:
