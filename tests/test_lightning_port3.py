@@ -377,3 +377,51 @@ def test_a_fresh_trainers_test_with_ckpt_path_restores_the_callbacks_state(tmp_p
 @pytest.mark.multi_device
 def test_a_fresh_trainers_test_with_ckpt_path_restores_the_callbacks_state_at_two_processes(tmp_path):
     _fit_then_test_in_a_fresh_trainer(tmp_path, "native_ddp", devices=2)
+
+
+# ---- metrics.csv as Lightning writes it --------------------------------------------------------
+
+class Logs(LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("lr_monitor", [False, True])
+def test_metrics_csv_holds_what_the_module_logged_with_epoch_and_step(tmp_path, strategy, lr_monitor):
+    """A Lightning notebook plots every column of ``metrics.csv`` (``sns.relplot(data=metrics)``):
+    the module's values, ``epoch`` and ``step``, and what Lightning's callbacks log; xtrainer's own
+    figures (throughput, compilations, the automatic learning rates) go to TensorBoard only."""
+    from xtrainer.callbacks import LearningRateMonitor
+    from xtrainer.loggers import CSVLogger, TensorBoardLogger
+
+    csv_logger = CSVLogger(tmp_path, name="csv")
+    tb = TensorBoardLogger(tmp_path, name="tb")
+    trainer = Trainer(strategy=strategy, max_epochs=2, log_every_n_steps=2, logger=[csv_logger, tb],
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                      callbacks=[LearningRateMonitor()] if lr_monitor else [])
+    trainer.fit(Logs(), DataLoader(make_data(32), batch_size=8), DataLoader(make_data(16, seed=1), batch_size=8))
+    with open(os.path.join(csv_logger.log_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    expected = {"epoch", "step", "train_loss_step", "train_loss_epoch", "val_loss"} | ({"lr-SGD"} if lr_monitor else set())
+    assert set(rows[0]) == expected
+    assert all(any(row[key] for row in rows) for key in expected)
+    from tbparse import SummaryReader
+
+    tags = set(SummaryReader(tb.log_dir).scalars["tag"])
+    assert {"train_loss_step", "val_loss"} <= tags and any(tag.startswith("throughput/") for tag in tags)

@@ -17,6 +17,11 @@ class Logger:
     subclass's ``__init__`` (``self.log_dir = ...``).
     """
 
+    #: Whether ``log_metrics`` also gets the run's own figures (throughput, compilations, memory,
+    #: the automatic learning rates) beside the values the module logged; False: those values,
+    #: ``epoch`` and what Lightning's callbacks log only (``CSVLogger``, as Lightning's CSV holds).
+    takes_run_figures: bool = True
+
     # -- what a subclass may override or assign ------------------------------------------------
     @property
     def name(self) -> str | None:

@@ -147,8 +147,12 @@ class CSVLogger(FolderLogger):
     ``metrics.csv`` has one row per ``log_metrics`` call, a ``step`` column (and ``epoch`` when
     logged, as the Trainer does), and a column for every metric name seen (sorted; the header is
     rewritten when new names appear). Values are written as text (``repr`` of floats: exact).
-    An existing file (a run resumed into the same version) is appended to.
+    An existing file (a run resumed into the same version) is appended to. As Lightning's, it
+    holds what the module (and Lightning's callbacks, such as ``LearningRateMonitor``) logged:
+    the Trainer's own figures (throughput, compilations, memory) go to the other loggers only.
     """
+
+    takes_run_figures = False
 
     def __init__(self, save_dir: str | os.PathLike | None = None, name: str | None = "lightning_logs",
                  version: int | str | None = None, prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:

@@ -457,6 +457,7 @@ class Publisher:
         own = bool(logged)
         if own:
             logged["epoch"] = float(trainer.current_epoch)  # as Lightning adds it, in every stage
+        values = set(logged)  # the module's values and the epoch: what Lightning's loggers get
         if own and trainer.state == "fit":  # every param group's learning rate rides along
             for name, group in automatic_lr_names(trainer.optimizers):
                 lr = group["lr"]
@@ -470,8 +471,14 @@ class Publisher:
         if trainer.is_global_zero and trainer.loggers:
             hidden = trainer._results.hidden_from_loggers()
             for_loggers = {k: v for k, v in logged.items() if k not in hidden} if hidden else logged
+            # The run's own figures: what the callbacks added that is no metric (throughput,
+            # compilations, the automatic learning rates); a LearningRateMonitor's rates are
+            # metrics (in callback_metrics), as Lightning's callbacks log them.
+            figures = {k for k in for_loggers if k not in values and k not in trainer.callback_metrics}
+            values_only = {k: v for k, v in for_loggers.items() if k not in figures} if figures else for_loggers
             for logger in trainer.loggers:
-                logger.log_metrics(for_loggers, trainer.global_step)
+                logger.log_metrics(for_loggers if getattr(logger, "takes_run_figures", True) else values_only,
+                                   trainer.global_step)
 
     # ---- non-finite losses -------------------------------------------------------------------
     def _report_nonfinite(self, trainer: "Trainer", first: float) -> None:
