@@ -383,32 +383,62 @@ def test_compilations_after_the_first_step_are_counted_as_compiling_and_the_acco
 
 
 # ---- xtrainer doctor -------------------------------------------------------------------------------
-def test_doctor_reports_the_runtime_and_checks_two_strategies(tmp_path):
+def test_doctor_checks_each_way_of_starting_replicas_quickly_and_passes_on_a_healthy_machine(tmp_path):
+    # The default plan, as a user runs it: one check per kind of launcher, each strategy at
+    # device counts it accepts (native at one device only).
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.path.dirname(HERE)}
     report = tmp_path / "report.md"
-    done = subprocess.run([sys.executable, "-m", "xtrainer.cli", "doctor", "--strategies", "xla_native:1,xla_ddp:2",
-                           "--output", str(report)], capture_output=True, text=True, timeout=540, env=env)
+    done = subprocess.run([sys.executable, "-m", "xtrainer.cli", "doctor", "--output", str(report)],
+                          capture_output=True, text=True, timeout=subprocess_timeout(120), env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = report.read_text()
     assert text in done.stdout
     assert "torch_xla 2.9" in text and "runtime: PJRT device CPU" in text and "flags: PJRT_DEVICE=CPU" in text
-    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| xla_")}
-    assert set(rows) == {"xla_native", "xla_ddp"}
-    ddp = rows["xla_ddp"].split(" | ")
-    assert ddp[1:7] == ["2", "ok", "yes (2 replicas)", "yes", "yes", "yes (from step 16 to 24)"]
-    native = rows["xla_native"].split(" | ")
-    assert native[1:7] == ["1", "ok", "yes (one replica)", "yes", "yes", "yes (from step 32 to 48)"]
-    assert float(native[10]) > 0  # model FLOP/s, counted from the step
-    assert text.index("| xla_ddp") < text.index("| xla_native")  # replicas started before this process's runtime
-    assert "All checks passed." in text
+    listed = re.search(r"^- checks, quick: .*\(--full checks every strategy\): (.*)$", text, re.M).group(1)
+    planned = [tuple(check.split(" on ")) for check in listed.split(", ")]
+    assert set(planned) == {("xla_native", "2"), ("xla_spmd", "2"), ("native_ddp", "2"), ("xla_native", "1"),
+                            ("native", "1")}
+    rows = [line.strip("| ").split(" | ") for line in text.splitlines()
+            if re.match(r"\| \w+ \| \d+ \|", line)]
+    assert [(row[0], row[1]) for row in rows] == planned
+    assert all(row[2] == "ok" for row in rows), text
+    # XLA's replicas started before this process's runtime; XLA's backward here before the CPU's.
+    at = planned.index
+    assert at(("xla_native", "2")) < at(("xla_native", "1")) > at(("xla_spmd", "2"))
+    assert at(("xla_native", "1")) < at(("native", "1"))
+    by_check = {(row[0], row[1]): row for row in rows}
+    assert by_check["xla_native", "2"][3:7] == ["yes (2 replicas)", "yes", "yes", "yes (from step 16 to 24)"]
+    assert by_check["native_ddp", "2"][3] == "yes (2 replicas)" and by_check["xla_spmd", "2"][3] == "yes (one program)"
+    for one in (by_check["xla_native", "1"], by_check["native", "1"]):
+        assert one[3:7] == ["yes (one replica)", "yes", "yes", "yes (from step 32 to 48)"]
+    assert float(by_check["xla_native", "1"][10]) > 0  # model FLOP/s, counted from the step
+    assert "All checks passed (5 of 5)." in text and "FAILED" not in text
+    assert "xtrainer doctor: checking " in done.stderr and "(5/5)" in done.stderr
 
 
-def test_doctor_refuses_an_unknown_strategy_in_one_line():
+def test_doctor_plans_each_strategy_at_counts_it_accepts_and_refuses_others_in_one_line():
     from xtrainer.launch import doctor
+    from xtrainer.strategies import STRATEGIES
 
     with pytest.raises(SystemExit, match="unknown strategy 'xla_dpp'"):
         doctor.plan("xla_dpp:2", None)
-    assert doctor.plan("", 4)[-1] == ("xla_native", 1) and ("xla_fsdpv2", 4) in doctor.plan("", 4)
+    with pytest.raises(SystemExit, match="'native' runs on one device; ask for native:1"):
+        doctor.plan("native:2", None)
+    assert doctor.plan("native,xla_ddp", 4) == [("xla_ddp", 4), ("native", 1)]
+    full = doctor.plan("", 4, full=True)
+    assert {name for name, _ in full} == set(STRATEGIES) and ("xla_fsdpv2", 4) in full
+    assert full.index(("xla_native", 1)) < full.index(("native", 1))  # in this process, XLA's first
+    quick = doctor.plan("", 4)
+    assert set(quick) < set(full) and ("native", 1) in quick
+    for plan in (quick, full, doctor.plan("", 1, full=True)):
+        assert ("native", 1) in plan and not [count for name, count in plan if name == "native" and count > 1]
+    # Something wrong on the machine before any check: exit 1 and one line saying what to do.
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.path.dirname(HERE), "XTRAINER_PREEMPTION_SYNC": "maybe"}
+    done = subprocess.run([sys.executable, "-m", "xtrainer.cli", "doctor"], capture_output=True, text=True,
+                          timeout=subprocess_timeout(30), env=env)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "xtrainer doctor: strategy 'xla_spmd': XTRAINER_PREEMPTION_SYNC='maybe': use 1 (stop on XLA's preemption "
+        "sync) or 0 (don't)."], done.stderr
 
 
 # ---- asynchronous checkpoints ---------------------------------------------------------------------

@@ -1,11 +1,15 @@
 """``xtrainer doctor``: is this machine ready to train, and how fast? A report to paste into an issue.
 
-    xtrainer doctor [--strategies xla_native:1,xla_ddp:2] [--devices N] [--output report.md]
+    xtrainer doctor [--full | --strategies xla_native:1,xla_ddp:2] [--devices N] [--output report.md]
 
 It reports the runtime (versions, the device kind and chip, the XLA flags in the environment),
-then trains a tiny model under every strategy that applies (``xla_native`` on one device, and
-every strategy on ``N`` devices: every local device on a TPU host, 2 on the CPU runtime), and for
-each checks that:
+then trains a tiny model under the strategies of its plan, each at device counts it accepts (a
+strategy whose ``multi_process`` is false runs on one device only; every other one on ``N``
+devices: every local device on a TPU host, 2 on the CPU runtime). The default plan is quick: one
+check for each way a strategy starts its replicas (its launcher's kind: in the calling process,
+thread replicas, ``torch_xla.launch``, the SPMD process, torch's processes), on the first
+strategy that starts them so, at its most devices, then at one device. ``--full`` checks every
+strategy at its most devices, and each other way once. Each check tests that:
 
 - the replicas agree (every replica's whole weights hash the same after training);
 - nothing is recompiled after the first epoch (``XlaHealth``);
@@ -15,8 +19,9 @@ each checks that:
   the planned one);
 
 and prints throughput, compile time and model FLOP/s (MFU where the chip's peak is known). Exit
-code 0 when every check passed, 1 otherwise. Strategies that start replicas run before the
-one-device check: on a TPU host ``torch_xla.launch`` refuses a parent that has used the runtime.
+code 0 when every check passed, 1 otherwise (the report then lists what failed and what to do).
+Checks that start replicas run before those in the calling process: on a TPU host
+``torch_xla.launch`` refuses a parent that has used the runtime.
 
 This module imports nothing heavy at the top (``xtrainer --help`` stays fast).
 """
@@ -46,7 +51,10 @@ def add_command(commands: Any) -> None:
     doctor = commands.add_parser("doctor", help="check this machine: runtime, every strategy, checkpoints, speed",
                                  description=__doc__.split("\n\n")[0])
     doctor.add_argument("--strategies", default="",
-                        help="comma-separated strategy[:devices] to try (default: every strategy that applies)")
+                        help="comma-separated strategy[:devices] to try (default: one check per way of starting "
+                             "replicas; see --full)")
+    doctor.add_argument("--full", action="store_true",
+                        help="check every strategy, at the most devices it accepts (a few minutes)")
     doctor.add_argument("--devices", type=int, default=None,
                         help="replicas for multi-device strategies (default: every local device; 2 on the CPU runtime)")
     doctor.add_argument("--output", default=None, help="also write the report to this file (Markdown)")
@@ -54,7 +62,9 @@ def add_command(commands: Any) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    report, ok = diagnose(args.strategies, args.devices)
+    if args.full and args.strategies:
+        raise SystemExit("xtrainer doctor: give --full or --strategies, not both.")
+    report, ok = diagnose(args.strategies, args.devices, args.full)
     print(report, flush=True)
     if args.output:
         with open(args.output, "w") as f:
@@ -65,25 +75,69 @@ def run_command(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 # The plan and the report (calling process).
 # --------------------------------------------------------------------------------------------
-def plan(strategies: str, devices: int | None) -> list[tuple[str, int]]:
-    """``(strategy, devices)`` pairs to try, replicas-starting ones first."""
+def plan(strategies: str, devices: int | None, full: bool = False) -> list[tuple[str, int]]:
+    """``(strategy, devices)`` pairs to try, those that run nothing in this process first.
+
+    ``strategies`` as given (``name[:devices]``, a strategy that runs on one device at 1); else
+    one check for each kind of launcher the strategies start their replicas with (each strategy at
+    its most devices, then at one device, the first to use a kind checks it); ``full``: every
+    strategy at its most devices, and each kind of launcher not yet seen once."""
     from xtrainer import _xla
     from xtrainer.strategies import STRATEGIES
 
     if devices is None:
         local = _xla.local_device_count_without_runtime() if _xla.requested_device_type() != "CPU" else 2
         devices = max(1, local or 1)
+    if devices < 1:
+        raise SystemExit(f"xtrainer doctor: --devices {devices}: give 1 or more.")
+    most = {name: devices if _accepts_several(cls) else 1 for name, cls in STRATEGIES.items()}
     if strategies:
         pairs = []
         for item in strategies.split(","):
             name, _, count = item.strip().partition(":")
             if name not in STRATEGIES:
                 raise SystemExit(f"xtrainer doctor: unknown strategy {name!r}; choose among {', '.join(STRATEGIES)}.")
-            pairs.append((name, int(count) if count else devices))
+            if count and not count.isdigit():
+                raise SystemExit(f"xtrainer doctor: {item.strip()!r}: give strategy[:devices], "
+                                 f"e.g. {name}:{most[name]}.")
+            if count and int(count) > 1 and most[name] == 1:
+                raise SystemExit(f"xtrainer doctor: strategy {name!r} runs on one device; ask for {name}:1.")
+            pairs.append((name, int(count) if count else most[name]))
+        pairs = list(dict.fromkeys(pairs))
     else:
-        pairs = [(name, devices) for name in STRATEGIES if devices > 1 or name in ("xla_spmd",)]
-        pairs.append(("xla_native", 1))
-    return sorted(dict.fromkeys(pairs), key=lambda p: p[1] == 1)  # stable: one-device checks last
+        candidates = [(name, count) for name in STRATEGIES for count in dict.fromkeys((most[name], 1))]
+        pairs, kinds = [], set()
+        for name, count in candidates:
+            kind = type(_launcher(name, count))
+            if kind not in kinds or (full and count == most[name]):
+                pairs.append((name, count))
+                kinds.add(kind)
+    order = list(STRATEGIES)
+
+    def last_in_this_process(pair: tuple[str, int]) -> tuple[bool, int]:
+        in_caller = _launcher(*pair).runs_in_caller
+        return in_caller, order.index(pair[0]) if in_caller else 0
+
+    # Those in this process in the registry's order, the XLA strategies first: a backward on the
+    # CPU here before the XLA runtime starts would keep XLA's backward from running.
+    return sorted(pairs, key=last_in_this_process)  # stable: the others as planned
+
+
+def _accepts_several(cls: type) -> bool:
+    """Whether a strategy runs on several devices: its ``multi_process`` where it has one."""
+    return bool(getattr(cls, "multi_process", True))
+
+
+def _launcher(name: str, devices: int) -> Any:
+    """The launcher ``name`` starts its replicas with on ``devices`` devices (nothing started)."""
+    from xtrainer.strategies import STRATEGIES
+
+    try:
+        strategy = STRATEGIES[name]()
+    except ValueError as err:  # a setting in the environment it refuses
+        raise SystemExit(f"xtrainer doctor: strategy {name!r}: {err}") from None
+    strategy.devices = devices
+    return strategy.launcher
 
 
 def version() -> str:
@@ -103,10 +157,13 @@ def version() -> str:
     return f"xtrainer {__version__} ({installed('torch')}, {installed('torch_xla')}, Python {python})"
 
 
-def diagnose(strategies: str = "", devices: int | None = None) -> tuple[str, bool]:
+def diagnose(strategies: str = "", devices: int | None = None, full: bool = False) -> tuple[str, bool]:
     """The report and whether every check passed."""
     from xtrainer import _xla
 
+    checks = plan(strategies, devices, full)
+    scope = ("as asked (--strategies)" if strategies else "every strategy (--full)" if full
+             else "quick: one per way of starting replicas (--full checks every strategy)")
     lines = ["## xtrainer doctor", "",
              f"- {version()}",
              f"- host: {platform.platform()}, {os.cpu_count()} CPUs",
@@ -115,26 +172,46 @@ def diagnose(strategies: str = "", devices: int | None = None) -> tuple[str, boo
              f"{_xla.local_device_count_without_runtime()} local device(s)",
              f"- chip: {_peak_text(_xla.chip_name())}",
              "- flags: " + (", ".join(f"{k}={os.environ[k]}" for k in FLAGS if k in os.environ) or "none set"),
+             f"- checks, {scope}: " + ", ".join(f"{name} on {count}" for name, count in checks),
              ""]
-    rows, ok, failures = [], True, []
-    for name, count in plan(strategies, devices):
+    rows, failed, again, tracebacks = [], [], [], []
+    for i, (name, count) in enumerate(checks, 1):
+        print(f"xtrainer doctor: checking {name} on {count} device(s) ({i}/{len(checks)})", file=sys.stderr, flush=True)
         started = time.perf_counter()
         try:
             result = check_strategy(name, count)
         except Exception as err:  # noqa: BLE001 - one strategy's failure is a line of the report
             result = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
-            failures.append(f"### {name} on {count} device(s)\n\n```\n{traceback.format_exc()[-4000:]}```")
+            tracebacks.append(f"### {name} on {count} device(s)\n\n```\n{traceback.format_exc()[-4000:]}```")
         result["wall"] = time.perf_counter() - started
-        passed = "error" not in result and all(result[k] for k in ("agree", "steady", "round_trip", "resumed"))
-        ok &= passed
-        rows.append(_row(name, count, result, passed))
+        wrong = _what_failed(result)
+        if wrong:
+            failed.append(f"- {name} on {count} device(s): {'; '.join(wrong)}")
+            again.append(f"{name}:{count}")
+        rows.append(_row(name, count, result, not wrong))
     lines += ["| strategy | devices | result | replicas agree | no recompilation | checkpoint round trip | resume "
               "| steps/s | samples/s | compilations (s) | model FLOP/s | MFU | wall |",
-              "| --- | ---: | --- | --- | --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |", *rows]
-    if failures:
-        lines += ["", *failures]
-    lines += ["", "All checks passed." if ok else "Some checks FAILED (above)."]
-    return "\n".join(lines), ok
+              "| --- | ---: | --- | --- | --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |", *rows, ""]
+    if not failed:
+        lines.append(f"All checks passed ({len(checks)} of {len(checks)}).")
+    else:
+        lines += [f"{len(failed)} of {len(checks)} checks FAILED:", *failed, "",
+                  f"To do: rerun only these with `xtrainer doctor --strategies {','.join(again)}`; if the machine's "
+                  "setup (the runtime, the flags above) is as intended, paste this report into an issue.",
+                  *(["", *tracebacks] if tracebacks else [])]
+    return "\n".join(lines), not failed
+
+
+def _what_failed(r: dict[str, Any]) -> list[str]:
+    """What went wrong in one check, with what to look at (empty: it passed)."""
+    if "error" in r:
+        return [f"{r['error']} (its traceback is below)"]
+    return [text for key, text in (
+        ("agree", "the replicas' weights differ after training (a collective or the data's sharding is wrong)"),
+        ("steady", "graphs were recompiled after the first epoch (run with PT_XLA_DEBUG_LEVEL=2 to see why)"),
+        ("round_trip", "the last checkpoint does not load back the trained weights"),
+        ("resumed", f"the resumed fit did not continue where the first stopped ({r.get('resume_note')})"),
+    ) if not r.get(key)]
 
 
 def _peak_text(chip: str | None) -> str:
@@ -285,4 +362,4 @@ def __getattr__(name: str) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(argparse.Namespace(strategies=",".join(sys.argv[1:]), devices=None, output=None)))
+    sys.exit(run_command(argparse.Namespace(strategies=",".join(sys.argv[1:]), devices=None, full=False, output=None)))
