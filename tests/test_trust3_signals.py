@@ -23,9 +23,8 @@ import pytest
 import torch
 
 import trust3_signal_run
+from xtrainer.launch import interrupts
 from test_native import HERE, _assert_bitwise, _env, _torchrun, _weights
-
-pytestmark = [pytest.mark.slow, pytest.mark.multi_device]
 
 STEPS = 24  # three epochs of 8 batches; validation every 4
 GRACE = 30  # torchrun's wait for its workers after forwarding a signal, before SIGKILL
@@ -100,6 +99,8 @@ def _resume(root, uninterrupted) -> None:
     _assert_bitwise(resumed["weights"], uninterrupted)
 
 
+@pytest.mark.slow
+@pytest.mark.multi_device
 @pytest.mark.parametrize("rank", [0, 1], ids=["rank-0s-node", "rank-1s-node"])
 def test_sigterm_to_one_torchrun_of_two_stops_both_at_one_step_exits_143_and_resumes_bitwise(tmp_path, uninterrupted,
                                                                                             rank):
@@ -127,6 +128,8 @@ def test_sigterm_to_one_torchrun_of_two_stops_both_at_one_step_exits_143_and_res
     _resume(root, uninterrupted)
 
 
+@pytest.mark.slow
+@pytest.mark.multi_device
 @pytest.mark.parametrize("name, rank, at, where", [("TERM", 1, 8, "train"), ("INT", 0, 4, "validation"),
                                                    ("TERM", 1, 12, "validation")],
                          ids=["sigterm-at-an-epochs-last-batch", "sigint-in-validation", "sigterm-in-validation"])
@@ -142,3 +145,32 @@ def test_a_signal_to_one_node_at_an_epochs_end_or_in_validation_stops_both_toget
     step = _assert_stopped_together(root, signum, errs)
     assert step in (at, at + 1), step  # taken at the next agreement
     _resume(root, uninterrupted)
+
+
+def _signal_self(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+    time.sleep(0.2)  # the handler runs in this (the main) thread, at the next instruction
+
+
+def test_a_signal_learnt_from_another_replica_is_this_processs_request_but_no_first_ctrl_c():
+    """An adopted SIGINT: this process's own Ctrl-C after it (a terminal's, reaching each host a
+    little apart) is its first, still graceful; a second one stops at once. The larger signal
+    number wins where both came, as the vote's does."""
+    with interrupts.graceful(announce=False):
+        assert interrupts.requested() is None
+        interrupts.adopt(signal.SIGINT)
+        assert interrupts.requested() == signal.SIGINT
+        _signal_self(signal.SIGINT)
+        assert interrupts.requested() == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            _signal_self(signal.SIGINT)
+    with interrupts.graceful(announce=False):
+        _signal_self(signal.SIGINT)
+        interrupts.adopt(signal.SIGTERM)  # another replica had SIGTERM: every replica exits 143
+        assert interrupts.requested() == signal.SIGTERM
+        interrupts.adopt(signal.SIGINT)
+        assert interrupts.requested() == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):  # this process's own Ctrl-C came before: a second stops at once
+            _signal_self(signal.SIGINT)
+    with interrupts.graceful(announce=False):
+        assert interrupts.requested() is None  # each run starts with none

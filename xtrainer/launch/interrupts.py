@@ -8,6 +8,11 @@ runs, and ``fit`` raises ``TrainingInterrupted`` (the ``xtrainer`` command exits
 signal's number: 143 for SIGTERM, 130 for SIGINT), after one line saying where the checkpoint is
 and how to resume. A second SIGINT stops at once (``KeyboardInterrupt``).
 
+A signal may reach one replica of several only (one host's launcher, torchrun, is signalled): the
+replicas' stop vote carries the signal's number, and each replica that learns of it there takes it
+as its own request (``adopt``), so that every replica stops on the same path, writes the one
+checkpoint with the others and exits with the same code.
+
 A calling process forwards the signal to the replicas' process it started; that process runs in a
 process group of its own (so a terminal's Ctrl-C reaches it once, through the caller) and ends
 within a second when its caller dies, SIGKILL included (Linux's parent-death signal, and a
