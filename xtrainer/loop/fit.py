@@ -86,7 +86,7 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
             and not math.isinf(trainer.num_training_batches) else 0
         last, max_steps, publisher = trainer.num_training_batches, trainer.max_steps, trainer._publisher
         # What can ask to stop after a batch besides a signal: the platform's notice, max_time.
-        watch_stops = trainer.strategy.reads_preemption_notice or trainer.max_time is not None
+        watch_stops = trainer.strategy.preempted is not None or trainer.max_time is not None
         step = manual_training_step if not trainer._optim.automatic else training_step
         table = trainer._hooks
         progress = loop.progress
@@ -326,7 +326,8 @@ def note_stop_requests(trainer: "Trainer") -> None:
     """After a batch (where one of them can ask): a signal, the platform's preemption notice or
     ``max_time`` asks to stop, as ``should_stop`` does (every replica stops at one step)."""
     asked = interrupts.requested() is not None
-    if not asked and trainer.strategy.preempted(trainer.loop.global_step):
+    preempted = trainer.strategy.preempted
+    if not asked and preempted is not None and preempted(trainer.loop.global_step):
         interrupts.request(signal.SIGTERM)  # the preemption notice: every process stops at this step
         trainer._publisher.stop_agreed = asked = True
         trainer._publisher.stop_signal = signal.SIGTERM

@@ -38,11 +38,9 @@ class Optimization:
         """``configure_optimizers()`` against the wrapped parameters, parsed and checked."""
         module, strategy = trainer.module, trainer.strategy
         self.automatic = module.automatic_optimization
-        if not self.automatic:
-            strategy.check_manual_optimization()
         name = type(module).__name__
         try:
-            config = strategy.setup_optimizers(trainer.model, module.configure_optimizers)
+            config = strategy.setup_optimizers(trainer.model, module.configure_optimizers, manual=not self.automatic)
         except ValueError as err:
             if not strategy.flattens_parameters or "self.parameters()" not in str(err):
                 raise

@@ -69,8 +69,8 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         sources = loaders.in_replica(trainer, module, sources)
         trainer._wrapped = trainer.strategy.setup_module(StepDispatcher(module, trainer.precision))
         trainer._transfer = batch_transfer(module, trainer.datamodule, trainer.strategy.device)
-        trainer.strategy.module_moves_batches = trainer._transfer is not None
-        trainer.strategy.module_backward = module.backward if type(module).backward is not XModule.backward else None
+        trainer.strategy.use_module_hooks(module.backward if type(module).backward is not XModule.backward else None,
+                                          moves_batches=trainer._transfer is not None)
         data = trainer._stage_data = {name: [trainer._device_data(dl) for dl in dls] for name, dls in sources.items()}
         warn_padded_evaluation(trainer, data)
         if stage == "fit":
@@ -128,7 +128,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
             ckpt_background.drain(raise_errors=False)  # one a teardown hook queued
             trainer.state = "idle"
             trainer._wrapped = trainer._module = None
-            trainer.strategy.module_backward = None
+            trainer.strategy.use_module_hooks()
 
 
 def warn_padded_evaluation(trainer: "Trainer", data: dict[str, list]) -> None:

@@ -177,9 +177,10 @@ class Strategy(abc.ABC):
             torch.set_rng_state(rng_state)
             yield
 
-    def setup_optimizers(self, module: "nn.Module", configure: Callable[[], Any]) -> Any:
-        """Call the user's ``configure_optimizers`` once the module is wrapped."""
-        del module
+    def setup_optimizers(self, module: "nn.Module", configure: Callable[[], Any], manual: bool = False) -> Any:
+        """Call the user's ``configure_optimizers`` once the module is wrapped (``manual``: under
+        manual optimization, which a strategy that cannot do it refuses here)."""
+        del module, manual
         return configure()
 
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
@@ -192,16 +193,26 @@ class Strategy(abc.ABC):
         del wrapped, enabled
         return contextlib.nullcontext()
 
-    #: The module's ``backward`` where it overrides ``XModule.backward`` (Lightning's hook), set
-    #: for a stage: run in place of ``loss.backward()``.
-    module_backward: Callable[..., None] | None = None
+    #: The module's ``backward`` where it overrides ``XModule.backward`` (``use_module_hooks``).
+    _module_backward: Callable[..., None] | None = None
+    #: Whether the module's batch-transfer hooks move the batches (``use_module_hooks``).
+    _module_moves_batches: bool = False
+
+    def use_module_hooks(self, backward: Callable[..., None] | None = None, moves_batches: bool = False) -> None:
+        """For a stage (its end calls this with nothing): ``backward``, the module's override of
+        ``XModule.backward`` (Lightning's hook), runs in place of ``loss.backward()``; and
+        ``moves_batches``, a module (or data module) that overrides a batch-transfer hook moves
+        the batches itself (its ``transfer_batch_to_device``), so a strategy that moves them in
+        the training process delivers them on the host. The XLA strategies' batches still travel
+        in torch_xla's loader (the hooks see them on the device, as in Lightning on TPUs)."""
+        self._module_backward, self._module_moves_batches = backward, moves_batches
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward()`` (or the module's ``backward``), with a message for an autograd
         engine started before the runtime."""
         try:
-            if self.module_backward is not None:
-                self.module_backward(loss, *args, **kwargs)
+            if self._module_backward is not None:
+                self._module_backward(loss, *args, **kwargs)
             else:
                 loss.backward(*args, **kwargs)
         except RuntimeError as err:
@@ -232,9 +243,6 @@ class Strategy(abc.ABC):
         del wrapped
         self.backward(loss, *args, **kwargs)
 
-    def check_manual_optimization(self) -> None:
-        """Refuse manual optimization where this strategy cannot do it (all but FSDP can)."""
-
     def requires_grad_changed(self, wrapped: nn.Module) -> None:
         """The module's ``toggle_optimizer``/``untoggle_optimizer`` switched ``requires_grad`` of
         the optimizers' parameters: a wrapper that computes with copies of them (gathered
@@ -249,12 +257,6 @@ class Strategy(abc.ABC):
             before_step()
         stepping.step(optimizer)
 
-    #: Set for a run whose module (or data module) overrides a batch-transfer hook: its
-    #: ``transfer_batch_to_device`` moves the batches, so a strategy that moves them in the
-    #: training process delivers them on the host. The XLA strategies' batches still travel in
-    #: torch_xla's loader (the hooks see them on the device, as in Lightning on TPUs).
-    module_moves_batches: bool = False
-
     # ---- data ----------------------------------------------------------------------------
     def process_dataloader(self, loader: Iterable, distribute: bool = True) -> DeviceData:
         """Give this replica its share of ``loader`` and deliver batches on the device
@@ -267,20 +269,17 @@ class Strategy(abc.ABC):
 
     def _deliver(self, loader: Iterable, start: int = 0) -> Iterable:
         """``loader``'s batches on this replica's device, laid out as this strategy shards them."""
-        return self.runtime.batches_on_device(loader, start, self._input_sharding(), self.module_moves_batches)
+        return self.runtime.batches_on_device(loader, start, self._input_sharding(), self._module_moves_batches)
 
     def _input_sharding(self) -> Any:
         """How batches are laid out over the devices as they are sent (None: on this replica's)."""
         return None
 
     # ---- stopping ---------------------------------------------------------------------------
-    #: Whether ``preempted`` can say yes (the loop asks it after every batch only then).
-    reads_preemption_notice = False
-
-    def preempted(self, step: int) -> bool:
-        """Whether the platform's preemption notice stops the fit at ``step``, agreed by every
-        replica (only strategies that use XLA's preemption sync say so)."""
-        return False
+    #: Whether the platform's preemption notice stops the fit at a step, agreed by every replica:
+    #: ``preempted(step)``, or None where the strategy reads no notice (only strategies that use
+    #: XLA's preemption sync read one; the loop asks after every batch only then).
+    preempted: Callable[[int], bool] | None = None
 
     # ---- checkpoints ---------------------------------------------------------------------
     def module_state_dict(self, wrapped: nn.Module) -> dict[str, torch.Tensor]:
@@ -292,10 +291,6 @@ class Strategy(abc.ABC):
         Every replica must call this (sharded strategies gather with a collective)."""
         return self.module_state_dict(wrapped)
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """What a checkpoint saves of ``optimizer`` on this replica."""
-        return optimizer.state_dict()
-
     @property
     def checkpoint_layout(self) -> ckpt_layout.Layout:
         """How this strategy's checkpoints are written and which it resumes (``xtrainer.checkpoint``)."""
@@ -306,7 +301,8 @@ class Strategy(abc.ABC):
         load_weights(self.unwrap(wrapped).module, checkpoint["state_dict"])
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Load what ``optimizer_state_dict`` saved into ``optimizer``."""
+        """Load what a checkpoint saved of ``optimizer`` (its ``state_dict()`` on this replica, in
+        the layout's form) into ``optimizer``."""
         optimizer.load_state_dict(state)
 
     # ---- the end ---------------------------------------------------------------------------

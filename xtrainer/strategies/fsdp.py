@@ -118,15 +118,17 @@ class XlaFSDP(ParallelStrategy):
                 self._saved_structure.append((m, dict(m._parameters), dict(m._modules),
                                               _PATCHED_ATTRIBUTES & set(m.__dict__)))
 
-    def check_manual_optimization(self) -> None:
+    def setup_optimizers(self, module: nn.Module, configure: Callable[[], Any], manual: bool = False) -> Any:
+        """``configure_optimizers`` sees the sharded parameters through ``self.parameters()``."""
+        if not manual:
+            return self._configure_sharded(module, configure)
         raise NotImplementedError(
             "Manual optimization (automatic_optimization=False) is not supported under xla_fsdp: torch_xla's FSDP "
             "flattens the parameters of the module it wraps, so optimizers over parts of the module (a GAN's "
             "generator and discriminator) cannot be built. Use xla_fsdpv2 (SPMD FSDP, which shards parameters in "
             "place), xla_ddp or xla_native.")
 
-    def setup_optimizers(self, module: nn.Module, configure: Callable[[], Any]) -> Any:
-        """``configure_optimizers`` sees the sharded parameters through ``self.parameters()``."""
+    def _configure_sharded(self, module: nn.Module, configure: Callable[[], Any]) -> Any:
         user_module = self.unwrap(module).module
         user_module.parameters = module.parameters  # instance attribute shadows the method
         message = ("Under xla_fsdp the optimizer must be built from self.parameters() inside "

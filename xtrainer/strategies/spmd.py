@@ -108,9 +108,7 @@ class XlaSPMD(ParallelStrategy):
             self._preemption = _xla.PreemptionNotice(local_port=free_port())
 
     # ---- stopping --------------------------------------------------------------------------------
-    reads_preemption_notice = True
-
-    def preempted(self, step: int) -> bool:
+    def preempted(self, step: int) -> bool:  # type: ignore[override]
         """Whether the job agreed, through XLA's preemption sync, to stop at ``step``."""
         return self._preemption is not None and self._preemption.reached(step)
 

@@ -8,8 +8,8 @@
 
 Each takes ``compile=True`` (the module's ``forward`` runs through ``torch.compile``). The device
 comes from the Trainer's ``accelerator``: the strategy holds an ``EagerRuntime``
-(``xtrainer/runtimes/eager.py`` holds every device specific: only ``cpu`` is tested here). Processes: ``devices=N`` starts N processes on this host
-(``NativeProcesses``); under ``torchrun`` (its ``RANK``/``WORLD_SIZE``... in the environment) each
+(``xtrainer/runtimes/eager.py`` holds every device specific: only ``cpu`` is tested here). Processes: ``devices=N`` runs rank 0 in the calling process
+and starts N-1 processes on this host for the others (``NativeProcesses``); under ``torchrun`` (its ``RANK``/``WORLD_SIZE``... in the environment) each
 process runs its replica in place (``TorchrunInPlace``), on any number of nodes.
 
 Gradient clipping by norm is by the norm of the whole gradient in all three (``native_fsdp``'s
@@ -25,6 +25,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import signal
+import tempfile
+import time
 import warnings
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -34,16 +37,18 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import nn
 
+from xtrainer.checkpoint import writers
 from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
 from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
 from xtrainer.launch import interrupts
+from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE, RunHung
 from xtrainer.runtimes import EagerRuntime
 from xtrainer.runtimes.eager import to_host
 from xtrainer.strategies import launch
 from xtrainer.strategies.base import Strategy, check_wrapper_kwargs
 from xtrainer.strategies.collectives import Collectives
 from xtrainer.strategies.parallel import ParallelStrategy
-from xtrainer.strategies.process import end_now, free_port, killed_by_signal, run_in_new_processes
+from xtrainer.strategies.process import NewProcesses, end_now, free_port, killed_by_signal, new_processes
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 #: The default ``agreement_seconds``: an agreement costs a gloo all-reduce of about 0.1-0.3 ms of
@@ -208,15 +213,26 @@ class InPlace(launch.Launcher):
 
 
 class NativeProcesses(launch._StartedReplicas):
-    """``devices=N``: N new processes on this host, one per replica, with torch's variables
-    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free port).
-    They end with the calling process, which forwards SIGTERM/SIGINT to each."""
+    """``devices=N``: rank 0 runs in the calling process, as Lightning's ``ddp`` runs it, and
+    ranks 1 to N-1 in new processes on this host, with torch's variables (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). The caller's module is the
+    trained one, with whatever the hooks added to it; nothing comes back from the other ranks
+    but their errors. The group meets in a store that the caller serves on a free port, one per
+    launch; the caller's place in it is given to its strategy here (``_caller_rank``), not in
+    ``os.environ``, which stays as it was (a later Trainer would take torch's variables there for
+    torchrun's). The started processes end with the calling process, which forwards
+    SIGTERM/SIGINT to each; the caller's process group is gone when the stage ends.
 
+    ``timeout_seconds``: how long rank 0 waits for the other ranks to join (one that ends before
+    it does ends the wait at once)."""
+
+    runs_in_caller = True
     ranks = staticmethod(_env_ranks)
 
-    def __init__(self, devices: int | None) -> None:
+    def __init__(self, devices: int | None, timeout_seconds: float = 1800.0) -> None:
         super().__init__(devices)
-        self._codes: list[int | None] = []  # each process's exit code, after a launch
+        self.timeout_seconds = timeout_seconds
+        self._codes: list[int | None] = []  # each started process's exit code, after a launch
 
     def check(self) -> None:
         pass
@@ -225,17 +241,154 @@ class NativeProcesses(launch._StartedReplicas):
         return self.devices
 
     def start(self, job: Callable[[], None]) -> int:
+        raise NotImplementedError("NativeProcesses runs rank 0 in the calling process: see launch()")
+
+    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+        global _caller_rank
         n = int(self.devices or 1)
-        port = str(free_port())
-        envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-                 "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, _REPLICA_OF_CALLER: "1",
-                 **_intra_op_threads(n)}
-                for rank in range(n)]
-        return run_in_new_processes(_process_main, (job,), envs, f"Trainer(devices={n})", self._codes,
-                                    hookless_tensors=True)
+        what = f"Trainer(devices={n})"
+        launch._remove_stale_launch_folders()
+        with tempfile.TemporaryDirectory(prefix=f"{launch._LAUNCH_PREFIX}{writers.instance()}-") as tmp, \
+                _intra_op_threads_here(n):
+            # Pickled before rank 0 runs here: the other ranks start from the module as it is now.
+            job = launch._ReplicaJob(fn, args, tmp, torch.get_rng_state(), _env_ranks)
+            store, port = _serve_store(self.timeout_seconds)
+            envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+                     "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), _REPLICA_OF_CALLER: "1",
+                     **_intra_op_threads(n)}
+                    for rank in range(1, n)]
+            own: BaseException | None = None
+            first = False
+            with new_processes(_process_main, (job,), envs, what, hookless_tensors=True) as started:
+                _caller_rank = _CallerRank(store, n, lambda: self._wait_for_peers(store, started, n))
+                try:
+                    result = fn(*args)
+                    _leave_group(barrier=True)  # every rank past its last collective first
+                except BaseException as err:
+                    own = err
+                    first = not isinstance(err, _PeerEnded) and job._record_failure(err, (0, n))
+                    # Those that failed too end by themselves; the others may wait for rank 0 in a collective.
+                    started.end(grace=30.0 if isinstance(err, interrupts.TrainingInterrupted) else 5.0, patience=2.0)
+                    _leave_group(barrier=False)
+                finally:
+                    _caller_rank = None
+                try:
+                    exitcode = started.join(self._codes)
+                except BaseException as err:
+                    job.raise_failure(cause=err)
+                    raise
+            del store
+            if own is None or isinstance(own, _PeerEnded):
+                self.raise_outcome(job, exitcode, finished=own is None)
+                if own is not None:
+                    raise RuntimeError(f"{what}: {own}")
+                return result
+            if isinstance(own, interrupts.TrainingInterrupted) or first:
+                # rank 0's error is the first (the others' followed from it, or from the same stop),
+                # unless a signal or the hang watchdog ended another rank's process
+                killed = self.killed_replica()
+                if killed is not None:
+                    raise launch._killed_error(*killed, finished=False) from own
+                if HANG_EXIT_CODE in self._codes:
+                    raise RunHung(launch.HANG_ENDED) from own
+                if not isinstance(own, interrupts.TrainingInterrupted):
+                    own.add_note(f"(raised in replica 0 of {n}, in this process; the other replicas were stopped)")
+                raise own
+            try:  # another rank failed first: rank 0's error (a lost connection, say) followed from it
+                self.raise_outcome(job, exitcode, finished=False)
+            except BaseException as theirs:
+                raise theirs from own
+            raise own
+
+    def _wait_for_peers(self, store: dist.Store, started: NewProcesses, n: int) -> None:
+        """Until every started rank has joined the store (it counts in after its rendezvous), while
+        watching that none ended and that no stop signal came. Polled: a wait in the store alone
+        would outlast a rank that died while it imported the script."""
+        deadline = time.monotonic() + self.timeout_seconds
+        while (joined := store.add(_JOINED_KEY, 0)) < n - 1:
+            ended = started.ended()
+            if ended:
+                raise _PeerEnded(f"rank {ended[0] + 1} ended before it joined the process group")
+            signum = interrupts.requested()
+            if signum is not None:
+                raise interrupts.TrainingInterrupted(
+                    f"Stopped by {signal.Signals(signum).name} while the replicas' processes were starting; nothing "
+                    "was trained in this run yet.", signum)
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Trainer(devices={n}): {n - 1 - joined} of the {n - 1} started processes did not join the "
+                    f"process group within timeout_seconds={self.timeout_seconds:g} s (importing the script or "
+                    "rebuilding the job took longer, or hung there; their output above may say where). Give the "
+                    "strategy a larger timeout_seconds if they are only slow.")
+            time.sleep(0.05)
 
     def killed_replica(self) -> tuple[int, int] | None:
-        return killed_by_signal(self._codes)
+        killed = killed_by_signal(self._codes)
+        return None if killed is None else (killed[0] + 1, killed[1])  # the started processes are ranks 1..N-1
+
+
+#: A key of the store the group meets in: each started rank adds 1 once its rendezvous is done.
+_JOINED_KEY = "xtrainer/joined"
+
+
+class _CallerRank:
+    """Rank 0 of ``NativeProcesses``, in the calling process: the store its group meets in, the
+    world size, and the wait for the other ranks (raises when one cannot come)."""
+
+    def __init__(self, store: dist.Store, world_size: int, wait_for_peers: Callable[[], None]) -> None:
+        self.store, self.world_size, self.wait_for_peers = store, world_size, wait_for_peers
+
+
+#: While the calling process runs rank 0 of ``NativeProcesses``: its place in the group.
+_caller_rank: _CallerRank | None = None
+
+
+class _PeerEnded(RuntimeError):
+    """A started rank ended before it joined the process group (its own error, if any, is the one to tell)."""
+
+
+def _serve_store(timeout_seconds: float) -> tuple[dist.TCPStore, int]:
+    """The store of a launch's group, served by the calling process on a free port (bound before
+    any other rank starts: no one else can take the port after it was drawn)."""
+    import datetime
+
+    for attempt in range(20):
+        port = free_port()
+        try:
+            return dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=timeout_seconds),
+                                 wait_for_workers=False, multi_tenant=True), port
+        except (RuntimeError, OSError):  # taken between the draw and the bind
+            if attempt == 19:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _leave_group(barrier: bool) -> None:
+    """The caller's process group gone at the end of its stage (the next launch makes its own);
+    ``barrier``: after every rank has reached this point (a rank that closes its connections
+    while a peer still reads its last message aborts that peer, on gloo)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if barrier:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _intra_op_threads_here(processes: int) -> Iterator[None]:
+    """torch's intra-op threads of the calling process while it runs rank 0 beside ``processes``
+    - 1 others: its share of the cores (``_intra_op_threads``), its own count again afterwards."""
+    share = _intra_op_threads(processes)
+    before = torch.get_num_threads()
+    if share:
+        torch.set_num_threads(int(share["OMP_NUM_THREADS"]))
+    try:
+        yield
+    finally:
+        if share:
+            torch.set_num_threads(before)
 
 
 def _intra_op_threads(processes: int) -> dict[str, str]:
@@ -343,25 +496,35 @@ class NativeSingle(Strategy):
     @property
     def launcher(self) -> launch.Launcher:
         if _REPLICA_OF_CALLER in os.environ or (self.devices != 1 and not under_torchrun()):
-            return NativeProcesses(self.devices)  # in its replicas too: they report to the caller
+            return NativeProcesses(self.devices, self.timeout_seconds)  # in its replicas too: they report to the caller
         return InPlace(self.devices)
 
     def setup_environment(self) -> None:
-        runtime = self.runtime
-        grouped = in_process_group_env()
-        device = runtime.start(int(os.environ["LOCAL_RANK"]) if grouped else 0)
-        self.precision.device_type = runtime.autocast_device_type
-        if grouped and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
-            import datetime
+        import datetime
 
-            timeout = datetime.timedelta(seconds=self.timeout_seconds)
-            options: dict[str, Any] = {}
-            if device.type != "cpu":
-                options["device_id"] = device  # untested here: no accelerator
+        runtime = self.runtime
+        caller, grouped = _caller_rank, in_process_group_env()
+        device = runtime.start(int(os.environ["LOCAL_RANK"]) if grouped and caller is None else 0)
+        self.precision.device_type = runtime.autocast_device_type
+        timeout = datetime.timedelta(seconds=self.timeout_seconds)
+        options: dict[str, Any] = {}
+        if device.type != "cpu":
+            options["device_id"] = device  # untested here: no accelerator
+        if caller is not None and not dist.is_initialized():  # rank 0 of NativeProcesses, in the calling process
+            caller.wait_for_peers()
+            dist.init_process_group(runtime.process_group_backend(), store=dist.PrefixStore("default_pg", caller.store),
+                                    rank=0, world_size=caller.world_size, timeout=timeout, **options)
+            self._owns_process_group = True
+        elif grouped and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
             with interrupts.ending_at_once():  # joining the process group: nothing to save yet
                 store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
                 store.set_timeout(timeout)
-                dist.init_process_group(runtime.process_group_backend(), store=_store_of_this_attempt(store), rank=rank,
+                if _REPLICA_OF_CALLER in os.environ:  # a rank of NativeProcesses: its caller serves the store
+                    store.add(_JOINED_KEY, 1)  # rank 0 waits for every rank's, watching that none ended
+                    group_store = dist.PrefixStore("default_pg", store)
+                else:
+                    group_store = _store_of_this_attempt(store)
+                dist.init_process_group(runtime.process_group_backend(), store=group_store, rank=rank,
                                         world_size=world_size, timeout=timeout, **options)
             self._owns_process_group = True
         self.collectives = ProcessGroup(device, self.agreement_seconds)
@@ -528,8 +691,9 @@ class NativeFSDP(NativeSingle, ParallelStrategy):
             return _gradient_sync_off(wrapped)
         return contextlib.nullcontext()
 
-    def check_manual_optimization(self) -> None:
-        self._manual = True
+    def setup_optimizers(self, module: nn.Module, configure: Callable[[], Any], manual: bool = False) -> Any:
+        self._manual = manual
+        return super().setup_optimizers(module, configure, manual)
 
     def manual_backward(self, wrapped: nn.Module, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """A backward pass of manual optimization. ``training_step`` runs inside the forward of the
@@ -651,7 +815,8 @@ class NativeFSDP(NativeSingle, ParallelStrategy):
 def _unshard_for_good(root: nn.Module) -> None:
     """Undo ``fully_shard`` on ``root`` and every module under it: each sharded parameter replaced
     by a plain one holding the whole tensor (gathered in the same order on every process; shared
-    parameters stay shared), FSDP2's forward hooks, state and class removed. torch has no public
+    parameters stay shared), FSDP2's forward and state-dict hooks, state and class removed (the
+    module pickles again, for the processes of a later stage). torch has no public
     way back (tested with torch 2.9 and 2.13): the internals used are named here, and a torch that
     moved them gets the module with its whole weights and a warning."""
     from torch.distributed.fsdp import FSDPModule
@@ -689,6 +854,14 @@ def _unshard_for_good(root: nn.Module) -> None:
     for module in root.modules():
         for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
             module.__dict__.pop(attr, None)
+        # FSDP2's state-dict hooks, on the modules that held its parameters (local functions of
+        # its own: the module would not pickle for a later stage's processes)
+        for attr in ("_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks"):
+            hooks = getattr(module, attr, None)
+            for key, hook in list(hooks.items()) if isinstance(hooks, dict) else ():
+                if getattr(getattr(hook, "hook", hook), "__module__", "").startswith("torch.distributed.fsdp"):
+                    del hooks[key]
 
 
 def _unwrap_checkpointing(module: nn.Module) -> None:
