@@ -22,9 +22,9 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from xtrainer import Trainer, TrainingInterrupted, XModule
+from xtrainer import Trainer, TrainingInterrupted, XDataModule, XModule
 from xtrainer.callbacks import Callback, ModelCheckpoint
 
 FEATURES = 4
@@ -226,18 +226,22 @@ class SleepOnRankOne(Callback):
 
 
 class Threads(Callback):
-    """The names of the Python threads of rank 0's process and its caller's pid, seen mid-fit
-    (handed back to the caller, as callback state is)."""
+    """The names of the Python threads of each rank's process and that process's id and parent's,
+    seen mid-fit: rank 0's kept here (it runs in the calling process), the others' written to
+    ``folder/threads-R.txt`` (``names``, one per line, after a line ``pid parent``)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.names, self.pid = folder, None, None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if batch_idx == 1:
-            self.names, self.parent = sorted(t.name for t in threading.enumerate()), os.getppid()
-
-    def state_dict(self):
-        return {"names": getattr(self, "names", None), "parent": getattr(self, "parent", None)}
-
-    def load_state_dict(self, state):
-        self.names, self.parent = state["names"], state["parent"]
+        if batch_idx != 1:
+            return
+        names = sorted(t.name for t in threading.enumerate())
+        if trainer.global_rank == 0:
+            self.names, self.pid = names, os.getpid()
+            return
+        with open(os.path.join(self.folder, f"threads-{trainer.global_rank}.txt"), "w") as f:
+            f.write("\n".join([f"{os.getpid()} {os.getppid()}", *names]))
 
 
 def whole_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -249,13 +253,29 @@ def whole_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             for name, t in model.state_dict().items()}
 
 
+class InOrderShards(XDataModule):
+    """The training data split over the processes in order, sample i to rank i % world_size: a
+    ``DistributedSampler`` without shuffling, built in each replica as a Lightning user builds one,
+    so that the global batch of step k is the same samples at every world size. (Without it, the
+    strategy's own sampler shuffles a training loader of several processes, as Lightning's does.)"""
+
+    def __init__(self, data: TensorDataset, batch_size: int) -> None:
+        super().__init__()
+        self.data, self.batch_size = data, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = DistributedSampler(self.data, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
+                                     shuffle=False)
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
+
+
 def fit(strategy, devices: int, root: str, steps: int, global_batch: int, ckpt_path=None, pause: float = 0.0,
         ready: str | None = None, every_n_train_steps: int = 2, world_size: int | None = None,
         model: XModule | None = None, nan_at: int | None = None, **kwargs):
     """Returns (trainer, model). ``world_size``: the processes the batch is split over (devices,
     or torchrun's); ``model``: an ``ExactNet`` unless given; ``nan_at``: a NaN sample (``make_data``)."""
     world_size = world_size or devices
-    loader = DataLoader(make_data(nan_at=nan_at), batch_size=global_batch // world_size)
+    data = InOrderShards(make_data(nan_at=nan_at), global_batch // world_size)
     model = model if model is not None else ExactNet()
     trainer = Trainer(strategy=strategy, devices=devices, max_steps=steps, default_root_dir=root,
                       enable_progress_bar=False, enable_model_summary=False, logger=False,
@@ -263,7 +283,7 @@ def fit(strategy, devices: int, root: str, steps: int, global_batch: int, ckpt_p
                       num_sanity_val_steps=0,
                       callbacks=[ModelCheckpoint(every_n_train_steps=every_n_train_steps, save_last=True),
                                  Pause(pause, ready, root), *kwargs.pop("callbacks", [])], **kwargs)
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return trainer, model
 
 

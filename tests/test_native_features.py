@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -254,9 +255,11 @@ def test_evaluation_data_padded_for_the_replicas_is_said(tmp_path, capfd):
         trainer = Trainer(strategy="native_ddp", devices=2, accelerator="cpu", max_steps=2, logger=False,
                           default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False,
                           num_sanity_val_steps=0)
-        trainer.fit(native_run.ExactNet(), DataLoader(native_run.make_data(16), batch_size=4),
-                    DataLoader(native_run.make_data(samples), batch_size=4))
-        err = capfd.readouterr().err
+        with warnings.catch_warnings(record=True) as caught:  # rank 0 warns in this process
+            warnings.simplefilter("always")
+            trainer.fit(native_run.ExactNet(), DataLoader(native_run.make_data(16), batch_size=4),
+                        DataLoader(native_run.make_data(samples), batch_size=4))
+        err = "\n".join([capfd.readouterr().err, *(str(w.message) for w in caught)])
         said = ("validate: the 33 samples are dealt to 2 replicas by a DistributedSampler, which repeats 1 of them "
                 "so that every replica gets as many batches (as in Lightning): this stage's values count those twice")
         assert (said in err) == (samples == 33), err[-2000:]
@@ -288,14 +291,18 @@ def test_a_replica_stuck_while_the_other_waits_in_a_collective_is_ended_by_the_h
 
 @pytest.mark.multi_device
 def test_the_processes_of_devices_2_run_no_python_thread_of_ours(tmp_path):
-    """Each process of ``devices=2`` ends with its caller through the parent-death signal, not a
-    watching thread: a second thread costs every step (glibc's locks and allocator leave their
+    """Rank 0 of ``devices=2`` runs in the caller, rank 1 in a process that ends with its caller
+    through the parent-death signal, not a watching thread; the caller watches rank 1 without
+    one either. A second thread costs every step (glibc's locks and allocator leave their
     single-threaded paths, and its wake-ups take the GIL). gloo's threads are C++ threads."""
-    threads = native_run.Threads()
+    threads = native_run.Threads(str(tmp_path))
+    before = sorted(t.name for t in threading.enumerate())
     trainer, _ = native_run.fit("native_ddp", 2, str(tmp_path), STEPS, 8, callbacks=[threads])
     assert trainer.global_step == STEPS
-    assert threads.parent == os.getpid()  # rank 0 ran in a process of this caller's
-    assert threads.names == ["MainThread"], threads.names
+    assert threads.pid == os.getpid() and threads.names == before  # rank 0 ran here, beside no thread of ours
+    pids, *names = (tmp_path / "threads-1.txt").read_text().splitlines()
+    assert int(pids.split()[1]) == os.getpid()  # rank 1 ran in a process of this caller's
+    assert names == ["MainThread"], names
 
 
 @pytest.mark.multi_device

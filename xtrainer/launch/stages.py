@@ -92,7 +92,7 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
             remove_if_empty(trainer.log_dir)  # a run that failed before writing anything leaves no folder
         raise
     if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
-        model.load_state_dict(result["state_dict"])
+        load_home(trainer, stage, model, result["state_dict"])
         trainer.loop = result["loop"]
         trainer.should_stop = result["should_stop"]
         trainer.callback_metrics = result["callback_metrics"]
@@ -101,6 +101,28 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
         for cb in trainer.callbacks:
             cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
     return result["outputs"]
+
+
+def load_home(trainer: Trainer, stage: str, model: XModule, state: dict[str, torch.Tensor]) -> None:
+    """Rank 0's weights into the calling process's ``model``, where the replicas ran on copies of
+    it (the XLA strategies with several devices). A parameter or buffer that a hook added to the
+    replicas' copies (or took from them, or reshaped) has no place here: a one-line error names
+    it and says what to do, instead of ``load_state_dict``'s strict refusal."""
+    own = model.state_dict()
+    changed = ([f"{name} (added)" for name in state if name not in own]
+               + [f"{name} (gone)" for name in own if name not in state]
+               + [f"{name} ({tuple(own[name].shape)} -> {tuple(state[name].shape)})" for name in state
+                  if name in own and own[name].shape != state[name].shape])
+    if changed:
+        shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+        raise RuntimeError(
+            f"strategy={trainer.strategy.name!r} trained copies of {type(model).__name__} in its replicas, and their "
+            f"parameters or buffers changed during {stage}: "
+            f"{shown}; rank 0's weights cannot be loaded back into the module here, which keeps the weights it had "
+            "(the run's checkpoints hold the trained ones). Create every submodule, parameter and buffer in the "
+            "module's __init__ (not in a hook such as on_fit_start), or use a native strategy (native_ddp, "
+            "native_fsdp), whose rank 0 trains this very module in this process.")
+    model.load_state_dict(state)
 
 
 def claims_run_folder() -> bool:

@@ -218,7 +218,12 @@ def _anonymous_file(name: str) -> int:
 
 
 def _exit_on_hang(signum: int, frame: Any) -> None:
-    """The monitor's end of a hung process (``exit_on_hang``), where Python still runs here."""
+    """The monitor's end of a hung process (``exit_on_hang``), where Python still runs here (the
+    calling process too, where it runs a replica: ``native``, rank 0 of the native strategies)."""
+    with contextlib.suppress(Exception):
+        print(f"xtrainer: process {os.getpid()} was ended by the hang watchdog (exit_on_hang=True): no training step "
+              "finished within hang_timeout. Checkpoints written before are intact: resume with "
+              "fit(..., ckpt_path='last').", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -106,29 +106,35 @@ class _StartedReplicas(Launcher):
             except BaseException as err:
                 job.raise_failure(cause=err)
                 raise
-            killed = self.killed_replica()
-            error = (_killed_error(*killed, finished=os.path.exists(job.result_path)) if killed is not None
-                     else RunHung(HANG_ENDED) if exitcode == HANG_EXIT_CODE else None)
-            if error is not None:  # the others' errors (a lost connection) followed from it
-                try:
-                    job.raise_failure()
-                except BaseException as consequence:
-                    raise error from consequence
-                raise error
-            job.raise_failure()
-            signum = interrupts.requested()
-            if exitcode != 0 and signum is not None:  # stopped before it could stop gracefully
-                raise TrainingInterrupted(
-                    f"Stopped by {signal.Signals(signum).name}: the replicas' process ended before it could stop "
-                    "gracefully (while starting or finishing); any checkpoint written before is intact. Resume "
-                    "with fit(..., ckpt_path='last').", signum)
-            if exitcode != 0:
-                how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
-                when = "after rank 0 had finished" if os.path.exists(job.result_path) else "before rank 0 finished"
-                raise RuntimeError(f"The replicas' process ended with {how} {when}, without reporting an error; "
-                                   "its output above (Python stacks of every thread on a crash) may say why."
-                                   + self.explain_crash(exitcode))
+            self.raise_outcome(job, exitcode, finished=os.path.exists(job.result_path))
             return job.result()
+
+    def raise_outcome(self, job: "_ReplicaJob", exitcode: int, finished: bool) -> None:
+        """Raise what ended a launch whose replicas' processes ended with ``exitcode``, if anything
+        did: a replica that a signal ended or the hang watchdog, else the first failed replica's
+        error, else a stop signal or a crash; ``finished``: rank 0 had returned its result."""
+        killed = self.killed_replica()
+        error = (_killed_error(*killed, finished=finished) if killed is not None
+                 else RunHung(HANG_ENDED) if exitcode == HANG_EXIT_CODE else None)
+        if error is not None:  # the others' errors (a lost connection) followed from it
+            try:
+                job.raise_failure()
+            except BaseException as consequence:
+                raise error from consequence
+            raise error
+        job.raise_failure()
+        signum = interrupts.requested()
+        if exitcode != 0 and signum is not None:  # stopped before it could stop gracefully
+            raise TrainingInterrupted(
+                f"Stopped by {signal.Signals(signum).name}: the replicas' process ended before it could stop "
+                "gracefully (while starting or finishing); any checkpoint written before is intact. Resume "
+                "with fit(..., ckpt_path='last').", signum)
+        if exitcode != 0:
+            how = f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
+            when = "after rank 0 had finished" if finished else "before rank 0 finished"
+            raise RuntimeError(f"The replicas' process ended with {how} {when}, without reporting an error; "
+                               "its output above (Python stacks of every thread on a crash) may say why."
+                               + self.explain_crash(exitcode))
 
     def explain_crash(self, exitcode: int) -> str:
         """What a crash of the replicas' process with ``exitcode`` most likely means ("" if nothing)."""
@@ -317,8 +323,11 @@ class _ReplicaJob:
         finally:
             _current.rng_state = None
 
-    def _record_failure(self, err: BaseException) -> None:
-        rank, world_size, _ = self.ranks()
+    def _record_failure(self, err: BaseException, ranks: tuple[int, int] | None = None) -> bool:
+        """Write ``err`` as the launch's failure unless a replica's is there already; whether it
+        was the first. ``ranks``: (rank, world size) where ``self.ranks`` does not know them (rank
+        0 in the calling process)."""
+        rank, world_size = ranks or self.ranks()[:2]
         record = {"rank": rank, "world_size": world_size, "type": type(err).__name__,
                   "message": str(err), "traceback": "".join(traceback.format_exception(err))}
         try:
@@ -329,9 +338,10 @@ class _ReplicaJob:
         try:
             fd = os.open(self.error_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except FileExistsError:
-            return  # another replica failed first
+            return False  # another replica failed first
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
+        return True
 
     def raise_failure(self, cause: BaseException | None = None) -> None:
         """Raise the first failed replica's error here, if one failed."""

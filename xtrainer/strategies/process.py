@@ -1,4 +1,5 @@
-"""Running a launch's replicas in a new process (the CPU runtime's thread replicas, SPMD).
+"""Running a launch's replicas in new processes (the CPU runtime's thread replicas, SPMD, the native
+strategies' ranks other than 0).
 
 A new process gets a clean XLA runtime configured by environment variables, whatever the
 calling process (a script, a notebook, a test session) has already done with its own.
@@ -69,6 +70,59 @@ def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[di
     When one process ends with an error, the others are ended too (they may be waiting for it in
     a collective). Stop signals the caller receives are forwarded to every process.
     """
+    with new_processes(target, args, envs, what, hookless_tensors) as started:
+        return started.join(codes)
+
+
+class NewProcesses:
+    """The processes ``new_processes`` started, while the caller works beside them."""
+
+    def __init__(self, processes: list, marker: str, unpickling: str, what: str) -> None:
+        self.processes, self.marker, self.unpickling, self.what = processes, marker, unpickling, what
+
+    def ended(self) -> list[int]:
+        """The indices of the processes that have ended (without waiting for the others)."""
+        return [index for index, process in enumerate(self.processes) if process.exitcode is not None]
+
+    def end(self, grace: float = 0.0, patience: float = 10.0) -> None:
+        """End the processes still running after ``grace`` seconds (SIGTERM, then SIGKILL after
+        ``patience`` more)."""
+        _end(self.processes, grace, patience)
+
+    def join(self, codes: list[int | None] | None = None) -> int:
+        """Wait for every process (once one fails, the others are ended); the first non-zero exit
+        code (0 if all ended well), and ``codes`` as ``run_in_new_processes`` gives them. Raises
+        what a process left word of: it imported an unguarded script, or could not rebuild its job."""
+        try:
+            exitcode = _join_all(self.processes)
+        except BaseException:  # a second Ctrl-C: do not leave the replicas running
+            _end(self.processes)
+            raise
+        if codes is not None:
+            codes[:] = [None if getattr(process, "ended_by_caller", False) else process.exitcode
+                        for process in self.processes]
+        if os.path.exists(self.marker):
+            os.remove(self.marker)
+            raise RuntimeError(_UNGUARDED_MESSAGE)
+        if os.path.exists(self.unpickling):
+            with open(self.unpickling) as f:
+                why = f.read()
+            os.remove(self.unpickling)
+            raise RuntimeError(f"{self.what}: a new process could not rebuild what it was sent (the trainer, the "
+                               f"module, the callbacks and the dataloaders, pickled): {why}. The new process imports "
+                               "the script again as a module, without running what is under `if __name__ == "
+                               "'__main__':`; define the classes and functions the run uses above it, at the top level "
+                               "of a file (not in standard input or a notebook cell), or in a module of their own.")
+        return exitcode
+
+
+@contextlib.contextmanager
+def new_processes(target: Callable[..., None], args: tuple, envs: list[dict[str, str]], what: str,
+                  hookless_tensors: bool = False) -> Iterator[NewProcesses]:
+    """``run_in_new_processes``'s processes, started (``args`` pickled now, once) and handed to the
+    caller, which may work beside them before it joins them (``NewProcesses.join``). Stop signals
+    the caller receives are forwarded to every process while this lasts; leaving it with an error
+    ends those still running."""
     context = multiprocessing.get_context("spawn")
     inherited_marker = os.environ.get(_UNGUARDED_MARKER)  # set if this is a started process itself
     marker = os.path.join(tempfile.gettempdir(), f"xtrainer-unguarded-{os.getpid()}-{id(args)}")
@@ -104,28 +158,12 @@ def run_in_new_processes(target: Callable[..., None], args: tuple, envs: list[di
             with contextlib.ExitStack() as stack:
                 for process in processes:  # SIGTERM/SIGINT reach the replicas through here
                     stack.enter_context(interrupts.forwarding_to(process.pid))
-                exitcode = _join_all(processes)
-        except BaseException:  # a second Ctrl-C: do not leave the replicas running
+                yield NewProcesses(processes, marker, unpickling, what)
+        except BaseException:
             _end(processes)
             raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the links of processes that never read theirs
-    if codes is not None:
-        codes[:] = [None if getattr(process, "ended_by_caller", False) else process.exitcode
-                    for process in processes]
-    if os.path.exists(marker):
-        os.remove(marker)
-        raise RuntimeError(_UNGUARDED_MESSAGE)
-    if os.path.exists(unpickling):
-        with open(unpickling) as f:
-            why = f.read()
-        os.remove(unpickling)
-        raise RuntimeError(f"{what}: a new process could not rebuild what it was sent (the trainer, the module, the "
-                           f"callbacks and the dataloaders, pickled): {why}. The new process imports the script "
-                           "again as a module, without running what is under `if __name__ == '__main__':`; define "
-                           "the classes and functions the run uses above it, at the top level of a file (not in "
-                           "standard input or a notebook cell), or in a module of their own.")
-    return exitcode
 
 
 def _unpicklable(what: str, err: BaseException) -> str:
@@ -239,8 +277,9 @@ def _join_all(processes: list) -> int:
     return failed
 
 
-def _end(processes: list, grace: float = 0.0) -> None:
-    """Terminate ``processes`` (after ``grace`` seconds to end by themselves), then reap them."""
+def _end(processes: list, grace: float = 0.0, patience: float = 10.0) -> None:
+    """Terminate ``processes`` (after ``grace`` seconds to end by themselves), then reap them
+    (SIGKILL for those still there ``patience`` seconds after SIGTERM)."""
     deadline = time.monotonic() + grace
     for process in processes:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -249,7 +288,7 @@ def _end(processes: list, grace: float = 0.0) -> None:
             process.ended_by_caller = True
             process.terminate()
     for process in processes:
-        process.join(timeout=10)
+        process.join(timeout=patience)
         if process.is_alive():
             process.kill()
             process.join()
