@@ -425,3 +425,71 @@ def test_metrics_csv_holds_what_the_module_logged_with_epoch_and_step(tmp_path, 
 
     tags = set(SummaryReader(tb.log_dir).scalars["tag"])
     assert {"train_loss_step", "val_loss"} <= tags and any(tag.startswith("throughput/") for tag in tags)
+
+
+# ---- the data's order under DDP: Lightning's distributed sampler --------------------------------
+
+def _indices(n=20):
+    return TensorDataset(torch.arange(n).float().unsqueeze(1), torch.zeros(n, 1))
+
+
+class RecordsOrder(LightningModule):
+    """Notes, per rank, the samples each step sees (the indices are the data)."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = folder
+        self.layer = nn.Linear(1, 1)
+
+    def _note(self, kind, batch):
+        with open(os.path.join(self.folder, f"{kind}-{self.global_rank}.txt"), "a") as f:
+            f.write(f"{self.current_epoch} {' '.join(str(int(i)) for i in batch[0][:, 0].cpu().tolist())}\n")
+
+    def training_step(self, batch, batch_idx):
+        self._note("train", batch)
+        return self.layer(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self._note("val", batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _seen(folder, kind, rank):
+    order = {}
+    with open(os.path.join(folder, f"{kind}-{rank}.txt")) as f:
+        for line in f:
+            epoch, *indices = line.split()
+            order.setdefault(int(epoch), []).extend(int(i) for i in indices)
+    return order
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("strategy", ["native_ddp", "xla_ddp"])
+@pytest.mark.parametrize("use_distributed_sampler", [True, False])
+def test_the_training_data_order_under_ddp_is_lightnings(tmp_path, strategy, use_distributed_sampler):
+    """A training loader built with shuffle=False gets a DistributedSampler(shuffle=True) seeded
+    with the run's seed and set to each epoch; evaluation loaders one with shuffle=False; with
+    use_distributed_sampler=False every rank reads each loader as it was built."""
+    from torch.utils.data import DistributedSampler
+
+    from xtrainer import seed_everything
+
+    seed_everything(123)
+    data, val = _indices(20), _indices(8)
+    trainer = Trainer(strategy=strategy, devices=2, max_epochs=2, use_distributed_sampler=use_distributed_sampler,
+                      **{**quiet(tmp_path), "num_sanity_val_steps": 0})
+    trainer.fit(RecordsOrder(str(tmp_path)), DataLoader(data, batch_size=5, shuffle=False),
+                DataLoader(val, batch_size=2, shuffle=False))
+    for rank in (0, 1):
+        for epoch in (0, 1):
+            if use_distributed_sampler:
+                sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=123)
+                sampler.set_epoch(epoch)
+                expected = list(sampler)
+                expected_val = list(DistributedSampler(val, num_replicas=2, rank=rank, shuffle=False))
+            else:
+                expected, expected_val = list(range(20)), list(range(8))
+            assert _seen(tmp_path, "train", rank)[epoch] == expected, (rank, epoch)
+            assert _seen(tmp_path, "val", rank)[epoch] == expected_val, (rank, epoch)

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import Regressor, make_data, make_loader, subprocess_timeout
+from native_run import InOrderShards
 from tbparse import SummaryReader
 from torch import nn
 
@@ -80,13 +81,21 @@ class Recorder(Callback):
                    os.path.join(self.folder, f"rank-{trainer.global_rank}.pt"))
 
 
+class InOrder(InOrderShards):
+    """The training data shared out in order (sample i to replica i % N: the same global batches
+    at every replica count), and the validation data."""
+
+    def val_dataloader(self):
+        return make_loader(n=16, seed=1, batch_size=self.batch_size)
+
+
 def train(tmp_path, strategy, devices, module=None, callbacks=(), **kwargs):
     batch = GLOBAL_BATCH // devices
     model = module or SyncedRegressor()
     kwargs = {"max_epochs": EPOCHS, "log_every_n_steps": 1, **kwargs}
     trainer = Trainer(strategy=strategy, devices=devices, default_root_dir=str(tmp_path), enable_progress_bar=False,
                       callbacks=[Recorder(tmp_path), *callbacks], **kwargs)
-    trainer.fit(model, make_loader(batch_size=batch), make_loader(n=16, seed=1, batch_size=batch))
+    trainer.fit(model, datamodule=InOrder(make_data(), batch))
     replicas = [torch.load(path, weights_only=False) for path in sorted(glob.glob(str(tmp_path / "rank-*.pt")))]
     return trainer, model, replicas
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from xtrainer.config import arguments
 from xtrainer.datamodule import LOADER_HOOKS, XDataModule
 from xtrainer.module import XModule
-from xtrainer.strategies.data import sequential_dataloader
+from xtrainer.strategies.data import sequential_dataloader, shuffled_dataloader
 from xtrainer.utilities.combined_loader import CombinedLoader, flatten
 
 if TYPE_CHECKING:
@@ -84,9 +84,21 @@ def in_replica(trainer: "Trainer", model: XModule, sources: dict[str, list | Non
             found[stage] = from_hooks(trainer, model, stage)
         if stage != "validate" or "train" not in sources:  # validation data is optional in a fit
             _check_found(trainer, model, stage, found[stage])
-    if "train" in found and trainer.overfit_batches:
-        found["train"] = [each_loader(found["train"][0], sequential_dataloader)]
+    if found.get("train"):
+        found["train"] = [training_order(trainer, found["train"][0])]
     return found
+
+
+def training_order(trainer: "Trainer", loader: Any) -> Any:
+    """The training loader in Lightning's order: in order for ``overfit_batches``; shuffled on
+    several replicas with ``use_distributed_sampler`` (Lightning's ``DistributedSampler`` of a
+    training loader shuffles, with the run's seed and the epoch, even where the loader was built
+    with ``shuffle=False``); else as it was built."""
+    if trainer.overfit_batches:
+        return each_loader(loader, sequential_dataloader)
+    if trainer.use_distributed_sampler and trainer.world_size > 1:
+        return each_loader(loader, shuffled_dataloader)
+    return loader
 
 
 def training_source(loaders: Any, where: str) -> list:
@@ -172,7 +184,7 @@ def reloaded(trainer: "Trainer", train: Any, first_epoch: int) -> Any:
     loader = training_source(_call_hook(owner, LOADER_HOOKS["train"]), f"{type(owner).__name__}.train_dataloader()")
     if len(loader) != 1:
         raise ValueError(f"{type(owner).__name__}.train_dataloader() returned no loader on reload.")
-    data = trainer._device_data(each_loader(loader[0], sequential_dataloader) if trainer.overfit_batches else loader[0])
+    data = trainer._device_data(training_order(trainer, loader[0]))
     trainer.num_training_batches = num_batches(data, trainer.limits["train"], "train")
     return data
 

@@ -1,8 +1,9 @@
 """How batches reach a replica: its share of a loader, delivered on the device.
 
 ``Strategy.process_dataloader`` gives each replica a ``DeviceData``; ``distribute_dataloader``
-puts a ``DistributedSampler`` in a plain loader, and ``sequential_dataloader`` turns shuffling off
-(``overfit_batches``).
+puts a ``DistributedSampler`` in a plain loader, ``shuffled_dataloader`` turns shuffling on (a
+training loader of several replicas, as Lightning's sampler shuffles it) and
+``sequential_dataloader`` off (``overfit_batches``).
 """
 
 from __future__ import annotations
@@ -346,6 +347,16 @@ def padded_samples(data: Any) -> tuple[int, int]:
         return 0, 0
     size = len(sampler.dataset)  # type: ignore[arg-type]
     return sampler.total_size - size, size
+
+
+def shuffled_dataloader(loader: Any) -> Any:
+    """A plain loader in order (``SequentialSampler``) as one that shuffles: the training loader
+    of several replicas under the distributed sampler, whose ``DistributedSampler`` (put in by
+    ``distribute_dataloader``) then shuffles, as Lightning's does for every training loader."""
+    if type(loader) is DataLoader and type(loader.sampler) is SequentialSampler \
+            and type(loader.batch_sampler) is BatchSampler:
+        return _with_sampler(loader, RandomSampler(loader.dataset))
+    return loader
 
 
 def sequential_dataloader(loader: Any) -> Any:
