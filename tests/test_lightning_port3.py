@@ -342,6 +342,9 @@ class Validated(LightningModule):
         x, y = batch
         self.log("test_loss", nn.functional.mse_loss(self.layer(x), y))
 
+    def predict_step(self, batch, batch_idx):
+        return self.layer(batch[0])
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -493,3 +496,64 @@ def test_the_training_data_order_under_ddp_is_lightnings(tmp_path, strategy, use
                 expected, expected_val = list(range(20)), list(range(8))
             assert _seen(tmp_path, "train", rank)[epoch] == expected, (rank, epoch)
             assert _seen(tmp_path, "val", rank)[epoch] == expected_val, (rank, epoch)
+
+
+# ---- Lightning 2.6's newer API -----------------------------------------------------------------
+
+class TwoOptimizers(LightningModule):
+    """Lightning's GAN recipe with 2.6's context manager: ``with self.toggled_optimizer(opt):``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.g, self.d = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.inside, self.after = [], []
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        with self.toggled_optimizer(opt_g):
+            self.inside.append((self.g.weight.requires_grad, self.d.weight.requires_grad))
+            loss_g = self.d(self.g(x)).mean()
+            opt_g.zero_grad()
+            self.manual_backward(loss_g)
+            opt_g.step()
+        self.after.append((self.g.weight.requires_grad, self.d.weight.requires_grad))
+        with self.toggled_optimizer(opt_d):
+            loss_d = self.d(x).pow(2).mean()
+            opt_d.zero_grad()
+            self.manual_backward(loss_d)
+            opt_d.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.g.parameters(), lr=0.01), torch.optim.SGD(self.d.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_toggled_optimizer_as_a_context_manager(tmp_path, strategy):
+    model = TwoOptimizers()
+    trainer = Trainer(strategy=strategy, max_epochs=1, **quiet(tmp_path))
+    trainer.fit(model, DataLoader(make_data(16), batch_size=8))
+    assert trainer.global_step == 4  # two optimizers, two batches
+    assert model.inside == [(True, False)] * 2 and model.after == [(True, True)] * 2
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_weights_only_is_accepted_by_every_entry_point(tmp_path, strategy):
+    from xtrainer.callbacks import ModelCheckpoint
+
+    kwargs = dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+                  enable_model_summary=False, strategy=strategy)
+    data, val = DataLoader(make_data(32), batch_size=8), DataLoader(make_data(16, seed=1), batch_size=8)
+    trainer = Trainer(max_epochs=1, callbacks=[ModelCheckpoint(monitor="val_loss")], **kwargs)
+    trainer.fit(Validated(), data, val, weights_only=True)
+    path = trainer.checkpoint_callback.best_model_path
+    resumed = Trainer(max_epochs=2, **kwargs)
+    resumed.fit(Validated(), data, val, ckpt_path=path, weights_only=None)
+    assert resumed.global_step == 8
+    assert resumed.validate(Validated(), val, ckpt_path=path, weights_only=True, verbose=False)
+    assert resumed.test(Validated(), val, ckpt_path=path, weights_only=True, verbose=False)
+    assert resumed.predict(Validated(), val, ckpt_path=path, weights_only=True) is not None
+    with pytest.raises(ValueError, match="weights_only=False.*weights_only=True"):
+        resumed.test(Validated(), val, ckpt_path=path, weights_only=False)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import abc
 import argparse
+import contextlib
 import copy
 import inspect
 import os
 import types
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -451,6 +452,16 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
         for param, requires_grad in self.__dict__.pop("_toggled", {}).items():
             param.requires_grad = requires_grad
         self.trainer.strategy.requires_grad_changed(self.trainer.model)
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """``toggle_optimizer(optimizer)`` for the block, ``untoggle_optimizer`` after it (also
+        when it raises): ``with self.toggled_optimizer(opt_g): ...``."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
 
     def freeze(self) -> None:
         """No gradients for any parameter, and evaluation mode."""

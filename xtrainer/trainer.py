@@ -43,6 +43,16 @@ from xtrainer.utilities.combined_loader import CombinedLoader
 __all__ = ["Trainer", "seed_everything"]
 
 
+def _check_weights_only(weights_only: bool | None) -> None:
+    """Lightning's ``weights_only=`` of the entry points: None or True, as every checkpoint is
+    read (tensors and plain values; nothing in the file runs); False is refused."""
+    if weights_only is False:
+        raise ValueError("weights_only=False: xtrainer reads every checkpoint with weights_only=True (tensors and "
+                         "plain values only; nothing in the file runs); pass weights_only=True or leave it out.")
+    if weights_only not in (None, True):
+        raise TypeError(f"weights_only must be None, True or False, got {weights_only!r}.")
+
+
 class Trainer:
     """Trains an ``XModule`` on a native PyTorch device (CPU, CUDA, TorchTPU, TorchNeuron) or an
     XLA device.
@@ -513,9 +523,12 @@ class Trainer:
 
     # ---- entry points (calling process) ------------------------------------------------------
     def fit(self, model: XModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
-            datamodule: XDataModule | None = None, ckpt_path: str | os.PathLike | None = None) -> None:
+            datamodule: XDataModule | None = None, ckpt_path: str | os.PathLike | None = None,
+            weights_only: bool | None = None) -> None:
         """Train ``model`` on loaders given here, or a ``datamodule``'s, or the module's own
-        ``*_dataloader()`` hooks. Afterwards ``model`` holds the trained weights (on the CPU)."""
+        ``*_dataloader()`` hooks. Afterwards ``model`` holds the trained weights (on the CPU).
+        ``weights_only``: Lightning's; a checkpoint is always read with ``weights_only=True``."""
+        _check_weights_only(weights_only)
         stages.fit(self, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
         self._fitted_model = model
 
@@ -537,27 +550,33 @@ class Trainer:
         return checkpoints.resolve_ckpt_path(self, fs.local(os.fspath(ckpt_path)), stage)
 
     def validate(self, model: XModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-                 verbose: bool = True, datamodule: XDataModule | None = None) -> list[dict[str, float]]:
+                 verbose: bool = True, datamodule: XDataModule | None = None,
+                 weights_only: bool | None = None) -> list[dict[str, float]]:
         """Run the validation loop once; one dict of metrics per dataloader.
 
         Without ``model``, the module of the last ``fit``, from the best checkpoint when a
         ``ModelCheckpoint`` monitored one (else as the fit left it). With several replicas,
         values logged with ``sync_dist=True`` are combined across replicas; others are rank 0's.
         """
+        _check_weights_only(weights_only)
         return self._evaluate("validate", model, dataloaders, ckpt_path, verbose, datamodule)
 
     def test(self, model: XModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-             verbose: bool = True, datamodule: XDataModule | None = None) -> list[dict[str, float]]:
+             verbose: bool = True, datamodule: XDataModule | None = None,
+             weights_only: bool | None = None) -> list[dict[str, float]]:
         """Run the test loop once; one dict of metrics per dataloader (``model`` as in ``validate``)."""
+        _check_weights_only(weights_only)
         return self._evaluate("test", model, dataloaders, ckpt_path, verbose, datamodule)
 
     def predict(self, model: XModule | None = None, dataloaders: Any = None, datamodule: XDataModule | None = None,
-                return_predictions: bool | None = None, ckpt_path: str | None = None) -> list[Any] | None:
+                return_predictions: bool | None = None, ckpt_path: str | None = None,
+                weights_only: bool | None = None) -> list[Any] | None:
         """``predict_step`` outputs on the CPU: one list per dataloader (just the list if one).
 
         With several replicas each predicts its share of the data; the outputs returned are rank
         0's share. Write every replica's predictions from ``on_predict_batch_end`` to collect all.
         """
+        _check_weights_only(weights_only)
         outputs = self._evaluate("predict", model, dataloaders, ckpt_path, False, datamodule)
         return None if return_predictions is False else outputs
 
