@@ -557,3 +557,30 @@ def test_weights_only_is_accepted_by_every_entry_point(tmp_path, strategy):
     assert resumed.predict(Validated(), val, ckpt_path=path, weights_only=True) is not None
     with pytest.raises(ValueError, match="weights_only=False.*weights_only=True"):
         resumed.test(Validated(), val, ckpt_path=path, weights_only=False)
+
+
+class FailsAtBatch(Validated):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise RuntimeError("a bad batch")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_model_checkpoint_saves_on_exception(tmp_path, strategy):
+    from xtrainer.callbacks import ModelCheckpoint
+    from xtrainer.checkpoint import load_checkpoint
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_on_exception=True)
+    trainer = Trainer(strategy=strategy, max_epochs=2, callbacks=[checkpoint], **{
+        **quiet(tmp_path), "enable_checkpointing": True})
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        trainer.fit(FailsAtBatch(), DataLoader(make_data(32), batch_size=8))
+    assert sorted(os.listdir(tmp_path / "ckpts")) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert load_checkpoint(str(tmp_path / "ckpts" / "epoch=0-step=3.ckpt"))["global_step"] == 3
+
+    quiet_one = ModelCheckpoint(dirpath=tmp_path / "none")  # save_on_exception=False, Lightning's default
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        Trainer(strategy=strategy, max_epochs=2, callbacks=[quiet_one], **{
+            **quiet(tmp_path), "enable_checkpointing": True}).fit(FailsAtBatch(), DataLoader(make_data(32), batch_size=8))
+    assert not os.path.exists(tmp_path / "none") or not os.listdir(tmp_path / "none")

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.callbacks.monitor import Monitor
@@ -78,6 +78,10 @@ class ModelCheckpoint(Callback):
             (then after each validation, where the validation metrics are new).
         enable_version_counter: a file name that exists already (another run's, or a repeated
             name) gets ``-v1``, ``-v2``... instead of replacing it.
+        save_on_exception: when a fit fails with an exception, save a checkpoint first (named as
+            the others, with ``last.ckpt``), as Lightning does; unless this step was saved
+            already. One replica only: with several, a save is collective and the replicas are
+            stopping, so nothing is saved (a warning). A stop on a signal saves its own.
 
     A monitored metric that is missing when a checkpoint is due (e.g. ``val_loss`` before the
     first validation, with ``every_n_train_steps``): a warning, and no top-k checkpoint this time
@@ -116,7 +120,7 @@ class ModelCheckpoint(Callback):
                  every_n_train_steps: int | None = None,
                  train_time_interval: datetime.timedelta | float | None = None,
                  every_n_epochs: int | None = None, save_on_train_epoch_end: bool | None = None,
-                 enable_version_counter: bool = True) -> None:
+                 enable_version_counter: bool = True, save_on_exception: bool = False) -> None:
         self._ranking = Monitor(monitor or "", mode)  # refuses a mode other than min/max
         if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
             raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k!r}) must be an int >= -1.")
@@ -150,6 +154,7 @@ class ModelCheckpoint(Callback):
         self.train_time_interval = None if train_time_interval is None else float(train_time_interval)
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.enable_version_counter = enable_version_counter
+        self.save_on_exception = bool(save_on_exception)
         self.filename = filename
         self._check_filename(filename)
         self._given_dirpath = dirpath is not None
@@ -344,6 +349,20 @@ class ModelCheckpoint(Callback):
                            f"{trainer.check_val_every_n_epoch}, val_check_interval={trainer.val_check_interval}), and "
                            "no validation ran. Pass save_on_train_epoch_end=True to save at the end of training "
                            "epochs.")
+
+    def on_exception(self, trainer: "Trainer", module: "XModule", exception: BaseException) -> None:
+        """``save_on_exception``: a checkpoint of the fit as it stands when ``exception`` ended it."""
+        if not self.save_on_exception or trainer.interrupted or trainer.state != "fit" \
+                or _sanity_checking(trainer) or getattr(trainer, "fast_dev_run", False):
+            return  # a signal's stop writes its own checkpoint
+        if trainer.world_size > 1:
+            rank_zero_warn(f"ModelCheckpoint(save_on_exception=True) saved nothing after the {type(exception).__name__}: "
+                           "with several replicas a save is collective, and the replicas are stopping.")
+            return
+        path = self.save_now(trainer)
+        if path:
+            rank_zero_info(f"An {type(exception).__name__} was raised with message: {exception}; saved checkpoint to "
+                           f"{path}")
 
     def _should_skip(self, trainer: "Trainer") -> bool:
         return (trainer.state != "fit" or _sanity_checking(trainer) or bool(getattr(trainer, "fast_dev_run", False))
