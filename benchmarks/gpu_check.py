@@ -26,8 +26,9 @@ decay 0.1; fused on CUDA), bfloat16 autocast, ``torch.compile`` (inductor), for 
 
 The GPT of the first three is the ``GPT2LMHeadModel`` architecture (pre-norm blocks, tanh GELU,
 tied embeddings, ``scaled_dot_product_attention``, no dropout) written out in this file. Each
-contender runs in a process of its own: 30 warm-up steps (compilation included), then 50 timed
-steps between two CUDA synchronisations. *tokens/s* are the timed steps' tokens over their
+contender runs in a process of its own: 30 warm-up steps (compilation included; the contenders
+of one check share a fresh Inductor cache, so later ones compile faster), then 50 timed steps
+between two CUDA synchronisations. *tokens/s* are the timed steps' tokens over their
 time; *MFU* is model FLOPs per second over the GPU's dense bf16 peak (``GPU_PEAK_BF16_FLOPS``, by
 the name PyTorch gives the device, or ``XTRAINER_CHIP`` naming an entry of it or of
 ``xtrainer.flops.PEAK_BF16_FLOPS``), with model FLOPs per token ``6 N + 12 L T d`` (N the
@@ -50,6 +51,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -414,6 +416,10 @@ def run_tests(out: str, device_type: str, timeout: float) -> dict[str, Any]:
             "log": os.path.basename(log)}
 
 
+#: Inductor's cache, shared by the contenders of one check (made fresh for it: the first is cold).
+INDUCTOR_CACHE = ""
+
+
 def measure(contender: str, cfg: dict[str, Any], device_type: str, timeout: float) -> dict[str, Any]:
     """One contender in a process of its own (its compilations, memory and failure its own)."""
     missing = requirement(contender)
@@ -424,7 +430,8 @@ def measure(contender: str, cfg: dict[str, Any], device_type: str, timeout: floa
     command = [sys.executable, os.path.abspath(__file__), "--one", contender, "--config", json.dumps(cfg),
                "--device", device_type]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-           "USE_TORCH_XLA": "0"}  # transformers: the device PyTorch has, not torch_xla's, where both are installed
+           "USE_TORCH_XLA": "0",  # transformers: the device PyTorch has, not torch_xla's, where both are installed
+           "TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE}  # one for the check: later contenders reuse kernels
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -519,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     deadline = started + args.budget
+    global INDUCTOR_CACHE
+    INDUCTOR_CACHE = tempfile.mkdtemp(prefix="gpu-check-inductor-")
     cfg = dict(CONFIGS["tiny" if args.tiny else "gpt2"])
     cfg.update({k: getattr(args, k) for k in ("steps", "warmup", "batch") if getattr(args, k) is not None})
     device_type = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -573,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("stderr_tail"):
             print(row["stderr_tail"], file=sys.stderr)
     write()
+    shutil.rmtree(INDUCTOR_CACHE, ignore_errors=True)
     print(table(report))
     print(f"gpu_check: wrote {json_path} and {md_path}")
     tests_ok = report.get("tests", {}).get("returncode", 0) == 0
