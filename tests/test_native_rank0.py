@@ -103,6 +103,7 @@ def test_a_second_fit_in_the_same_process_starts_afresh_and_the_environment_is_l
         where = WhereRankZeroRuns()
         trainer, model = native_run.fit(strategy, 2, str(tmp_path / strategy), STEPS, 8, callbacks=[where])
         assert trainer.global_step == STEPS and where.pid == os.getpid() and where.world_size == 2
+        assert trainer.world_size == 2  # the run's, as in Lightning, though its group is gone
         assert not torch.distributed.is_initialized()  # the caller's group is gone with its stage
         # torch's variables never were in this process's environment (a later Trainer would think it
         # runs under torchrun), and its intra-op threads are its own again

@@ -82,15 +82,18 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
     trainer.loop.seed = torch.initial_seed() % 2**31
     trainer.interrupted = False
     trainer._start_stage(model)
+    launcher = trainer.strategy.launcher
     try:
-        result = trainer.strategy.launcher.launch(functools.partial(replica.run, trainer), stage, model, sources,
-                                                  resolved)
+        result = launcher.launch(functools.partial(replica.run, trainer), stage, model, sources, resolved)
     except BaseException as err:
         # (where the replicas ran in other processes, the caller's Trainer learns it here)
         trainer.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
         if claims:
             remove_if_empty(trainer.log_dir)  # a run that failed before writing anything leaves no folder
         raise
+    finally:
+        if launcher.group_ends_with_stage:  # rank 0 ran here in a group now gone: the sizes are the plan's again
+            trainer._replica_ready = False
     if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
         load_home(trainer, stage, model, result["state_dict"])
         trainer.loop = result["loop"]

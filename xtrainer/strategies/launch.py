@@ -43,8 +43,11 @@ from xtrainer.strategies.process import end_now, run_in_new_process
 class Launcher(abc.ABC):
     """One way of running ``fit`` in every replica, for ``devices`` devices (None: every local one)."""
 
-    #: Whether ``fit`` runs in the calling process rather than in started replicas.
+    #: Whether ``fit`` runs in the calling process rather than in started replicas (rank 0's, at least).
     runs_in_caller: ClassVar[bool] = False
+    #: Whether the calling process's process group ends with the stage (``trainer.world_size``
+    #: then says what the launch plans again).
+    group_ends_with_stage: ClassVar[bool] = False
 
     def __init__(self, devices: int | None) -> None:
         self.devices = devices

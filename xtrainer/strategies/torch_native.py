@@ -227,6 +227,7 @@ class NativeProcesses(launch._StartedReplicas):
     it does ends the wait at once)."""
 
     runs_in_caller = True
+    group_ends_with_stage = True
     ranks = staticmethod(_env_ranks)
 
     def __init__(self, devices: int | None, timeout_seconds: float = 1800.0) -> None:
