@@ -116,8 +116,10 @@ def main():
     if "ckpt_every" in options:
         callbacks.append(ModelCheckpoint(every_n_train_steps=options.pop("ckpt_every"), save_top_k=-1))
     steps, ckpt = options.pop("steps", 8), options.pop("ckpt_path", None)
-    kwargs = dict(default_root_dir=root, max_steps=steps, enable_progress_bar=False, logger=False,
-                  log_every_n_steps=2, callbacks=callbacks, enable_model_summary=False)
+    # torch_xla's runtime unless the test names another strategy: the compilation cache, the thread
+    # replicas and XLA's counters are what these runs look at
+    kwargs = dict(strategy="xla_native", default_root_dir=root, max_steps=steps, enable_progress_bar=False,
+                  logger=False, log_every_n_steps=2, callbacks=callbacks, enable_model_summary=False)
     out = options.pop("out", None)
     kwargs.update(options)
     model = Regressor()

@@ -408,16 +408,17 @@ def test_an_ambiguous_batch_warns_once_and_one_without_tensors_needs_a_batch_siz
                         rel_tol=1e-6)
 
 
-def test_module_properties_inside_fit(trainer_kwargs):
+@pytest.mark.parametrize("strategy, device", [("auto", "cpu"), ("xla_native", "xla")])
+def test_module_properties_inside_fit(trainer_kwargs, strategy, device):
     seen = []
 
     class Props(Regressor):
         def on_train_epoch_start(self):
             seen.append((self.trainer.global_rank, self.device.type, self.global_step, self.current_epoch))
 
-    trainer = Trainer(max_epochs=2, **trainer_kwargs)
+    trainer = Trainer(strategy=strategy, max_epochs=2, **trainer_kwargs)
     trainer.fit(Props(), make_loader())
-    assert seen == [(0, "xla", 0, 0), (0, "xla", 8, 1)]
+    assert seen == [(0, device, 0, 0), (0, device, 8, 1)]
     assert trainer.world_size == 1 and trainer.is_global_zero
 
 

@@ -292,8 +292,11 @@ def test_overridden_optimizer_step_and_module_callbacks(tmp_path):
 
 
 def test_lightning_names_and_refusals(tmp_path):
-    assert Trainer(strategy="ddp", **quiet(tmp_path)).strategy.name == "xla_ddp"
-    assert Trainer(strategy="fsdp", **quiet(tmp_path)).strategy.name == "xla_fsdp"
+    # Lightning's names mean the accelerator's family: eager on this CPU, torch_xla when asked for
+    assert Trainer(strategy="ddp", **quiet(tmp_path)).strategy.name == "native_ddp"
+    assert Trainer(strategy="fsdp", **quiet(tmp_path)).strategy.name == "native_fsdp"
+    assert Trainer(strategy="ddp", accelerator="xla", **quiet(tmp_path)).strategy.name == "xla_ddp"
+    assert Trainer(strategy="fsdp", accelerator="xla", **quiet(tmp_path)).strategy.name == "xla_fsdp"
     assert Trainer(strategy="xla", **quiet(tmp_path)).strategy.name == "xla_native"
     assert Trainer(precision="bf16-mixed", **quiet(tmp_path)).precision.name == "bf16-mixed"
     with pytest.warns(UserWarning, match="bfloat16, not float16"):
@@ -305,10 +308,14 @@ def test_lightning_names_and_refusals(tmp_path):
         assert precision == lightning and str(precision) == lightning and f"{precision}" == lightning
     assert "16" in Trainer(precision="bf16-mixed", **quiet(tmp_path)).precision
     with pytest.raises(ValueError, match="accelerator='gpu'.*XLA devices"):
+        Trainer(strategy="xla_native", accelerator="gpu")
+    with pytest.raises(RuntimeError, match="accelerator='gpu', but PyTorch sees no cuda device here"):
         Trainer(accelerator="gpu")
     with pytest.raises(ValueError, match="max_time='12h'"):
         Trainer(max_time="12h")
-    with pytest.raises(ValueError, match="num_nodes=2"):
+    with pytest.raises(ValueError, match="num_nodes=2: the XLA CPU runtime runs on one host"):
+        Trainer(strategy="xla_native", num_nodes=2)
+    with pytest.raises(ValueError, match="num_nodes=2: the native strategies run on several hosts under torchrun"):
         Trainer(num_nodes=2)
     with pytest.raises(ValueError, match="both dataloaders and a datamodule"):
         Trainer(**quiet(tmp_path)).fit(LitRegressor(), DataLoader(make_data()), datamodule=RegressionDataModule())
@@ -683,7 +690,7 @@ def test_a_multisteplr_is_checkpointed_and_resumes_exactly(tmp_path, strategy):
 def test_after_a_stage_the_trainer_keeps_its_module_and_only_that_stages_metrics(tmp_path):
     """As in Lightning: ``trainer.lightning_module`` after fit, ``test()``'s metrics without the
     fit's, ``all_gather`` on one replica without a new dimension, and DDP named with its option."""
-    from xtrainer.strategies import XlaDDP, resolve_strategy
+    from xtrainer.strategies import NativeDDP, XlaDDP, resolve_strategy
 
     class Gathers(LitRegressor):
         def test_step(self, batch, batch_idx):
@@ -700,6 +707,8 @@ def test_after_a_stage_the_trainer_keeps_its_module_and_only_that_stages_metrics
     trainer.test(module, DataLoader(data, batch_size=8), verbose=False)
     assert set(trainer.callback_metrics) == set(trainer.logged_metrics) == {"test_loss"}
     strategy = resolve_strategy("ddp_find_unused_parameters_true")
+    assert isinstance(strategy, NativeDDP) and strategy.ddp_kwargs["find_unused_parameters"] is True
+    strategy = resolve_strategy("ddp_find_unused_parameters_true", accelerator="xla")
     assert isinstance(strategy, XlaDDP) and strategy.ddp_kwargs["find_unused_parameters"] is True
 
 

@@ -957,13 +957,13 @@ class _ReadsMetricsAtBatchEnd(Callback):
 
 
 def _counting_to_cpu(trainer, calls):
-    to_cpu = trainer.strategy.to_cpu
+    to_cpu = trainer.strategy.runtime.to_cpu
 
     def counted(*args, **kwargs):
         calls.append(1)
         return to_cpu(*args, **kwargs)
 
-    trainer.strategy.to_cpu = counted
+    trainer.strategy.runtime.to_cpu = counted
 
 
 @pytest.mark.parametrize("strategy", ["native", "xla_native"])

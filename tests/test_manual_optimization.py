@@ -154,7 +154,8 @@ class Counter(Callback):
 
 def test_a_gan_cuts_one_graph_per_step_and_never_recompiles_when_warm(tmp_path):
     counter = Counter()
-    trainer = Trainer(max_epochs=4, log_every_n_steps=1000, callbacks=[counter], enable_checkpointing=False,
+    trainer = Trainer(strategy="xla_native", max_epochs=4, log_every_n_steps=1000, callbacks=[counter],
+                      enable_checkpointing=False,
                       **quiet(tmp_path))
     trainer.fit(GAN(clip=1.0), real_data())
     compiles = [c for c, _ in counter.at_epoch_start]
@@ -214,7 +215,8 @@ def test_a_gan_on_two_replicas_equals_one_replica_on_the_global_batch(tmp_path, 
     replicas = [torch.load(p, weights_only=True) for p in sorted(glob.glob(str(tmp_path / "rank-*.pt")))]
     assert len(replicas) == 2
     reference = GAN(clip=0.5)
-    Trainer(max_epochs=2, enable_checkpointing=False, **quiet(tmp_path / "one")).fit(reference, real_data())
+    Trainer(strategy="xla_native", max_epochs=2, enable_checkpointing=False, **quiet(tmp_path / "one")).fit(
+        reference, real_data())
     for name, tensor in reference.state_dict().items():
         assert torch.equal(replicas[0][name], replicas[1][name]), name
         assert torch.allclose(model.state_dict()[name], tensor, atol=1e-5), name
@@ -265,7 +267,8 @@ def test_backward_passes_of_one_optimizer_on_two_ddp_replicas_without_unused_par
     replicas = [torch.load(p, weights_only=True) for p in sorted(glob.glob(str(tmp_path / "rank-*.pt")))]
     assert len(replicas) == 2
     reference = Passes(passes)
-    Trainer(max_epochs=2, enable_checkpointing=False, **quiet(tmp_path / "one")).fit(reference, real_data())
+    Trainer(strategy="xla_native", max_epochs=2, enable_checkpointing=False, **quiet(tmp_path / "one")).fit(
+        reference, real_data())
     start = Passes(passes).state_dict()
     for name, tensor in reference.state_dict().items():
         assert not torch.equal(tensor, start[name]), name  # it trained

@@ -21,7 +21,7 @@ from torch import nn
 from xtrainer import Trainer, _xla
 from xtrainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from xtrainer.checkpoint import CheckpointError, consolidate
-from xtrainer.strategies import STRATEGIES, XlaFSDP, XlaSPMD
+from xtrainer.strategies import STRATEGIES, XlaFSDP, XlaSPMD, shared_process
 from xtrainer.strategies.launch import CpuThreadReplicas, ReplicaFailure
 
 pytestmark = pytest.mark.multi_device
@@ -76,7 +76,7 @@ class Recorder(Callback):
         weights = _xla.to_cpu(trainer.strategy.full_module_state_dict(trainer.model))  # all ranks gather
         torch.save({"rank": trainer.global_rank, "world_size": trainer.world_size, "seen": self.seen,
                     "weights": weights, "global_step": trainer.global_step,
-                    "replicas_in_process": trainer.strategy.replicas_in_this_process(),
+                    "replicas_in_process": shared_process.current().replicas(),
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    os.path.join(self.folder, f"rank-{trainer.global_rank}.pt"))
 
@@ -142,7 +142,7 @@ def test_replicas_agree_with_each_other_and_with_one_replica(tmp_path_factory, r
     # Thread replicas install what they share in their own process only; one process per replica shares nothing.
     threads = isinstance(trainer.strategy.launcher, CpuThreadReplicas)
     assert {r["replicas_in_process"] for r in replicas} == {devices if threads else 1}
-    assert ref["replicas_in_process"] == trainer.strategy.replicas_in_this_process() == 1  # the calling process
+    assert ref["replicas_in_process"] == shared_process.current().replicas() == 1  # the calling process
 
 
 @pytest.mark.parametrize("strategy, devices", CASES, ids=IDS)

@@ -241,3 +241,17 @@ def test_the_strategy_leaves_the_device_to_its_runtime():
     assert len(own) <= 8, sorted(own)
     assert isinstance(STRATEGIES["native"]().runtime, EagerRuntime)
     assert isinstance(STRATEGIES["xla_native"]().runtime, XlaRuntime)
+
+
+def test_the_runtime_names_its_chip_for_mfu(monkeypatch):
+    """MFU needs the chip's peak: a CUDA device by its name, a TPU by its accelerator type (XLA's
+    or TorchTPU's), ``XTRAINER_CHIP`` over both; nothing on the CPU."""
+    from xtrainer import flops
+
+    assert flops.gpu_chip("NVIDIA H200") == "h200" and flops.gpu_chip("NVIDIA H100 80GB HBM3") == "h100"
+    assert flops.gpu_chip("Tesla T4") is None and flops.tpu_chip("v5litepod-8") == "tpu-v5e"
+    assert flops.peak_flops(flops.gpu_chip("NVIDIA H200")) == 989e12
+    monkeypatch.delenv("XTRAINER_CHIP", raising=False)
+    assert EagerRuntime("cpu").chip_name() is None
+    monkeypatch.setenv("XTRAINER_CHIP", "h100")
+    assert EagerRuntime("cpu").chip_name() == "h100" and XlaRuntime().chip_name() == "h100"

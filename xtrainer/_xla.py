@@ -502,12 +502,9 @@ def chip_name() -> str | None:
                 accelerator = str(tpu.get_tpu_type())
             except Exception:  # noqa: BLE001 - no metadata server: the chip stays unknown
                 return None
-        accelerator = accelerator.lower()
-        for prefix, name in (("v5litepod", "tpu-v5e"), ("v5lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
-                             ("v5p", "tpu-v5p"), ("v6e", "tpu-v6e"), ("v4", "tpu-v4")):
-            if accelerator.startswith(prefix):
-                return name
-        return f"tpu-{accelerator.split('-')[0]}" if accelerator else None
+        from xtrainer.flops import tpu_chip
+
+        return tpu_chip(accelerator)
     if kind == "NEURON":
         instance = os.environ.get("AWS_INSTANCE_TYPE", "") or os.environ.get("NEURON_INSTANCE_TYPE", "")
         return "trainium2" if instance.startswith("trn2") else "trainium1" if instance.startswith("trn1") else None

@@ -298,8 +298,8 @@ class _Work:
         self.replicas = 1 if spmd else max(1, trainer.world_size)
         self.replicas_in_batch = max(1, trainer.world_size)  # the samples a batch stands for: per replica
         self.chips = _xla.spmd_device_count() if spmd else max(1, trainer.world_size)
-        self.chip = _xla.chip_name() if xla else None
-        self.on_cpu = _xla.requested_device_type() == "CPU" if xla else str(trainer.strategy.device).startswith("cpu")
+        self.chip = trainer.strategy.runtime.chip_name()
+        self.on_cpu = _xla.requested_device_type() == "CPU" if xla else trainer.strategy.runtime.type == "cpu"
         self.peak = flops.peak_flops(self.chip)
         self.flops = self.tokens = None
         self.note = ""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import os
 from typing import Any, Callable, ClassVar, Iterable
 
 import torch
@@ -143,6 +144,11 @@ class Runtime(abc.ABC):
     #: Whether ``compile_count`` can ever move in this run (False: per-batch watches of
     #: compilations have nothing to watch).
     counts_compilations: bool = True
+
+    def chip_name(self) -> str | None:
+        """The chip this process runs on, as ``flops.PEAK_BF16_FLOPS`` names it (for MFU), or None
+        where it cannot be told; ``XTRAINER_CHIP`` overrides."""
+        return os.environ.get("XTRAINER_CHIP") or None
 
     @abc.abstractmethod
     def memory_info(self) -> dict[str, int] | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -279,6 +280,20 @@ class EagerRuntime(Runtime):
 
     def compile_seconds(self) -> float:
         return torch_compile_counters()["compile_s"] if self.compiling else 0.0
+
+    def chip_name(self) -> str | None:
+        """``XTRAINER_CHIP``; else a CUDA device by its name, a TorchTPU chip by the accelerator type
+        its VM announces (``TPU_ACCELERATOR_TYPE``); None on the CPU and for other devices."""
+        from xtrainer import flops
+
+        named = super().chip_name()
+        if named or self.type == "cpu":
+            return named
+        if self.type == "cuda":
+            return flops.gpu_chip(torch.cuda.get_device_name(self.device))
+        if self.type == "tpu" and os.environ.get("TPU_ACCELERATOR_TYPE"):
+            return flops.tpu_chip(os.environ["TPU_ACCELERATOR_TYPE"])
+        return None
 
     def memory_info(self) -> dict[str, int] | None:
         """Bytes in use (``torch.accelerator.memory_allocated``) and the device's capacity, asked

@@ -99,6 +99,9 @@ class XlaRuntime(Runtime):
     def memory_info(self) -> dict[str, int] | None:
         return self.xla.memory_info()
 
+    def chip_name(self) -> str | None:
+        return self.xla.chip_name()
+
     def process_group_backend(self) -> str:
         return "xla"
 

@@ -465,7 +465,17 @@ class NativeSingle(Strategy):
         self.accelerator = str(accelerator).lower()
         self.runtime = EagerRuntime.for_accelerator(self.accelerator)  # refuses what this host cannot run
         self.runtime.compiling = self.compile
-        del num_nodes  # torchrun's --nnodes decides; the processes agree over the process group
+        if num_nodes == 1:
+            return
+        if not under_torchrun():  # several hosts are started by their launcher, each host's processes in place
+            raise ValueError(f"num_nodes={num_nodes}: the native strategies run on several hosts under torchrun (or a "
+                             f"launcher like it): start each host's processes with torchrun --nnodes={num_nodes}, "
+                             "or leave num_nodes=1.")
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        if world != num_nodes * local:
+            raise ValueError(f"num_nodes={num_nodes}, but the launcher started {world} processes, {local} on this host "
+                             f"({world // max(local, 1)} host(s)): give num_nodes={world // max(local, 1)}, or start "
+                             f"{num_nodes} hosts.")
 
     def _resolve_devices(self, devices: int | str) -> int | None:
         if under_torchrun():
