@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from torch import nn
+from native_run import InOrderShards
 from torch.utils.data import DataLoader, TensorDataset
 
 from xtrainer import Trainer, XModule, _xla
@@ -201,7 +202,7 @@ def test_a_gan_on_two_replicas_equals_one_replica_on_the_global_batch(tmp_path, 
         trainer = Trainer(strategy=chosen, devices=2, max_epochs=2, callbacks=[SaveWeights(tmp_path)],
                           enable_checkpointing=False, **quiet(tmp_path / str(attempt)))
         try:
-            trainer.fit(model, real_data(batch_size=4))
+            trainer.fit(model, datamodule=InOrderShards(real_data().dataset, 4))  # the global batches in order
             break
         except RuntimeError as err:
             # In about one run of three under load, XLA's CPU runtime aborts the replicas' process in C++
@@ -262,7 +263,7 @@ def test_backward_passes_of_one_optimizer_on_two_ddp_replicas_without_unused_par
     model = Passes(passes)
     trainer = Trainer(strategy=XlaDDP(find_unused_parameters=False), devices=2, max_epochs=2,
                       callbacks=[SaveWeights(tmp_path)], enable_checkpointing=False, **quiet(tmp_path))
-    trainer.fit(model, real_data(batch_size=4))  # each replica 4 of the global batch's 8
+    trainer.fit(model, datamodule=InOrderShards(real_data().dataset, 4))  # each replica 4 of the global batch's 8
     assert trainer.global_step == passes * 2 * STEPS_PER_EPOCH
     replicas = [torch.load(p, weights_only=True) for p in sorted(glob.glob(str(tmp_path / "rank-*.pt")))]
     assert len(replicas) == 2
