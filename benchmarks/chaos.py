@@ -1,0 +1,514 @@
+"""The chaos harness: seeded random faults drawn from a matrix, each followed by a resume, with
+invariants checked after every run.
+
+    python benchmarks/chaos.py --soak 200 [--seed 0]     # 200 random scenarios, a table at the end
+    python benchmarks/chaos.py --quick                   # the fixed set CI runs (tests/test_chaos.py)
+    python benchmarks/chaos.py --seed N --only K         # replay scenario K of seed N
+    python benchmarks/chaos.py --quick --only K          # one scenario of the fixed set
+
+A scenario is a tiny fit (``tests/chaos_run.py``: 12 steps of 8 samples, validation every 4
+steps, a checkpoint every 2) under one strategy and world size, hit by one fault (SIGTERM,
+SIGINT, SIGKILL, SIGUSR1, a hang in the data with ``exit_on_hang=True``) aimed at one rank, the
+launcher or every process, at one point (a step, validation, an epoch's end, the middle of a
+checkpoint write, whole or in the background, right after a resume), with the environment
+damaged before the resume (the newest checkpoint truncated or deleted, a relative or ``file://``
+root, another working directory). Then the run is resumed from ``last`` until it ends. After each
+run it checks:
+
+- ``exit``: the documented exit code (143 SIGTERM, 130 SIGINT, 75 a hang with ``exit_on_hang``,
+  killed by the signal where the launcher itself was killed) on the launcher and on every rank
+  that wrote one;
+- ``bitwise``: the resumed run ends with weights ``torch.equal`` to an uninterrupted run's;
+- ``published``: every ``*.ckpt`` under the root verifies (checksums) and loads; no ``.tmp-*``
+  outlives a resumed run;
+- ``orphans``: no process of the job outlives it (a few seconds' grace);
+- ``budget``: no run outlasts its time budget (a hang);
+- ``cause``: the error names the real cause (a killed rank: its rank and signal; a hang: a hang).
+
+A violation prints the scenario, what broke, its seed and the command that replays it; the exit
+code is 1 when any scenario broke an invariant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(REPO, "tests")
+SCRIPT = os.path.join(TESTS, "chaos_run.py")
+STEPS = 12
+SCALE = float(os.environ.get("XTRAINER_TEST_TIMEOUT_SCALE") or 3.0)
+
+#: (strategy, world size, launcher): ``trainer`` starts the processes (``devices=N``), ``torchrun``
+#: is two torchrun workers of one process each on one host.
+CONFIGS = [("native", 1, "trainer"), ("native_ddp", 2, "trainer"), ("native_fsdp", 2, "trainer"),
+           ("xla_native", 1, "trainer"), ("xla_ddp", 2, "trainer"), ("native_ddp", 2, "torchrun")]
+FAULTS = ["TERM", "INT", "KILL", "USR1", "HANG"]
+TARGETS = ["rank", "launcher", "all"]
+WHENS = ["step", "validation", "epoch_end", "save", "resume"]
+DAMAGE = ["none", "none", "none", "truncate", "delete"]
+ROOTS = ["absolute", "absolute", "relative", "file"]
+GRACEFUL = {"TERM": 143, "INT": 130}
+
+
+@dataclasses.dataclass
+class Scenario:
+    strategy: str
+    devices: int
+    launcher: str
+    fault: str
+    target: str
+    rank: int
+    when: str
+    at: int
+    async_: bool = False
+    damage: str = "none"
+    root: str = "absolute"
+    cwd_change: bool = False
+
+    def __str__(self) -> str:
+        who = f"rank {self.rank}" if self.target == "rank" else self.target
+        when = {"step": f"at step {self.at}", "validation": f"in validation after step {self.at}",
+                "epoch_end": "at the first epoch's end", "save": f"while writing step {self.at}'s checkpoint",
+                "resume": "right after resuming"}[self.when]
+        extra = [f"damage {self.damage}"] if self.damage != "none" else []
+        extra += [f"{self.root} root"] if self.root != "absolute" else []
+        extra += ["another cwd at resume"] if self.cwd_change else []
+        extra += ["async checkpointing"] if self.async_ else []
+        run = f"{self.strategy}x{self.devices}" + (" under torchrun" if self.launcher == "torchrun" else "")
+        fault = "hang in data" if self.fault == "HANG" else f"SIG{self.fault}"
+        return f"{run}: {fault} to {who} {when}" + (f" [{', '.join(extra)}]" if extra else "")
+
+
+def draw(seed: int, index: int) -> Scenario:
+    """Scenario ``index`` of ``seed``: drawn on its own, so that ``--only`` replays it alone."""
+    rng = random.Random(f"{seed}-{index}")
+    strategy, devices, launcher = rng.choice(CONFIGS)
+    fault, target, when = rng.choice(FAULTS), rng.choice(TARGETS), rng.choice(WHENS)
+    if fault == "HANG":  # a hang is in one rank's data: at a step
+        target, when = "rank", "step"
+    at = {"step": rng.randint(2, 10), "validation": rng.choice([3, 7]), "epoch_end": 8,
+          "save": rng.choice([2, 4, 6, 8, 10]), "resume": rng.randint(3, 8)}[when]
+    async_ = strategy in ("xla_native", "xla_ddp") and rng.random() < 0.5  # whole-file layouts
+    root = rng.choice(ROOTS)
+    return Scenario(strategy, devices, launcher, fault, target, rng.randrange(devices), when, at, async_,
+                    rng.choice(DAMAGE), root, cwd_change=root != "relative" and rng.random() < 0.25)
+
+
+#: The fixed set CI runs: one of each kind of fault, every strategy, most of the damage.
+QUICK = [
+    Scenario("native", 1, "trainer", "TERM", "launcher", 0, "step", 5, damage="truncate"),
+    Scenario("native_ddp", 2, "trainer", "KILL", "rank", 1, "step", 5, root="relative"),
+    Scenario("native_ddp", 2, "trainer", "TERM", "rank", 1, "validation", 3, damage="delete"),
+    Scenario("native", 1, "trainer", "HANG", "rank", 0, "step", 5),
+    Scenario("native_fsdp", 2, "trainer", "INT", "all", 0, "epoch_end", 8, cwd_change=True),
+    Scenario("native", 1, "trainer", "KILL", "launcher", 0, "save", 6, root="file"),
+    Scenario("native_ddp", 2, "trainer", "USR1", "rank", 1, "resume", 5),
+    Scenario("xla_native", 1, "trainer", "KILL", "launcher", 0, "save", 4, async_=True, damage="truncate"),
+]
+
+
+class Violation(Exception):
+    def __init__(self, category: str, what: str) -> None:
+        super().__init__(f"{category}: {what}")
+        self.category = category
+
+
+def _env() -> dict:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("XTRAINER_STARTED_AT", None)
+    return env
+
+
+def _budget(s: Scenario) -> float:
+    base = 40.0 if s.strategy.startswith("native") else 90.0
+    return base * SCALE + (30.0 if s.fault == "HANG" else 0.0)
+
+
+def _session(sid: int) -> list[int]:
+    """Processes alive in session or process group ``sid`` (zombies excluded)."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and sid in (int(fields[2]), int(fields[3])):
+            found.append(int(stat.split("/")[2]))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _kill_all(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Run:
+    """One process tree of a scenario: started, watched, its leftovers found."""
+
+    def __init__(self, s: Scenario, work: str, root: str, state: str, cwd: str, ckpt: str | None,
+                 fault: bool) -> None:
+        os.makedirs(state, exist_ok=True)
+        for name in os.listdir(state):
+            os.remove(os.path.join(state, name))
+        args = ["--strategy", s.strategy, "--devices", str(s.devices), "--root", root, "--state", state,
+                "--steps", str(STEPS)]
+        args += ["--ckpt", ckpt] if ckpt else []
+        args += ["--async"] if s.async_ else []
+        if fault:
+            args += ["--fault", s.fault, "--target", s.target, "--rank", str(s.rank), "--when", s.when,
+                     "--at", str(s.at), "--hang-timeout", str(4 * SCALE)]
+        if s.launcher == "torchrun":
+            from xtrainer.strategies.process import free_port
+
+            command = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}",
+                       "--nproc-per-node=2", "--monitor-interval=0.5", SCRIPT, *args]
+        else:
+            command = [sys.executable, SCRIPT, *args]
+        self.state, self.started = state, time.monotonic()
+        self.log = open(os.path.join(os.path.dirname(state), f"log-{time.time_ns()}.txt"), "w+")
+        self.proc = subprocess.Popen(command, cwd=cwd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.seen: set[int] = set()
+
+    def wait(self, budget: float) -> tuple[int, str]:
+        """The exit code and output; a run past ``budget`` is killed and raises ``budget``."""
+        deadline = self.started + budget
+        while self.proc.poll() is None:
+            self.seen |= _descendants(self.proc.pid)
+            if time.monotonic() > deadline:
+                self._end()
+                raise Violation("budget", f"still running after {budget:.0f} s:\n{self.output()[-1500:]}")
+            time.sleep(0.2)
+        self.took = time.monotonic() - self.started
+        return self.proc.returncode, self.output()
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def pids(self) -> set[int]:
+        found = set(self.seen)
+        for path in glob.glob(os.path.join(self.state, "*.pid")):
+            try:
+                found.add(int(open(path).read()))
+            except (OSError, ValueError):
+                pass
+        return found - {self.proc.pid}
+
+    def leftovers(self, grace: float = 5.0) -> list[int]:
+        """The job's processes still alive ``grace`` seconds after it ended (then killed)."""
+        deadline = time.monotonic() + grace
+        while True:
+            left = sorted({p for p in self.pids() if _alive(p)} | set(_session(self.proc.pid)))
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        _kill_all(left)
+        return left
+
+    def _end(self) -> None:
+        _kill_all(self.pids() | set(_session(self.proc.pid)))
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def codes(self) -> dict[int, str]:
+        return {int(os.path.basename(p)[5:-5]): open(p).read() for p in glob.glob(os.path.join(self.state, "main-*.exit"))}
+
+    def fired(self) -> bool:
+        return os.path.exists(os.path.join(self.state, "fired"))
+
+
+def _local_root(root: str, cwd: str) -> str:
+    if root.startswith("file://"):
+        return root[len("file://"):]
+    return root if os.path.isabs(root) else os.path.join(cwd, root)
+
+
+def _checkpoints(root: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(root, "**", "*.ckpt"), recursive=True))
+
+
+def check_published(root: str, spare: set[str], resumed: bool) -> None:
+    """Every checkpoint under ``root`` (but the ones the scenario damaged) verifies and loads;
+    after a resumed run no temporary file is left."""
+    import torch
+
+    from xtrainer import checkpoint
+
+    for path in _checkpoints(root):
+        real = os.path.realpath(path)
+        if real in spare or path in spare:
+            continue
+        if os.path.islink(path) and not os.path.exists(real):
+            if resumed:
+                raise Violation("published", f"{path} points at {real}, which is gone")
+            continue
+        try:
+            if os.path.isdir(real):
+                if not os.path.exists(os.path.join(real, "manifest.json")):
+                    raise Violation("published", f"{path} is a folder without its manifest")
+                checkpoint.verify(real)
+            else:
+                checkpoint.verify(real)
+                checkpoint.load_checkpoint(real)
+                torch.load(real, weights_only=True, map_location="cpu")
+        except Violation:
+            raise
+        except Exception as err:  # noqa: BLE001 - any failure to read a published checkpoint
+            raise Violation("published", f"{path} does not load: {type(err).__name__}: {str(err)[:300]}") from err
+    if resumed:
+        temps = [p for p in glob.glob(os.path.join(root, "**", ".tmp-*"), recursive=True)
+                 + glob.glob(os.path.join(root, "**", ".*staging*"), recursive=True)]
+        if temps:
+            raise Violation("published", f"temporary files outlived the resumed run: {temps}")
+
+
+def _signal_name(fault: str) -> str:
+    return f"SIG{fault}"
+
+
+def check_exit(s: Scenario, run: Run, code: int, out: str) -> None:
+    """The launcher's exit code and every rank's, as documented for the fault."""
+    fault = s.fault
+    codes = run.codes()
+    tail = out[-2500:]
+    hits_launcher = s.target in ("launcher", "all") or (
+        s.target == "rank" and s.launcher == "trainer" and (s.devices == 1 or (s.rank == 0 and not s.strategy.startswith("xla"))))
+    if fault in GRACEFUL:
+        want = GRACEFUL[fault]
+        if s.launcher == "torchrun":
+            if code == 0 or any(c != str(want) for c in codes.values()) or len(codes) != s.devices:
+                raise Violation("exit", f"torchrun exited {code}, ranks {codes}, expected {want} on every rank:\n{tail}")
+        elif code != want:
+            raise Violation("exit", f"exited {code}, expected {want}:\n{tail}")
+        return
+    if fault == "HANG":
+        if s.launcher == "torchrun":
+            if code == 0 or codes.get(s.rank) not in ("75", None):
+                raise Violation("exit", f"torchrun exited {code}, ranks {codes}, expected 75 on the hung rank:\n{tail}")
+        elif code not in (75, -signal.SIGKILL):
+            raise Violation("exit", f"exited {code}, expected 75 (exit_on_hang):\n{tail}")
+        if "hung" not in out:
+            raise Violation("cause", f"a hang that never says so:\n{tail}")
+        return
+    signum = getattr(signal, f"SIG{fault}")
+    if hits_launcher:
+        if code != -signum:
+            raise Violation("exit", f"exited {code}, expected {-signum} (killed by SIG{fault}):\n{tail}")
+        return
+    if code == 0:
+        raise Violation("exit", f"a job that lost a process to SIG{fault} exited 0:\n{tail}")
+    named = _signal_name(fault) in out or f"signal {signum}" in out.lower() or f"Signal {signum}" in out
+    if not named:
+        raise Violation("cause", f"the error does not name SIG{fault}:\n{tail}")
+    if s.strategy.startswith("native") and s.launcher == "trainer" and f"rank {s.rank}" not in out.lower():
+        raise Violation("cause", f"the error does not name rank {s.rank}:\n{tail}")
+    for wrong in ("No space left", "disk is full", "full disk"):
+        if wrong in out:
+            raise Violation("cause", f"a lost process reported as {wrong!r}:\n{tail}")
+
+
+def _damage(s: Scenario, root: str) -> set[str]:
+    """Truncates or deletes the newest published checkpoint, as a kill mid-write leaves it."""
+    if s.damage == "none":
+        return set()
+    found = [p for p in _checkpoints(root) if not os.path.islink(p) and os.path.isfile(p)]
+    folders = [p for p in _checkpoints(root) if not os.path.islink(p) and os.path.isdir(p)]
+    if not found and not folders:
+        return set()
+    newest = max(found + folders, key=os.path.getmtime)
+    if os.path.isdir(newest):  # a sharded folder: damage its largest file
+        files = [os.path.join(d, f) for d, _, fs in os.walk(newest) for f in fs]
+        target = max(files, key=os.path.getsize)
+    else:
+        target = newest
+    if s.damage == "delete":
+        os.remove(target)
+    else:
+        with open(target, "r+b") as f:
+            f.truncate(os.path.getsize(target) // 2)
+    return {os.path.realpath(newest), newest}
+
+
+def reference(s: Scenario, work: str) -> dict:
+    """The weights of the same config never interrupted (computed once per config)."""
+    import torch
+
+    key = f"{s.strategy}-{s.devices}-{s.launcher}"
+    path = os.path.join(work, "references", f"{key}.pt")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f"ref-{key}-", dir=work)
+        clean = dataclasses.replace(s, async_=False, damage="none", root="absolute", cwd_change=False)
+        run = Run(clean, work, os.path.join(tmp, "runs"), os.path.join(tmp, "state"), tmp, None, fault=False)
+        code, out = run.wait(_budget(s) * 2)
+        if code != 0:
+            raise RuntimeError(f"the uninterrupted run of {key} failed ({code}):\n{out[-3000:]}")
+        shutil.copy(os.path.join(tmp, "state", "weights.pt"), path)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return torch.load(path, weights_only=True)
+
+
+def run_scenario(s: Scenario, work: str) -> str:
+    """Runs ``s`` and its resumes; returns ``survived`` or ``missed`` (the fault never came: the
+    fit ended first), raises ``Violation``."""
+    import torch
+
+    expected = reference(s, work)
+    folder = tempfile.mkdtemp(prefix="scenario-", dir=work)
+    first_cwd, later_cwd = os.path.join(folder, "cwd-a"), os.path.join(folder, "cwd-b" if s.cwd_change else "cwd-a")
+    os.makedirs(first_cwd)
+    os.makedirs(later_cwd, exist_ok=True)
+    absolute = os.path.join(first_cwd, "runs")
+    root = {"absolute": absolute, "relative": "runs", "file": "file://" + absolute}[s.root]
+    local = _local_root(root, first_cwd)
+    state = os.path.join(folder, "state")
+    budget = _budget(s)
+    resumed = False
+    try:
+        if s.when == "resume":  # first a graceful stop, so that the fault meets a resumed run
+            stop = dataclasses.replace(s, fault="TERM", target="launcher", when="step")
+            run = Run(stop, work, root, state, first_cwd, None, fault=True)
+            code, out = run.wait(budget)
+            if code != 143:
+                raise Violation("exit", f"the stop before the resume exited {code}, expected 143:\n{out[-2500:]}")
+            _check_leftovers(run)
+            resumed = True
+        run = Run(s, work, root, state, first_cwd, "last" if resumed else None, fault=True)
+        code, out = run.wait(budget)
+        _check_leftovers(run)
+        if not run.fired():
+            if code != 0:
+                raise Violation("exit", f"exited {code} before its fault came:\n{out[-2500:]}")
+            return "missed"
+        check_exit(s, run, code, out)
+        check_published(local, set(), resumed=False)
+        spare = _damage(s, local)
+        resume_root = root if s.root != "relative" else os.path.relpath(absolute, later_cwd)
+        only = spare and not [p for p in _checkpoints(local) if not os.path.islink(p)
+                              and os.path.realpath(p) not in spare and os.path.exists(p)]
+        run = Run(s, work, resume_root, state, later_cwd, "last", fault=False)
+        code, out = run.wait(budget)
+        _check_leftovers(run)
+        if only and s.damage == "truncate":  # nothing else to resume from: refused, naming it
+            if code == 0 or not any(os.path.basename(p) in out for p in spare):
+                raise Violation("cause", f"the resume from a lineage whose one checkpoint is damaged exited {code} "
+                                         f"without naming it:\n{out[-2500:]}")
+            return "survived"
+        if code != 0:
+            raise Violation("exit", f"the resumed run exited {code}:\n{out[-2500:]}")
+        check_published(local, spare, resumed=True)
+        final = torch.load(os.path.join(state, "weights.pt"), weights_only=True)
+        if final["global_step"] != STEPS:
+            raise Violation("bitwise", f"the resumed run ended at step {final['global_step']}, not {STEPS}")
+        differ = [k for k, v in expected["weights"].items() if not torch.equal(final["weights"][k], v)]
+        if differ:
+            worst = max((final["weights"][k] - expected["weights"][k]).abs().max().item() for k in differ)
+            raise Violation("bitwise", f"{differ} differ from the uninterrupted run (at most {worst:.3g})")
+        if s.damage == "truncate" and spare and not any(os.path.basename(p) in out for p in spare):
+            raise Violation("cause", f"the resume does not name the damaged checkpoint {sorted(spare)}:\n{out[-2500:]}")
+        return "survived"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _check_leftovers(run: Run) -> None:
+    left = run.leftovers()
+    if left:
+        raise Violation("orphans", f"processes outlived the job: {left}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--soak", type=int, default=0, help="draw this many random scenarios")
+    parser.add_argument("--quick", action="store_true", help="the fixed set CI runs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", type=int, action="append", help="only scenario K (repeatable)")
+    parser.add_argument("--minutes", type=float, default=0, help="stop drawing after this many minutes")
+    parser.add_argument("--work", default=None, help="a folder for the runs and the cached references")
+    args = parser.parse_args()
+    if args.quick:
+        scenarios = {k: QUICK[k] for k in (args.only or range(len(QUICK)))}
+    else:
+        count = args.soak or 1
+        scenarios = {k: draw(args.seed, k) for k in (args.only or range(count))}
+    work = args.work or tempfile.mkdtemp(prefix="xtrainer-chaos-")
+    os.makedirs(work, exist_ok=True)
+    started = time.monotonic()
+    table: dict[str, dict[str, int]] = {}
+    failures = []
+    for k, s in scenarios.items():
+        if args.minutes and time.monotonic() - started > args.minutes * 60:
+            print(f"stopping: {args.minutes} minutes are up", flush=True)
+            break
+        replay = f"python benchmarks/chaos.py {'--quick' if args.quick else f'--seed {args.seed}'} --only {k}"
+        t0 = time.monotonic()
+        try:
+            verdict, detail = run_scenario(s, work), ""
+        except Violation as err:
+            verdict, detail = "violation", str(err)
+            failures.append((k, s, err.category, replay))
+        for category in (f"fault {s.fault}", f"strategy {s.strategy}x{s.devices}" + ("/torchrun" if s.launcher == "torchrun" else ""),
+                         f"when {s.when}", "all"):
+            row = table.setdefault(category, {"run": 0, "survived": 0, "missed": 0, "violations": 0})
+            row["run"] += 1
+            row[{"survived": "survived", "missed": "missed", "violation": "violations"}[verdict]] += 1
+        print(f"#{k} {s}: {verdict} ({time.monotonic() - t0:.0f} s)", flush=True)
+        if detail:
+            print(f"  {detail}\n  seed {args.seed}, replay: {replay}", flush=True)
+    print(f"\n{'category':<34} {'run':>5} {'survived':>9} {'missed':>7} {'violations':>11}")
+    for category in sorted(table, key=lambda c: (c == "all", c)):
+        row = table[category]
+        print(f"{category:<34} {row['run']:>5} {row['survived']:>9} {row['missed']:>7} {row['violations']:>11}")
+    print(f"{time.monotonic() - started:.0f} s in all; runs in {work}")
+    for k, s, category, replay in failures:
+        print(f"VIOLATION ({category}) #{k} {s}: {replay}")
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
