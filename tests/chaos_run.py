@@ -11,7 +11,9 @@ validation every 4 steps, a checkpoint every 2 steps and ``last``; 8 batches an 
 ``epoch_end``: in the first epoch's ``on_train_epoch_end``; ``save``: in the middle of writing the
 checkpoint of step K (half its bytes written; in the background writer with ``--async``);
 ``resume``: at the first step this run makes (a resumed run: right after resuming). ``HANG``: a
-sample of step K sleeps in ``__getitem__`` far past ``hang_timeout`` (``exit_on_hang=True``).
+sample of step K sleeps in ``__getitem__`` far past ``hang_timeout`` (``exit_on_hang=True``); where
+the loader runs in a thread of its own beside thread replicas, in whichever replica's loader
+fetches it.
 ``--target``: ``rank``: rank R's own process; ``launcher``: the process that started the job (the
 calling process, or torchrun); ``all``: every process of the job.
 
@@ -41,6 +43,7 @@ from xtrainer.launch import interrupts
 
 BATCH = 8  # the global batch: 8 steps an epoch of 64 samples
 _local = threading.local()  # the replica's trainer, for the dataset (replicas may be threads of one process)
+_trainers: dict = {}  # rank: trainer, for a loader that runs in a thread of its own (XLA's)
 _once = threading.Lock()
 _fired = False
 
@@ -53,20 +56,26 @@ def _write(path: str, text: str) -> None:
 
 
 class Faulty(Dataset):
-    """``native_run.make_data()``, where one rank's sample of global step ``at`` sleeps ``seconds``."""
+    """``native_run.make_data()``, where one rank's first sample of step ``at`` (counted in fetches:
+    ``per_step`` a step) sleeps ``seconds``."""
 
-    def __init__(self, data, rank: int | None, at: int, seconds: float) -> None:
-        self.data, self.rank, self.at, self.seconds = data, rank, at, seconds
+    def __init__(self, data, rank: int, at: int, seconds: float, per_step: int) -> None:
+        self.data, self.rank, self.at, self.seconds, self.per_step = data, rank, at, seconds, per_step
+        self.fetched = 0
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, i):
-        trainer = getattr(_local, "trainer", None)
-        if (self.rank is not None and trainer is not None and trainer.global_rank == self.rank
-                and trainer.global_step == self.at and not trainer.sanity_checking and trainer.training):
-            _fire_once(None)
-            time.sleep(self.seconds)
+        # Counted by fetch, not by the trainer's step: XLA's loader fetches ahead, in a thread of its own.
+        trainer = getattr(_local, "trainer", None) or _trainers.get(self.rank)
+        if trainer is not None and trainer.global_rank == self.rank:
+            with _once:
+                self.fetched += 1
+                due = self.fetched > self.at * self.per_step
+            if due:
+                _fire_once(None)
+                time.sleep(self.seconds)
         return self.data[i]
 
 
@@ -132,7 +141,7 @@ class Chaos(Callback):
     def setup(self, trainer, module, stage):
         global _args
         _args = self.args  # a started rank's process runs no main(): the scenario comes with the callback
-        _local.trainer = trainer
+        _local.trainer = _trainers[trainer.global_rank] = trainer
         _write(os.path.join(self.args.state, f"rank-{trainer.global_rank}.pid"), str(os.getpid()))
         if self.args.when == "save" and self.args.fault not in (None, "HANG"):
             self._during_save(trainer)
@@ -169,7 +178,7 @@ class Chaos(Callback):
 
         def write_then_fault(writer, data):
             written = write(writer, data)
-            if trainer.global_step == callback.args.at and writer.size > 64:
+            if trainer.global_step >= callback.args.at and writer.size > 64:  # a background write runs later
                 _fire_once(callback._targets(trainer))
             return written
 
@@ -187,7 +196,7 @@ def fit(args) -> Trainer:
     world = int(os.environ.get("WORLD_SIZE", "0")) or args.devices
     data = native_run.make_data()
     if args.fault == "HANG":
-        data = Faulty(data, args.rank if args.target == "rank" else 0, args.at, 600)
+        data = Faulty(data, args.rank if args.target == "rank" else 0, args.at, 600, BATCH // world)
     loader = DataLoader(data, batch_size=BATCH // world, shuffle=True)
     val = DataLoader(native_run.make_data(n=16, seed=1), batch_size=BATCH // world)
     callbacks = [ModelCheckpoint(every_n_train_steps=2, save_last=True, save_top_k=2), Chaos(args)]
