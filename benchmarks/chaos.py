@@ -424,6 +424,8 @@ def run_scenario(s: Scenario, work: str) -> str:
             if code != 0:
                 raise Violation("exit", f"exited {code} before its fault came:\n{out[-2500:]}")
             return "missed"
+        if code == 0 and s.fault in GRACEFUL and os.path.exists(os.path.join(state, "weights.pt")):
+            return "missed"  # the agreed stop fell on the fit's last step: it ended, as documented
         check_exit(s, run, code, out)
         check_published(local, set(), resumed=False)
         spare = _damage(s, local)
