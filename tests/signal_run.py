@@ -34,7 +34,10 @@ class SignalAt(Callback):
             time.sleep(0.05)
         elif trainer.global_step == int(step or -1):
             os.kill(os.getpid(), signal.SIGINT if kind == "self-int2" else signal.SIGTERM)
-            if kind == "self-int2":
+            if kind == "self-int2":  # a second Ctrl-C, after the window in which it is the first one again
+                from xtrainer.launch import interrupts
+
+                time.sleep(interrupts.SAME_CTRL_C_SECONDS + 0.2)
                 os.kill(os.getpid(), signal.SIGINT)
 
     def on_exception(self, trainer, module, exception):

@@ -152,6 +152,21 @@ def _signal_self(signum: int) -> None:
     time.sleep(0.2)  # the handler runs in this (the main) thread, at the next instruction
 
 
+def test_one_ctrl_c_delivered_twice_is_one_request_and_a_later_one_stops_at_once(monkeypatch):
+    """A terminal's Ctrl-C reaches every process of its foreground group, and torchrun (or the
+    calling process of devices=N) forwards it to each worker as well: a worker gets it twice, a
+    moment apart. That is one graceful request (it stopped every rank at once, with no checkpoint,
+    before); a Ctrl-C after the window still stops at once."""
+    monkeypatch.setattr(interrupts, "SAME_CTRL_C_SECONDS", 1.0)
+    with interrupts.graceful(announce=False):
+        _signal_self(signal.SIGINT)
+        _signal_self(signal.SIGINT)  # the same Ctrl-C, forwarded
+        assert interrupts.requested() == signal.SIGINT
+        time.sleep(1.1)
+        with pytest.raises(KeyboardInterrupt):
+            _signal_self(signal.SIGINT)
+
+
 def test_a_signal_learnt_from_another_replica_is_this_processs_request_but_no_first_ctrl_c():
     """An adopted SIGINT: this process's own Ctrl-C after it (a terminal's, reaching each host a
     little apart) is its first, still graceful; a second one stops at once. The larger signal
@@ -162,10 +177,12 @@ def test_a_signal_learnt_from_another_replica_is_this_processs_request_but_no_fi
         assert interrupts.requested() == signal.SIGINT
         _signal_self(signal.SIGINT)
         assert interrupts.requested() == signal.SIGINT
+        time.sleep(interrupts.SAME_CTRL_C_SECONDS)  # a second Ctrl-C, not the first delivered again
         with pytest.raises(KeyboardInterrupt):
             _signal_self(signal.SIGINT)
     with interrupts.graceful(announce=False):
         _signal_self(signal.SIGINT)
+        time.sleep(interrupts.SAME_CTRL_C_SECONDS)
         interrupts.adopt(signal.SIGTERM)  # another replica had SIGTERM: every replica exits 143
         assert interrupts.requested() == signal.SIGTERM
         interrupts.adopt(signal.SIGINT)

@@ -6,7 +6,10 @@ before SIGKILL. While a ``fit`` runs, the first SIGTERM or SIGINT only sets a re
 ``trainer.should_stop`` is shared), a checkpoint is written, the callbacks' ``on_exception`` hook
 runs, and ``fit`` raises ``TrainingInterrupted`` (the ``xtrainer`` command exits with 128 + the
 signal's number: 143 for SIGTERM, 130 for SIGINT), after one line saying where the checkpoint is
-and how to resume. A second SIGINT stops at once (``KeyboardInterrupt``).
+and how to resume. A second SIGINT stops at once (``KeyboardInterrupt``); one within
+``SAME_CTRL_C_SECONDS`` of the first is that first Ctrl-C delivered again (a terminal sends it to
+every process of its foreground group, and torchrun or the calling process forwards it to each
+worker too), and changes nothing.
 
 A signal may reach one replica of several only (one host's launcher, torchrun, is signalled): the
 replicas' stop vote carries the signal's number, and each replica that learns of it there takes it
@@ -40,6 +43,11 @@ from typing import Iterator
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _requested: int | None = None
 _adopted = False  # _requested came from another replica (``adopt``), not to this process
+#: A SIGINT this soon after this process's first is the same Ctrl-C, delivered again: a terminal
+#: sends it to the whole foreground process group, and a launcher (torchrun, the calling process
+#: of devices=N) forwards it to each worker too, so a worker gets one Ctrl-C twice.
+SAME_CTRL_C_SECONDS = 1.0
+_first_sigint_at: float | None = None
 _children: set[int] = set()
 _announce = True
 
@@ -92,10 +100,14 @@ def adopt(signum: int) -> None:
 
 
 def _handle(signum: int, frame: object) -> None:
-    global _requested, _adopted
+    global _requested, _adopted, _first_sigint_at
     if _requested is not None and not _adopted and signum == signal.SIGINT:
+        if _first_sigint_at is not None and time.monotonic() - _first_sigint_at < SAME_CTRL_C_SECONDS:
+            return  # the first Ctrl-C again, from the terminal and from the launcher that forwards it
         raise KeyboardInterrupt  # a second Ctrl-C: stop at once
     first = _requested is None or _adopted  # this process's own first signal
+    if signum == signal.SIGINT and first:
+        _first_sigint_at = time.monotonic()
     _requested, _adopted = max(signum, _requested or 0), False
     for pid in list(_children):
         with contextlib.suppress(OSError):
@@ -111,12 +123,12 @@ def graceful(announce: bool = True) -> Iterator[None]:
     """While a run lasts: SIGTERM and SIGINT request a graceful stop (main thread only; elsewhere,
     a notebook's worker thread say, signals keep their handlers). ``announce``: say so on stderr
     (a replicas' process leaves that to its caller)."""
-    global _requested, _adopted, _announce
+    global _requested, _adopted, _announce, _first_sigint_at
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
-    _requested, _adopted, _announce = None, False, announce
+    _requested, _adopted, _announce, _first_sigint_at = None, False, announce, None
     for signum in _SIGNALS:
         signal.signal(signum, _handle)
     try:
