@@ -271,11 +271,15 @@ class InOrderShards(XDataModule):
 
 def fit(strategy, devices: int, root: str, steps: int, global_batch: int, ckpt_path=None, pause: float = 0.0,
         ready: str | None = None, every_n_train_steps: int = 2, world_size: int | None = None,
-        model: XModule | None = None, nan_at: int | None = None, **kwargs):
+        model: XModule | None = None, nan_at: int | None = None, in_order: bool = True, **kwargs):
     """Returns (trainer, model). ``world_size``: the processes the batch is split over (devices,
-    or torchrun's); ``model``: an ``ExactNet`` unless given; ``nan_at``: a NaN sample (``make_data``)."""
+    or torchrun's); ``model``: an ``ExactNet`` unless given; ``nan_at``: a NaN sample (``make_data``);
+    ``in_order``: the data shared out in order by a sampler of the data module's own
+    (``InOrderShards``), else a plain loader that the strategy shares out."""
     world_size = world_size or devices
-    data = InOrderShards(make_data(nan_at=nan_at), global_batch // world_size)
+    samples, per_replica = make_data(nan_at=nan_at), global_batch // world_size
+    data = InOrderShards(samples, per_replica) if in_order else XDataModule.from_datasets(samples,
+                                                                                           batch_size=per_replica)
     model = model if model is not None else ExactNet()
     trainer = Trainer(strategy=strategy, devices=devices, max_steps=steps, default_root_dir=root,
                       enable_progress_bar=False, enable_model_summary=False, logger=False,
