@@ -18,6 +18,7 @@ from xtrainer.checkpoint import CheckpointError, load_checkpoint
 
 def fit(tmp_path, epochs, ckpt_path=None, callbacks=(), **kwargs):
     model = Regressor(optimizer="adam", lr=0.01)
+    kwargs.setdefault("strategy", "xla_native")  # these runs are torch_xla's (their checkpoints name it)
     trainer = Trainer(max_epochs=epochs, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
                       callbacks=list(callbacks), **kwargs)
     trainer.fit(model, make_loader(), make_loader(n=16, seed=1), ckpt_path=ckpt_path)

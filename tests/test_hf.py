@@ -224,7 +224,7 @@ class AdamRegressor(Regressor):
 
 
 def test_the_trainer_turns_foreach_on_unless_the_user_chose_and_a_resume_keeps_the_choice(tmp_path):
-    quiet = dict(enable_progress_bar=False, num_sanity_val_steps=0, logger=False)
+    quiet = dict(strategy="xla_native", enable_progress_bar=False, num_sanity_val_steps=0, logger=False)  # XLA's foreach
     default = Trainer(max_epochs=1, default_root_dir=str(tmp_path / "a"), **quiet)
     default.fit(AdamRegressor(), make_loader())
     assert [group["foreach"] for group in default.optimizers[0].param_groups] == [True]

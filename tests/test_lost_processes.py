@@ -85,10 +85,12 @@ def test_dataloader_workers_end_with_a_sigkilled_caller_and_ignore_ctrl_c(tmp_pa
 def test_the_private_folders_of_killed_launches_are_removed_by_the_next_one():
     from xtrainer.strategies import launch
 
+    from xtrainer.checkpoint import writers
+
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tempfile.mkdtemp(prefix=f"xtrainer-launch-{dead.pid}-")
-    mine = tempfile.mkdtemp(prefix=f"xtrainer-launch-{os.getpid()}-")
+    stale = tempfile.mkdtemp(prefix=f"xtrainer-launch-{dead.pid}-")  # an older name: a bare PID, gone
+    mine = tempfile.mkdtemp(prefix=f"xtrainer-launch-{writers.instance()}-")  # this process's instance
     with open(os.path.join(stale, "result.pt"), "wb") as f:
         f.write(b"weights" * 1000)
     try:

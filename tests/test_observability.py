@@ -16,7 +16,7 @@ from xtrainer.callbacks import ProgressBar, RecompilationError, TensorBoardLogge
 
 
 def test_event_files_hold_logged_values_lr_epoch_health_and_hparams(tmp_path):
-    trainer = Trainer(max_epochs=2, log_every_n_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False,
+    trainer = Trainer(strategy="xla_native", max_epochs=2, log_every_n_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False,
                       enable_checkpointing=False)
     model = Regressor(lr=0.05)
     model.save_hyperparameters(width=16)
@@ -41,7 +41,7 @@ def test_event_files_hold_logged_values_lr_epoch_health_and_hparams(tmp_path):
 
 def transfers(tmp_path, **kwargs):
     _xla.clear_metrics()
-    trainer = Trainer(max_epochs=3, log_every_n_steps=4, default_root_dir=str(tmp_path), enable_checkpointing=False,
+    trainer = Trainer(strategy="xla_native", max_epochs=3, log_every_n_steps=4, default_root_dir=str(tmp_path), enable_checkpointing=False,
                       **kwargs)
     trainer.fit(Regressor(), make_loader(), make_loader(n=16, seed=1))
     return _xla.transfer_from_device_count()
@@ -75,14 +75,14 @@ class ShapeShifter:
 
 def test_a_recompilation_is_reported_with_its_step_and_shapes(tmp_path):
     health = XlaHealth()
-    trainer = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+    trainer = Trainer(strategy="xla_native", max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
                       enable_checkpointing=False, callbacks=[health])
     with pytest.warns(UserWarning, match="recompiled .* at step 12 \\(epoch 1, training batch 3\\).*"
                                          "shapes \\(\\(5, 8\\), \\(5, 1\\)\\) had no graph compiled for them"):
         trainer.fit(Regressor(), ShapeShifter(5))
     assert [r["step"] for r in health.recompilations][:1] == [12]
     assert health.totals["recompilations"] >= 1 and health.totals["steps"] == 24
-    strict = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+    strict = Trainer(strategy="xla_native", max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
                      enable_checkpointing=False, callbacks=[XlaHealth(on_recompile="raise")])
     with pytest.raises(RecompilationError, match="at step 12"):  # another shape: graphs are cached per process
         strict.fit(Regressor(), ShapeShifter(6))
@@ -106,9 +106,9 @@ def test_a_recompilation_after_a_first_epoch_that_compiled_nothing_names_the_rig
     none itself; its second epoch compiles a new graph for the same shapes. The warning says that
     the shapes are those of the first epoch, not that they are new."""
     kwargs = dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False, enable_checkpointing=False)
-    Trainer(max_epochs=1, **kwargs).fit(ChangesItsStepAfterTheFirstEpoch(), make_loader())  # the first epoch's graphs
+    Trainer(strategy="xla_native", max_epochs=1, **kwargs).fit(ChangesItsStepAfterTheFirstEpoch(), make_loader())  # the first epoch's graphs
     health = XlaHealth()
-    trainer = Trainer(max_epochs=2, callbacks=[health], **kwargs)
+    trainer = Trainer(strategy="xla_native", max_epochs=2, callbacks=[health], **kwargs)
     with pytest.warns(UserWarning, match="recompiled .* the inputs' shapes are as in the first epoch"):
         trainer.fit(ChangesItsStepAfterTheFirstEpoch(), make_loader())
     assert health.recompilations and all("first epoch, so something inside" in r["reason"]
@@ -117,7 +117,7 @@ def test_a_recompilation_after_a_first_epoch_that_compiled_nothing_names_the_rig
 
 def test_a_steady_run_reports_no_recompilation_and_a_summary(tmp_path, capsys):
     health = XlaHealth(on_recompile="raise")
-    trainer = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+    trainer = Trainer(strategy="xla_native", max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
                       enable_checkpointing=False, callbacks=[health])
     trainer.fit(Regressor(), make_loader(), make_loader(n=16, seed=1))
     assert health.recompilations == [] and health.totals["recompilations"] == 0
@@ -126,12 +126,12 @@ def test_a_steady_run_reports_no_recompilation_and_a_summary(tmp_path, capsys):
 
 def test_progress_bar_lines_off_a_terminal_and_a_rich_bar_on_one(tmp_path):
     plain = io.StringIO()
-    Trainer(max_epochs=1, log_every_n_steps=4, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+    Trainer(strategy="xla_native", max_epochs=1, log_every_n_steps=4, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
             callbacks=[ProgressBar(plain)]).fit(Regressor(), make_loader())
     lines = plain.getvalue().splitlines()
     assert lines[0].startswith("epoch 0 batch 4/8 step 4") and "loss=" in lines[0] and lines[-1].startswith("epoch 0 done")
     fancy = io.StringIO()
-    Trainer(max_epochs=2, log_every_n_steps=4, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+    Trainer(strategy="xla_native", max_epochs=2, log_every_n_steps=4, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
             callbacks=[ProgressBar(fancy, rich=True)]).fit(Regressor(), make_loader())
     out = fancy.getvalue()
     assert "epoch 1" in out and "8/8" in out and "it/s" in out and "\x1b[" in out  # drawn with terminal codes
@@ -153,7 +153,7 @@ class BarModel(Regressor):
 
 def test_progress_bar_shows_the_users_names_and_no_stale_epoch_values(tmp_path):
     plain = io.StringIO()
-    Trainer(max_epochs=2, log_every_n_steps=4, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+    Trainer(strategy="xla_native", max_epochs=2, log_every_n_steps=4, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
             num_sanity_val_steps=0, callbacks=[ProgressBar(plain)]).fit(BarModel(), make_loader(),
                                                                         make_loader(n=16, seed=1))
     lines = plain.getvalue().splitlines()
@@ -169,14 +169,14 @@ def test_progress_bar_shows_the_users_names_and_no_stale_epoch_values(tmp_path):
 
 
 def test_no_progress_bar_when_turned_off(tmp_path, capsys):
-    Trainer(max_epochs=1, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+    Trainer(strategy="xla_native", max_epochs=1, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_xla_health=False, enable_model_summary=False).fit(Regressor(), make_loader())
     assert capsys.readouterr().out == ""
 
 
 def test_profiler_traces_the_chosen_steps_into_the_run_folder(tmp_path):
     profiler = XlaProfiler(start_step=10, num_steps=3)
-    trainer = Trainer(max_epochs=2, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
+    trainer = Trainer(strategy="xla_native", max_epochs=2, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False,
                       enable_checkpointing=False, callbacks=[profiler])
     trainer.fit(Regressor(), make_loader())
     assert profiler.traced_steps == [11, 12, 13] and profiler.port
@@ -185,13 +185,13 @@ def test_profiler_traces_the_chosen_steps_into_the_run_folder(tmp_path):
 
 
 def test_a_named_logger_puts_the_run_folder_under_its_name(tmp_path):
-    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
+    trainer = Trainer(strategy="xla_native", max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
                       logger=TensorBoardLogger(name="exp"))
     trainer.fit(Regressor(), make_loader())
     assert trainer.log_dir == str(tmp_path / "exp" / "version_0")
     assert set(SummaryReader(trainer.log_dir).scalars.tag) >= {"train_loss_epoch", "epoch"}
     assert os.path.exists(os.path.join(trainer.log_dir, "checkpoints", "last.ckpt"))
-    again = Trainer(max_epochs=2, default_root_dir=str(tmp_path), enable_progress_bar=False,
+    again = Trainer(strategy="xla_native", max_epochs=2, default_root_dir=str(tmp_path), enable_progress_bar=False,
                     logger=TensorBoardLogger(name="exp"))
     again.fit(Regressor(), make_loader(), ckpt_path="last")  # found under exp/
     assert again.log_dir.endswith("version_1") and again.global_step == 16

@@ -117,7 +117,9 @@ def test_a_mistyped_preemption_sync_setting_is_refused_before_anything_starts(mo
 @pytest.mark.multi_device
 def test_the_replicas_never_outlive_their_caller(tmp_path):
     root = tmp_path / "run"
-    proc = start_training_with_two_replicas(root)
+    # torch_xla's thread replicas run in a process of their own (the native strategies' rank 0 runs in
+    # the caller: tests/test_native_rank0.py)
+    proc = start_training_with_two_replicas(root, SIGNAL_RUN_STRATEGY="xla_native")
     replicas = int((root / "pid").read_text())
     assert replicas != proc.pid  # the replicas' own process
     proc.kill()  # SIGKILL: no clean-up of any kind in the caller

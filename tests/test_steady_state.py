@@ -31,7 +31,7 @@ def run(trainer_kwargs, epochs=5, log_every=4, **kwargs):
             self.log("val_max", batch[1].max(), reduce_fx="max")
 
     # 40 training samples in batches of 8 (5 per epoch); 20 validation samples: 8, 8 and a last 4
-    trainer = Trainer(max_epochs=epochs, log_every_n_steps=log_every, callbacks=[counter], **kwargs,
+    trainer = Trainer(strategy="xla_native", max_epochs=epochs, log_every_n_steps=log_every, callbacks=[counter], **kwargs,
                       **trainer_kwargs)
     trainer.fit(AdamRegressor(optimizer="adam", lr=0.01), make_loader(n=40, shuffle=True),
                 make_loader(n=20, seed=1))

@@ -72,7 +72,7 @@ def expected(model, dataset):
 
 def fit(tmp_path, devices=1, callbacks=()):
     model = Classifier()
-    trainer = Trainer(devices=devices, max_epochs=3, log_every_n_steps=1000, enable_progress_bar=False,
+    trainer = Trainer(strategy="xla_native", devices=devices, max_epochs=3, log_every_n_steps=1000, enable_progress_bar=False,
                       enable_checkpointing=False, num_sanity_val_steps=0, callbacks=list(callbacks),
                       default_root_dir=str(tmp_path))
     trainer.fit(model, DataLoader(data(), batch_size=8 // devices), DataLoader(data(32, 1), batch_size=8 // devices))
@@ -142,7 +142,7 @@ def test_replica_threads_compute_their_metrics_one_at_a_time(tmp_path):
     # in one 60-epoch run of three: they now compute in turn, states gathered first
     report = tmp_path / "most_computing_at_once"
     model = Masked(report)
-    trainer = Trainer(devices=2, max_epochs=2, limit_train_batches=1, enable_progress_bar=False,
+    trainer = Trainer(strategy="xla_native", devices=2, max_epochs=2, limit_train_batches=1, enable_progress_bar=False,
                       enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
     trainer.fit(model, DataLoader(data(), batch_size=4), DataLoader(data(32, 1), batch_size=4))
     assert report.read_text() == "1"
@@ -166,7 +166,7 @@ class LocalAccuracy(Classifier):
 @pytest.mark.multi_device
 def test_a_metric_built_not_to_sync_gives_each_replica_its_own_value(tmp_path):
     model = LocalAccuracy()
-    trainer = Trainer(devices=2, max_epochs=1, enable_progress_bar=False, enable_checkpointing=False,
+    trainer = Trainer(strategy="xla_native", devices=2, max_epochs=1, enable_progress_bar=False, enable_checkpointing=False,
                       num_sanity_val_steps=0, default_root_dir=str(tmp_path))
     trainer.fit(model, DataLoader(data(), batch_size=4), DataLoader(data(32, 1), batch_size=4))
     x, y = data(32, 1).tensors

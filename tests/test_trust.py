@@ -33,6 +33,7 @@ class Payload:
 
 def fit(root, epochs=1, ckpt_path=None, callbacks=(), loader=None, **kwargs):
     model = Regressor(optimizer="adam", lr=0.01)
+    kwargs.setdefault("strategy", "xla_native")  # these runs are torch_xla's (their checkpoints name it)
     trainer = Trainer(max_epochs=epochs, default_root_dir=str(root), enable_progress_bar=False, logger=False,
                       callbacks=list(callbacks), **kwargs)
     trainer.fit(model, loader or make_loader(), ckpt_path=ckpt_path)

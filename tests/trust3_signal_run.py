@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import native_run
-from xtrainer import Trainer, TrainingInterrupted
+from xtrainer import Trainer, TrainingInterrupted, seed_everything
 from xtrainer.callbacks import Callback, ModelCheckpoint
 from xtrainer.launch import interrupts
 
@@ -58,7 +58,9 @@ class SignalOwnLauncher(Callback):
 
 def fit(args, world_size: int, devices: int = 1):
     """Returns (trainer, model). ``world_size``: the processes the batch is split over (torchrun's,
-    or ``devices`` started by the Trainer: the uninterrupted reference)."""
+    or ``devices`` started by the Trainer: the uninterrupted reference). Seeded: the strategy
+    shuffles the training data of several processes with the run's seed, as Lightning does."""
+    seed_everything(0)
     loader = DataLoader(native_run.make_data(), batch_size=8 // world_size)
     val = DataLoader(native_run.make_data(n=16, seed=1), batch_size=8 // world_size)
     callbacks = [ModelCheckpoint(every_n_train_steps=2, save_last=True),

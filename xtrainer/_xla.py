@@ -502,7 +502,7 @@ def chip_name() -> str | None:
                 accelerator = str(tpu.get_tpu_type())
             except Exception:  # noqa: BLE001 - no metadata server: the chip stays unknown
                 return None
-        from xtrainer.flops import tpu_chip
+        from xtrainer.chips import tpu_chip
 
         return tpu_chip(accelerator)
     if kind == "NEURON":

@@ -91,9 +91,6 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
         if claims:
             remove_if_empty(trainer.log_dir)  # a run that failed before writing anything leaves no folder
         raise
-    finally:
-        if launcher.group_ends_with_stage:  # rank 0 ran here in a group now gone: the sizes are the plan's again
-            trainer._replica_ready = False
     if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
         load_home(trainer, stage, model, result["state_dict"])
         trainer.loop = result["loop"]

@@ -129,6 +129,8 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
             trainer.state = "idle"
             trainer._wrapped = trainer._module = None
             trainer.strategy.use_module_hooks()
+            if trainer.strategy.launcher.group_ends_with_stage:
+                trainer._replica_ready = False  # rank 0 ran here in a group now gone: the sizes are the plan's again
 
 
 def warn_padded_evaluation(trainer: "Trainer", data: dict[str, list]) -> None:

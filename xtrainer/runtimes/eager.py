@@ -284,15 +284,15 @@ class EagerRuntime(Runtime):
     def chip_name(self) -> str | None:
         """``XTRAINER_CHIP``; else a CUDA device by its name, a TorchTPU chip by the accelerator type
         its VM announces (``TPU_ACCELERATOR_TYPE``); None on the CPU and for other devices."""
-        from xtrainer import flops
+        from xtrainer import chips
 
         named = super().chip_name()
         if named or self.type == "cpu":
             return named
         if self.type == "cuda":
-            return flops.gpu_chip(torch.cuda.get_device_name(self.device))
+            return chips.gpu_chip(torch.cuda.get_device_name(self.device))
         if self.type == "tpu" and os.environ.get("TPU_ACCELERATOR_TYPE"):
-            return flops.tpu_chip(os.environ["TPU_ACCELERATOR_TYPE"])
+            return chips.tpu_chip(os.environ["TPU_ACCELERATOR_TYPE"])
         return None
 
     def memory_info(self) -> dict[str, int] | None:

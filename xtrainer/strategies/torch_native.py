@@ -317,8 +317,8 @@ class NativeProcesses(launch._StartedReplicas):
                     "was trained in this run yet.", signum)
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"Trainer(devices={n}): {n - 1 - joined} of the {n - 1} started processes did not join the "
-                    f"process group within timeout_seconds={self.timeout_seconds:g} s (importing the script or "
+                    f"Trainer(devices={n}): {n - 1 - joined} of the {n - 1} started processes "
+                    f"did not join the process group within timeout_seconds={self.timeout_seconds:g} s (importing the script or "
                     "rebuilding the job took longer, or hung there; their output above may say where). Give the "
                     "strategy a larger timeout_seconds if they are only slow.")
             time.sleep(0.05)
