@@ -117,8 +117,9 @@ def test_a_replica_that_keeps_the_others_waiting_too_long_is_named(tmp_path):
                     time.sleep(60)  # host work on rank 0 alone, well past XLA's wait at the next collective (5 s, then 10 s more)
 
         if __name__ == "__main__":
-            Trainer(devices=2, max_epochs=1, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                    enable_xla_health=False, default_root_dir={str(tmp_path)!r}, callbacks=[SlowRankZero()]).fit(
+            Trainer(strategy="xla_native", devices=2, max_epochs=1, enable_progress_bar=False, logger=False,
+                    enable_checkpointing=False, enable_xla_health=False, default_root_dir={str(tmp_path)!r},
+                    callbacks=[SlowRankZero()]).fit(
                 Regressor(), make_loader(batch_size=4))
     """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=ENV, timeout=subprocess_timeout(300))
