@@ -17,6 +17,7 @@ import glob
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -191,3 +192,20 @@ def test_a_signal_learnt_from_another_replica_is_this_processs_request_but_no_fi
             _signal_self(signal.SIGINT)
     with interrupts.graceful(announce=False):
         assert interrupts.requested() is None  # each run starts with none
+
+
+def test_a_sigterm_before_the_process_group_wait_ends_the_process_there():
+    """A SIGTERM that came while the run was starting (imports, its data), before it waits for its
+    process group: the wait may never end (its peer never comes), so it ends the process as one
+    during the wait does, not after the group's timeout (a process outlived its test so)."""
+    code = ("import os, signal, time\n"
+            "from xtrainer.launch import interrupts\n"
+            "with interrupts.graceful(announce=False):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
+            "    assert interrupts.requested() == signal.SIGTERM\n"
+            "    with interrupts.ending_at_once():\n"
+            "        time.sleep(30)  # the process group's wait\n")
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == -signal.SIGTERM, run.stderr[-2000:]
+    assert time.monotonic() - started < 25

@@ -144,12 +144,15 @@ def ending_at_once() -> Iterator[None]:
     ends the process at once, as it would without xtrainer. A handler in Python runs only between
     two Python instructions, so a process blocked in the group's rendezvous (a peer that never
     comes) would otherwise wait out the launcher's grace period before its SIGKILL. SIGINT keeps
-    its handler (a notebook's kernel must survive an interrupt). A stop requested before stays
-    requested."""
+    its handler (a notebook's kernel must survive an interrupt). A SIGTERM this process received
+    before (while it imported or prepared its data) ends it here, as one during the wait would: the
+    wait ahead may never end (a peer that never comes), and nothing is saved yet."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not _handle:
         yield
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _requested == signal.SIGTERM and not _adopted:
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends now
     try:
         yield
     finally:
