@@ -54,6 +54,17 @@ def test_auto_runs_eagerly_on_the_cpu_and_torch_xla_is_an_explicit_choice(kwargs
         assert trainer.strategy.ddp_kwargs == {"find_unused_parameters": True}
 
 
+def test_auto_under_torchrun_is_data_parallel_over_its_processes(monkeypatch):
+    """A process that torchrun started as one of two: Lightning's "auto" is DDP there, never the
+    one-device strategy (which would refuse torchrun's two processes)."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("XTRAINER_NATIVE_REPLICA", raising=False)
+    trainer = Trainer(**QUIET)
+    assert (trainer.strategy.name, trainer.strategy.devices) == ("native_ddp", 2)
+
+
 def test_auto_picks_torch_xla_only_where_pjrt_has_a_real_accelerator(monkeypatch):
     """torch_xla installed: ``auto`` is XLA where ``PJRT_DEVICE`` names a real device (a TPU),
     and the CPU where it names the CPU runtime or, unset, no TPU chip is on the PCI bus (torch_xla's

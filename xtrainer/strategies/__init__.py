@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from xtrainer import runtimes
@@ -11,7 +12,7 @@ from xtrainer.strategies.fsdp import XlaFSDP
 from xtrainer.strategies.native import XlaNative
 from xtrainer.strategies.parallel import ParallelStrategy
 from xtrainer.strategies.spmd import XlaFSDPv2, XlaSPMD
-from xtrainer.strategies.torch_native import NativeDDP, NativeFSDP, NativeSingle
+from xtrainer.strategies.torch_native import NativeDDP, NativeFSDP, NativeSingle, under_torchrun
 from xtrainer.suggest import did_you_mean
 
 #: Every name ``Trainer(strategy=...)`` accepts, mapped to its class.
@@ -61,6 +62,7 @@ def lightning_name(name: str, accelerator: str = "auto", devices: Any = "auto") 
             return XlaNative.name  # one device, or native data parallel over devices=N (Lightning's XLAStrategy)
         several = devices == "auto" and runtimes.EagerRuntime.for_accelerator(accelerator).local_device_count() > 1
         several = several or (isinstance(devices, int) and not isinstance(devices, bool) and devices > 1)
+        several = several or (under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1)  # one of torchrun's group
         return NativeDDP.name if several else NativeSingle.name
     return name
 
