@@ -196,7 +196,7 @@ class Run:
             args += ["--fault", s.fault, "--target", s.target, "--rank", str(s.rank), "--when", s.when,
                      "--at", str(s.at), "--hang-timeout", str(4 * SCALE)]
         if s.launcher == "torchrun":
-            from xtrainer.strategies.process import free_port
+            from xtrainer.strategies.launchers.processes import free_port
 
             command = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}",
                        "--nproc-per-node=2", "--monitor-interval=0.5", SCRIPT, *args]

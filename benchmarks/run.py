@@ -399,7 +399,7 @@ def hand_ddp(workload: str, loader: DataLoader, warmup: int, every: int, started
     over gloo, each reading its share of ``loader``'s data; rank 0's measurement, with every rank's marks."""
     import torch.multiprocessing as mp
 
-    from xtrainer.strategies.process import free_port
+    from xtrainer.strategies.launchers.processes import free_port
 
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_hand_ddp_rank, args=(processes, free_port(), workload, loader, warmup, every, started, compile, results),

@@ -38,7 +38,7 @@ def torchrun(*args: str) -> list[str]:
     which another program on a busy machine may hold."""
     import sys
 
-    from xtrainer.strategies.process import free_port
+    from xtrainer.strategies.launchers.processes import free_port
 
     given = any(a.startswith(("--rdzv-endpoint", "--rdzv_endpoint", "--master-port", "--master_port")) for a in args)
     port = [] if given else [f"--master-port={free_port()}"]

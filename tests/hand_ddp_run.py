@@ -74,7 +74,7 @@ def train(rank: int, world_size: int, port: int, steps: int, global_batch: int, 
     dist.destroy_process_group()
     # The result is written: end without the interpreter's teardown, where a gloo process of torch
     # 2.13 aborted now and then after a good run ("terminate called without an active exception",
-    # SIGABRT), as xtrainer's own launcher ends its processes (strategies/process.py, end_now).
+    # SIGABRT), as xtrainer's own launcher ends its processes (strategies/launchers/processes.py, end_now).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

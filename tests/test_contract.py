@@ -127,7 +127,7 @@ def test_no_import_cycles_beyond_type_checking_imports():
     assert not cycles
 
 
-RUNTIME = "xtrainer.strategies.cpu_threads"  # the CPU runtime's thread replicas
+RUNTIME = "xtrainer.strategies.launchers.cpu_threads"  # the CPU runtime's thread replicas
 
 
 def _modules(root: str, *relative: str) -> dict[str, str]:
@@ -169,16 +169,16 @@ def test_only_the_launcher_reaches_the_cpu_thread_runtime():
     """Strategies, callbacks and the compilation cache ask the process (``shared_process``) what
     the thread replicas change; only the launcher, which chooses the runtime, imports it."""
     root = os.path.dirname(os.path.abspath(xtrainer.__file__))
-    runtime = _modules(root, "strategies/cpu_threads")
+    runtime = _modules(root, "strategies/launchers/cpu_threads")
     assert f"{RUNTIME}.replicas" in runtime and RUNTIME in runtime
     checked = {name: path for name, path in _modules(root, "strategies", "callbacks", "compile_cache.py").items()
-               if name not in runtime and name != "xtrainer.strategies.launch"}
-    assert {"xtrainer.strategies.base", "xtrainer.strategies.ddp", "xtrainer.strategies.fsdp",
+               if name not in runtime and name != "xtrainer.strategies.launchers"}
+    assert {"xtrainer.strategies.base", "xtrainer.strategies.xla_ddp", "xtrainer.strategies.xla_fsdp",
             "xtrainer.strategies.shared_process", "xtrainer.callbacks.health", "xtrainer.compile_cache"} <= set(checked)
     offenders = {name: hits for name, path in checked.items() if (hits := _names_the_runtime(path, name))}
-    assert not offenders, f"import the runtime only in strategies/launch.py; ask shared_process instead: {offenders}"
+    assert not offenders, f"import the runtime only in strategies/launchers/__init__.py; ask shared_process instead: {offenders}"
     # The check sees an import where there is one.
-    assert _names_the_runtime(os.path.join(root, "strategies", "launch.py"), "xtrainer.strategies.launch")
+    assert _names_the_runtime(os.path.join(root, "strategies", "launchers", "__init__.py"), "xtrainer.strategies.launchers")
 
 
 def test_the_private_torch_xla_internals_serve_only_the_cpu_thread_runtime():
@@ -189,7 +189,7 @@ def test_the_private_torch_xla_internals_serve_only_the_cpu_thread_runtime():
     start = next(i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# Private torch_xla internals"))
     private = {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.lineno > start}
     assert {"replace_sync", "run_thread_per_device", "all_gather_on_channel"} <= private
-    runtime = _modules(root, "strategies/cpu_threads")
+    runtime = _modules(root, "strategies/launchers/cpu_threads")
     used = {}
     for name, path in _modules(root, ".").items():
         if name == "xtrainer._xla":

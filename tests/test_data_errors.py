@@ -12,7 +12,7 @@ from failing_data import DataError, FailingCollate, FailingDataset, FailingSampl
 from torch.utils.data import DataLoader
 
 from xtrainer import Trainer
-from xtrainer.strategies.launch import ReplicaFailure
+from xtrainer.strategies.launchers import ReplicaFailure
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -83,7 +83,7 @@ def test_dataloader_workers_end_with_a_sigkilled_caller_and_ignore_ctrl_c(tmp_pa
 
 
 def test_the_private_folders_of_killed_launches_are_removed_by_the_next_one():
-    from xtrainer.strategies import launch
+    from xtrainer.strategies import launchers
 
     from xtrainer.checkpoint import writers
 
@@ -94,7 +94,7 @@ def test_the_private_folders_of_killed_launches_are_removed_by_the_next_one():
     with open(os.path.join(stale, "result.pt"), "wb") as f:
         f.write(b"weights" * 1000)
     try:
-        launch._remove_stale_launch_folders()
+        launchers._remove_stale_launch_folders()
         assert not os.path.exists(stale)
         assert os.path.exists(mine)  # a live process's launch is left alone
     finally:

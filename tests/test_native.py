@@ -235,7 +235,7 @@ def test_free_ports_are_drawn_below_the_kernels_ephemeral_range_and_bind():
     store as clients, and its exit broke the rendezvous mid-fit (RendezvousConnectionError)."""
     import socket
 
-    from xtrainer.strategies.process import _ephemeral_ports_start, free_port
+    from xtrainer.strategies.launchers.processes import _ephemeral_ports_start, free_port
 
     ports = {free_port() for _ in range(20)}
     assert all(20000 <= port < _ephemeral_ports_start() and not 29400 <= port < 29600 for port in ports), ports
@@ -250,7 +250,7 @@ def test_free_ports_are_drawn_below_the_kernels_ephemeral_range_and_bind():
 def test_two_torchrun_nodes_on_one_rendezvous_make_one_run(tmp_path, one_process):
     """Two torchrun commands ("nodes" on localhost, one process each) meet at a c10d rendezvous:
     one run folder, both ranks' shards in one checkpoint, the same weights as one process."""
-    from xtrainer.strategies.process import free_port
+    from xtrainer.strategies.launchers.processes import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     script = [os.path.join(HERE, "native_run.py"), "--strategy", "native_fsdp", "--steps", str(STEPS),
@@ -301,7 +301,7 @@ def test_torchrun_restarts_after_a_killed_worker_and_resumes_bitwise(tmp_path):
 def test_sigterm_while_waiting_for_the_process_group_ends_the_process_at_once(tmp_path):
     """Rank 0 of two, its peer never started: it waits in the rendezvous. torchrun's SIGTERM ends
     it at once (nothing is trained yet), not after the launcher's 30 s grace period."""
-    from xtrainer.strategies.process import free_port
+    from xtrainer.strategies.launchers.processes import free_port
 
     env = dict(_env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))

@@ -83,7 +83,7 @@ def test_the_norm_clip_multiplies_each_dtype_at_once_with_the_bits_of_one_multip
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from xtrainer.strategies import NativeSingle
-    from xtrainer.strategies.torch_native import _gradient_norm
+    from xtrainer.strategies.native import _gradient_norm
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -349,14 +349,14 @@ def test_the_processes_of_devices_2_rebuild_tensors_without_backward_hooks_and_s
 
 def test_the_intra_op_threads_of_devices_n_are_the_users_where_set(monkeypatch):
     """OMP_NUM_THREADS, where set, is the user's: the processes inherit it untouched."""
-    from xtrainer.strategies import torch_native
+    from xtrainer.strategies import native
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert torch_native._intra_op_threads(2) == {}
+    assert native._intra_op_threads(2) == {}
     monkeypatch.delenv("OMP_NUM_THREADS")
     cores = len(os.sched_getaffinity(0))
-    assert torch_native._intra_op_threads(2 * cores) == {"OMP_NUM_THREADS": "1"}
-    assert torch_native._intra_op_threads(1) == {"OMP_NUM_THREADS": str(cores)}
+    assert native._intra_op_threads(2 * cores) == {"OMP_NUM_THREADS": "1"}
+    assert native._intra_op_threads(1) == {"OMP_NUM_THREADS": str(cores)}
 
 
 def test_more_processes_than_the_hosts_devices_are_refused_with_what_to_do(monkeypatch):
@@ -364,12 +364,12 @@ def test_more_processes_than_the_hosts_devices_are_refused_with_what_to_do(monke
     refused before any process starts. The device count is the one thing mocked: this host has
     no accelerator."""
     from xtrainer.runtimes import EagerRuntime
-    from xtrainer.strategies import torch_native
-    from xtrainer.strategies.process import free_port
+    from xtrainer.strategies import native
+    from xtrainer.strategies.launchers.processes import free_port
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    strategy = torch_native.NativeDDP()
+    strategy = native.NativeDDP()
     strategy.runtime = EagerRuntime("cuda")
     monkeypatch.setattr(strategy.runtime, "local_device_count", lambda: 2)
     assert strategy._resolve_devices(2) == 2

@@ -22,7 +22,7 @@ import torch
 
 from conftest import subprocess_timeout
 from test_native import HERE, _assert_bitwise, _env
-from xtrainer.strategies.torch_native import NativeDDP
+from xtrainer.strategies.native import NativeDDP
 
 STEPS = 24  # signal_run.py's 3 epochs of 64 samples, 8 per step
 

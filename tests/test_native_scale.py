@@ -118,7 +118,7 @@ def _two_nodes(root, endpoint: str, rdzv_id: str, *args: str) -> list[subprocess
 
 
 def test_two_torchrun_nodes_of_two_stop_at_one_step_on_sigterm_and_resume_bitwise(tmp_path):
-    from xtrainer.strategies.process import free_port
+    from xtrainer.strategies.launchers.processes import free_port
 
     steps = "24"
     common = ["--steps", steps, "--out", str(tmp_path / "out.pt")]

@@ -220,7 +220,7 @@ def test_health_figures_are_per_replica_where_one_process_runs_several(monkeypat
     from xtrainer import _xla
     from xtrainer.callbacks import health
     from xtrainer.strategies import shared_process
-    from xtrainer.strategies.cpu_threads.replicas import ThreadReplicas
+    from xtrainer.strategies.launchers.cpu_threads.replicas import ThreadReplicas
 
     counters = {"compile_count": 0, "compile_seconds": 0.0, "execute_count": 0, "transfer_from_device_count": 0}
     for name in counters:

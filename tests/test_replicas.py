@@ -22,7 +22,7 @@ from xtrainer import Trainer, _xla
 from xtrainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from xtrainer.checkpoint import CheckpointError, consolidate
 from xtrainer.strategies import STRATEGIES, XlaFSDP, XlaSPMD, shared_process
-from xtrainer.strategies.launch import CpuThreadReplicas, ReplicaFailure
+from xtrainer.strategies.launchers import CpuThreadReplicas, ReplicaFailure
 
 pytestmark = pytest.mark.multi_device
 

@@ -20,7 +20,7 @@ from xtrainer import Trainer, XModule
 from xtrainer.runtimes import NATIVE, XLA, EagerRuntime, XlaRuntime, select_family
 from xtrainer.strategies import STRATEGIES
 from xtrainer.strategies.base import Strategy
-from xtrainer.strategies.torch_native import NativeSingle
+from xtrainer.strategies.native import NativeSingle
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.abspath(xtrainer.__file__))

@@ -44,7 +44,7 @@ def uninterrupted(tmp_path_factory):
 
 def _nodes(root, name: str, *args: str) -> list[subprocess.Popen]:
     """Two torchrun commands of one process each (two "nodes" on localhost), one c10d rendezvous."""
-    from xtrainer.strategies.process import free_port
+    from xtrainer.strategies.launchers.processes import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     script = [os.path.join(HERE, "trust3_signal_run.py"), "--root", str(root), "--out", str(root / "out.pt"),

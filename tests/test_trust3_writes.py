@@ -185,17 +185,17 @@ def test_a_launch_folder_of_a_dead_caller_with_this_process_pid_is_removed():
     import tempfile
 
     from xtrainer.checkpoint import writers
-    from xtrainer.strategies import launch
+    from xtrainer.strategies import launchers
 
     me, root = os.getpid(), tempfile.gettempdir()
-    dead = [os.path.join(root, f"{launch._LAUNCH_PREFIX}{instance_of(me, start=writers.start_time(me) - 5)}-a1b2c3"),
-            os.path.join(root, f"{launch._LAUNCH_PREFIX}{me}-d4e5f6")]  # an older version's name
-    live = os.path.join(root, f"{launch._LAUNCH_PREFIX}{writers.instance()}-g7h8i9")
+    dead = [os.path.join(root, f"{launchers._LAUNCH_PREFIX}{instance_of(me, start=writers.start_time(me) - 5)}-a1b2c3"),
+            os.path.join(root, f"{launchers._LAUNCH_PREFIX}{me}-d4e5f6")]  # an older version's name
+    live = os.path.join(root, f"{launchers._LAUNCH_PREFIX}{writers.instance()}-g7h8i9")
     try:
         for folder in (*dead, live):
             os.mkdir(folder)
             open(os.path.join(folder, "result.pt"), "wb").close()
-        launch._remove_stale_launch_folders()
+        launchers._remove_stale_launch_folders()
         assert [os.path.exists(folder) for folder in dead] == [False, False] and os.path.isdir(live)
     finally:
         for folder in (*dead, live):

@@ -1,6 +1,6 @@
 """``xla``: ``xtrainer._xla`` (the only module that imports torch_xla), imported on first use.
 
-Modules that the native strategies (``strategies/torch_native.py``) share with the XLA ones
+Modules that the native strategies (``strategies/native.py``) share with the XLA ones
 import ``from xtrainer._lazy_xla import xla as _xla``, so that ``import xtrainer`` and the native
 strategies work where torch_xla is not installed. Once imported, each use costs one attribute
 lookup more than a plain module would.

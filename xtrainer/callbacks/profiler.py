@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks.base import Callback
-from xtrainer.strategies.process import free_port
+from xtrainer.strategies.launchers.processes import free_port
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule

@@ -1,6 +1,6 @@
 """A stage (``fit``, ``validate``, ``test``, ``predict``) as the calling process runs it: the data
 prepared and torn down (``loaders.py``), the checkpoint it starts from resolved, the run folder
-claimed, the replicas started through the strategy's launcher (``strategies/launch.py``), rank
+claimed, the replicas started through the strategy's launcher (``strategies/launchers/__init__.py``), rank
 0's results brought home, and a run that failed before it wrote anything leaving no folder.
 What each replica then does is ``loop/replica.py``."""
 
@@ -17,7 +17,7 @@ from xtrainer.launch import interrupts
 from xtrainer.loop import evaluation, loaders, replica
 from xtrainer.loop.replica import remove_if_empty
 from xtrainer.loop.steps import check_eval_step, check_module
-from xtrainer.strategies.launch import SpmdProcess
+from xtrainer.strategies.launchers import SpmdProcess
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -131,7 +131,7 @@ def claims_run_folder() -> bool:
     (or a launcher setting its variables: ``RANK``, ``WORLD_SIZE``...) started. Such a process
     learns rank 0's folder when its replica starts (``loop/replica.py``) and claims nothing, so
     that a run, and each of torchrun's restarts, makes one folder."""
-    from xtrainer.strategies.torch_native import in_process_group_env
+    from xtrainer.strategies.native import in_process_group_env
 
     rank = os.environ.get("RANK", "0")
     return not (in_process_group_env() and rank.isdigit() and int(rank) != 0)

@@ -7,12 +7,12 @@ from typing import Any
 
 from xtrainer import runtimes
 from xtrainer.strategies.base import Strategy
-from xtrainer.strategies.ddp import XlaDDP
-from xtrainer.strategies.fsdp import XlaFSDP
-from xtrainer.strategies.native import XlaNative
+from xtrainer.strategies.xla_ddp import XlaDDP
+from xtrainer.strategies.xla_fsdp import XlaFSDP
+from xtrainer.strategies.xla_native import XlaNative
 from xtrainer.strategies.parallel import ParallelStrategy
-from xtrainer.strategies.spmd import XlaFSDPv2, XlaSPMD
-from xtrainer.strategies.torch_native import NativeDDP, NativeFSDP, NativeSingle, under_torchrun
+from xtrainer.strategies.xla_spmd import XlaFSDPv2, XlaSPMD
+from xtrainer.strategies.native import NativeDDP, NativeFSDP, NativeSingle, under_torchrun
 from xtrainer.suggest import did_you_mean
 
 #: Every name ``Trainer(strategy=...)`` accepts, mapped to its class.

@@ -20,7 +20,7 @@ checkpoints are written. The Trainer owns the loop and calls these members in th
 The device is not the strategy's: it belongs to the runtime the strategy holds
 (``strategy.runtime``, ``xtrainer.runtimes``): graph cuts, host transfers, the device's random
 generator, counters, memory figures and the device loader. The loop calls the runtime directly.
-The XLA strategies hold an ``XlaRuntime``; the native ones (``strategies/torch_native.py``) an
+The XLA strategies hold an ``XlaRuntime``; the native ones (``strategies/native.py``) an
 ``EagerRuntime`` for the Trainer's ``accelerator``.
 
 Launching is a family of its own (``strategies.launch``), and so are the replicas' collectives
@@ -47,7 +47,7 @@ from xtrainer.checkpoint import layout as ckpt_layout
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.whole import WholeFile
 from xtrainer.runtimes import Runtime, XlaRuntime
-from xtrainer.strategies import launch, shared_process
+from xtrainer.strategies import launchers, shared_process
 from xtrainer.strategies.collectives import Collectives, XlaReplicas
 from xtrainer.strategies.data import DeviceData, _plain_random, distribute_dataloader
 from xtrainer.strategies.precision import Precision
@@ -105,11 +105,11 @@ class Strategy(abc.ABC):
 
     # ---- launching ---------------------------------------------------------------------
     @property
-    def launcher(self) -> launch.Launcher:
+    def launcher(self) -> launchers.Launcher:
         """How ``fit`` runs in every replica (``strategies.launch``): in the calling process with
         one device; with more, as threads of one new process on the CPU runtime, or started by
         ``torch_xla.launch`` (one process per device on TPU)."""
-        return launch.for_replicas(self.devices)
+        return launchers.for_replicas(self.devices)
 
     def setup_environment(self) -> None:
         """Per replica, before anything else: pick the device, set up process groups; from here
@@ -169,7 +169,7 @@ class Strategy(abc.ABC):
         Rank 0's weights are not broadcast instead: writing into parameters on the device before
         ``XlaFullyShardedDataParallel`` wraps them makes it train wrongly (torch_xla 2.9).
         """
-        rng_state = launch.launch_rng_state()
+        rng_state = launchers.launch_rng_state()
         if rng_state is None:
             yield
             return

@@ -2,7 +2,7 @@
 
 Most runtimes run one replica per process (``torch_xla.launch`` on a TPU host, torchrun, the SPMD
 process, a single device in the caller): the defaults here. A runtime that runs several replicas
-as threads of one process (the CPU runtime's, ``strategies/cpu_threads/``) installs its own
+as threads of one process (the CPU runtime's, ``strategies/launchers/cpu_threads/``) installs its own
 ``SharedProcess`` in that process when it starts, before any replica exists. Strategies, the
 launcher's replica job, the compilation cache and callbacks ask ``current()`` (or the strategy's
 ``replicas_in_this_process()``), and never import or name that runtime.

@@ -15,7 +15,7 @@ from xtrainer._lazy_xla import xla as _xla
 from xtrainer.strategies import shared_process
 from xtrainer.strategies.base import check_wrapper_kwargs
 from xtrainer.strategies.parallel import ParallelStrategy
-from xtrainer.strategies.process import free_port
+from xtrainer.strategies.launchers.processes import free_port
 
 
 #: A bucket cap below any parameter's size: DDP then gives every parameter its own bucket.
@@ -121,7 +121,7 @@ def rebuild_buckets(wrapped: nn.Module) -> None:
     Called only while a rebuild is due (DDP rebuilds once, and never with
     ``find_unused_parameters`` on a dynamic graph): the call releases the GIL, and the CPU
     runtime's thread replicas crashed more often (glibc heap corruption, 2 runs of 8 under load
-    against none of 18) with a call after every backward (``strategies/process.py`` on that race)."""
+    against none of 18) with a call after every backward (``strategies/launchers/processes.py`` on that race)."""
     if isinstance(wrapped, DistributedDataParallel) and torch.is_grad_enabled() \
             and not getattr(wrapped, "_has_rebuilt_buckets", False) \
             and (wrapped.static_graph or not wrapped.find_unused_parameters):

@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.strategies import shared_process
-from xtrainer.strategies.process import end_now
-from xtrainer.strategies.cpu_threads import collectives
+from xtrainer.strategies.launchers.processes import end_now
+from xtrainer.strategies.launchers.cpu_threads import collectives
 
 #: Seconds the first failing replica gives the others to stop at a graph cut or barrier (and
 #: flush their logs) before it ends the process. Replicas blocked inside an XLA collective that

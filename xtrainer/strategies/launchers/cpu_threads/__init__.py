@@ -23,7 +23,7 @@ modules are built under a lock (torch's CPU random generator is process-global),
 rendezvous (barriers, ``mesh_reduce``) meet in Python instead of through XLA collectives, and DDP
 starts through that rendezvous and the serialised cut.
 
-How it runs: the calling process (``launch`` below, chosen by ``strategies/launch.py``) starts one
+How it runs: the calling process (``launch`` below, chosen by ``strategies/launchers/__init__.py``) starts one
 fresh process (``spawn``) with the environment above; there ``replicas.py`` installs everything
 before any replica exists, then one thread per device runs the replica. The caller's own XLA
 runtime is never touched, so ``devices=N`` works from a script, a notebook or a test session that
@@ -33,7 +33,7 @@ error.
 
 What strategies need to know of it they ask the process (``strategies/shared_process.py``: how
 many replicas it runs, the lock to build modules under, how DDP starts), where ``replicas.py``
-installs its answers; nothing outside ``strategies/launch.py`` imports this package. It relies on
+installs its answers; nothing outside ``strategies/launchers/__init__.py`` imports this package. It relies on
 private torch_xla internals (a section of their own in ``xtrainer/_xla.py``, the only module that
 imports torch_xla) checked with torch_xla 2.9 only, so ``launch`` refuses any other version rather
 than risk a hang. Everything here is switched on only for the CPU device type with more than one
@@ -52,8 +52,8 @@ import os
 from typing import Callable
 
 from xtrainer._lazy_xla import xla as _xla
-from xtrainer.strategies.cpu_threads.replicas import PeerReplicaFailed, check_version, process_main
-from xtrainer.strategies.process import free_port, run_in_new_process
+from xtrainer.strategies.launchers.cpu_threads.replicas import PeerReplicaFailed, check_version, process_main
+from xtrainer.strategies.launchers.processes import free_port, run_in_new_process
 
 #: How long XLA's CPU runtime lets a replica wait at a collective for the others before it aborts
 #: the process (fixed inside XLA; measured with torch_xla 2.9).

@@ -35,8 +35,8 @@ from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, Distr
 from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
 from xtrainer.strategies.parallel import ParallelStrategy
 from xtrainer.strategies.collectives import SpmdHosts
-from xtrainer.strategies.launch import SpmdProcess
-from xtrainer.strategies.process import free_port
+from xtrainer.strategies.launchers import SpmdProcess
+from xtrainer.strategies.launchers.processes import free_port
 from xtrainer.strategies.wrap_policies import check_wrap_policy, wrap_policy
 
 

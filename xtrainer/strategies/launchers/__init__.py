@@ -36,8 +36,9 @@ from xtrainer.checkpoint import writers
 from xtrainer.launch import interrupts
 from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE, RunHung
 from xtrainer.launch.interrupts import TrainingInterrupted
-from xtrainer.strategies import cpu_threads, shared_process
-from xtrainer.strategies.process import end_now, run_in_new_process
+from xtrainer.strategies import shared_process
+from xtrainer.strategies.launchers import cpu_threads
+from xtrainer.strategies.launchers.processes import end_now, run_in_new_process
 
 
 class Launcher(abc.ABC):
