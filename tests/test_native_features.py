@@ -83,7 +83,7 @@ def test_the_norm_clip_multiplies_each_dtype_at_once_with_the_bits_of_one_multip
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from xtrainer.strategies import NativeSingle
-    from xtrainer.strategies.native import _gradient_norm
+    from xtrainer.strategies.dtensors import gradient_norm
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -100,7 +100,7 @@ def test_the_norm_clip_multiplies_each_dtype_at_once_with_the_bits_of_one_multip
     for p in params:
         p.grad = torch.randn_like(p) * 3
     grads = [p.grad.clone() for p in params]
-    coefficient = torch.clamp(0.5 / (_gradient_norm(grads, grads) + 1e-6), max=1.0)
+    coefficient = torch.clamp(0.5 / (gradient_norm(grads, grads) + 1e-6), max=1.0)
     expected = [g.mul_(coefficient.to(g.dtype)) for g in grads]  # one multiply per tensor
     with Ops() as ops:
         NativeSingle().clip_gradients(None, torch.optim.SGD(params, lr=0.1), 0.5, "norm")
@@ -349,14 +349,14 @@ def test_the_processes_of_devices_2_rebuild_tensors_without_backward_hooks_and_s
 
 def test_the_intra_op_threads_of_devices_n_are_the_users_where_set(monkeypatch):
     """OMP_NUM_THREADS, where set, is the user's: the processes inherit it untouched."""
-    from xtrainer.strategies import native
+    from xtrainer.strategies.launchers import native_processes
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert native._intra_op_threads(2) == {}
+    assert native_processes._intra_op_threads(2) == {}
     monkeypatch.delenv("OMP_NUM_THREADS")
     cores = len(os.sched_getaffinity(0))
-    assert native._intra_op_threads(2 * cores) == {"OMP_NUM_THREADS": "1"}
-    assert native._intra_op_threads(1) == {"OMP_NUM_THREADS": str(cores)}
+    assert native_processes._intra_op_threads(2 * cores) == {"OMP_NUM_THREADS": "1"}
+    assert native_processes._intra_op_threads(1) == {"OMP_NUM_THREADS": str(cores)}
 
 
 def test_more_processes_than_the_hosts_devices_are_refused_with_what_to_do(monkeypatch):

@@ -131,7 +131,7 @@ def claims_run_folder() -> bool:
     (or a launcher setting its variables: ``RANK``, ``WORLD_SIZE``...) started. Such a process
     learns rank 0's folder when its replica starts (``loop/replica.py``) and claims nothing, so
     that a run, and each of torchrun's restarts, makes one folder."""
-    from xtrainer.strategies.native import in_process_group_env
+    from xtrainer.strategies.process_group import in_process_group_env
 
     rank = os.environ.get("RANK", "0")
     return not (in_process_group_env() and rank.isdigit() and int(rank) != 0)

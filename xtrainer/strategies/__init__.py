@@ -12,7 +12,10 @@ from xtrainer.strategies.xla_fsdp import XlaFSDP
 from xtrainer.strategies.xla_native import XlaNative
 from xtrainer.strategies.parallel import ParallelStrategy
 from xtrainer.strategies.xla_spmd import XlaFSDPv2, XlaSPMD
-from xtrainer.strategies.native import NativeDDP, NativeFSDP, NativeSingle, under_torchrun
+from xtrainer.strategies.native import NativeSingle
+from xtrainer.strategies.native_ddp import NativeDDP
+from xtrainer.strategies.native_fsdp import NativeFSDP
+from xtrainer.strategies.process_group import under_torchrun
 from xtrainer.suggest import did_you_mean
 
 #: Every name ``Trainer(strategy=...)`` accepts, mapped to its class.

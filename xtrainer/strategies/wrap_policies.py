@@ -2,7 +2,7 @@
 
 One parser for every FSDP strategy: ``xla_fsdp`` (``strategies/xla_fsdp.py``) and ``xla_fsdpv2``
 (``strategies/xla_spmd.py``) turn a policy into torch_xla's wrap policy (``wrap_policy``); the native
-FSDP2 strategy (``strategies/native.py``) asks which kind it is (``policy_kind``) and which
+FSDP2 strategy (``strategies/native_fsdp.py``) asks which kind it is (``policy_kind``) and which
 layer classes it names (``policy_layer_classes``). Accepted forms: a parameter count (int), layer
 classes or class names (a set, list or tuple; ``{"transformer_layer_cls": [...]}`` as a YAML file
 writes it), ``"no_split_modules"`` (the classes a Hugging Face model names in its
