@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from xtrainer.checkpoint import fs, safe, storage
-from xtrainer.checkpoint.format import OPTIMIZER_STATES, STATE_DICT, UnreadableCheckpointError, check_savable
+from xtrainer.checkpoint.format import (OPTIMIZER_STATES, STATE_DICT, CheckpointError, UnreadableCheckpointError,
+                                       check_savable)
 from xtrainer.checkpoint.layout import (DISTRIBUTED, FILE, Layout, Replicas, entry, read_file, save_folder,
                                        trainer_state)
 
@@ -194,6 +195,53 @@ def load_into(target: dict[str, Any], path: str, spmd: bool = True) -> None:
         _raise_refusal(err)
         raise UnreadableCheckpointError(f"The distributed checkpoint {path!r} could not be read "
                                         f"({type(err).__name__}: {err}).") from err
+
+
+def read_optimizer_state(part: DistributedPart, params: list[torch.Tensor],
+                         tensor_for: Callable[[torch.Tensor, DistributedEntry], torch.Tensor],
+                         spmd: bool = True) -> dict[str, Any]:
+    """An ``optimizer.state_dict()`` read from a distributed checkpoint's ``part``
+    (``"optimizer_states.I"``), its structure rebuilt from the metadata: each tensor of a
+    parameter's state read into ``tensor_for(param, entry)`` (placed and sharded as the strategy
+    wants it), every other value as it was saved. ``params``: the optimizer's parameters, in
+    ``param_groups`` order (the saved state names them by index).
+
+    The two planners save ``param_groups`` differently: torch_xla's SPMD one keeps a list or dict
+    without tensors whole (one value at ``("param_groups",)``), torch's own goes into every list
+    that holds a dict (``("param_groups", 0, "lr")``: list items by int index). Every key of the
+    structure read into is a string (the planner finds its place by the path it flattens the
+    structure to, which names every key as a string, and would add a second, string key beside an
+    int one); the dicts that stand for lists become lists again after the read."""
+    target: dict[Any, Any] = {"state": {}}  # an optimizer that has not stepped saves no state
+    lists: set[tuple[str, ...]] = set()  # the places of dicts that stand for saved lists
+    for entry in part.entries:
+        where = tuple(str(key) for key in entry.where)
+        lists.update(where[:i] for i, key in enumerate(entry.where) if isinstance(key, int))
+        value = None  # read as it was saved
+        if where[0] == "state" and len(where) == 3:  # ("state", parameter index, name)
+            index = int(where[1])
+            if index >= len(params):
+                raise CheckpointError(
+                    f"{part.path!r} holds optimizer state for parameter {index}, but the optimizer has "
+                    f"{len(params)} parameters: is it a checkpoint of another model or optimizer?")
+            value = tensor_for(params[index], entry) if entry.shape is not None else None
+        _place(target, where, value)
+    load_into({OPTIMIZER_STATES: {part.key.split(".")[1]: target}}, part.path, spmd=spmd)
+    for where in sorted(lists, key=len, reverse=True):  # the innermost first: their parents are dicts still
+        parent = target
+        for key in where[:-1]:
+            parent = parent[key]
+        items = parent[where[-1]]
+        parent[where[-1]] = [items[key] for key in sorted(items, key=int)]
+    # Saving names every entry by a path of strings: the optimizer's parameter ids are ints.
+    return {**target, "state": {int(index): value for index, value in target["state"].items()}}
+
+
+def _place(target: dict, where: tuple, value: Any) -> None:
+    """``target[where[0]][where[1]]... = value``, making the dicts on the way."""
+    for key in where[:-1]:
+        target = target.setdefault(key, {})
+    target[where[-1]] = value
 
 
 def read_state(path: str, only: str | None = None) -> dict[str, Any]:

@@ -15,8 +15,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
-from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
+from xtrainer.checkpoint.distributed import (Distributed, DistributedEntry, DistributedPart, load_into,
+                                            read_optimizer_state)
+from xtrainer.checkpoint.format import check_fits, shapes_of
 from xtrainer.strategies import dtensors
 from xtrainer.strategies.base import check_wrapper_kwargs
 from xtrainer.strategies.native import AGREEMENT_SECONDS, NativeSingle
@@ -170,33 +171,13 @@ class NativeFSDP(NativeSingle, ParallelStrategy):
         world size); from a whole file each state tensor is sharded as its parameter is."""
         params = [param for group in optimizer.param_groups for param in group["params"]]
         if isinstance(state, DistributedPart):
-            state = self._read_optimizer_state(params, state)
+            state = read_optimizer_state(state, params, _empty_like_saved, spmd=False)
         else:
             state = {**state, "state": {index: {key: dtensors.shard_like(params[int(index)], value)
                                                 if isinstance(value, torch.Tensor) else value
                                                 for key, value in values.items()}
                                         for index, values in state.get("state", {}).items()}}
         optimizer.load_state_dict(state)
-
-    def _read_optimizer_state(self, params: list[torch.Tensor], part: DistributedPart) -> dict[str, Any]:
-        from xtrainer.strategies.xla_spmd import _place
-
-        target: dict[Any, Any] = {"state": {}}  # an optimizer that has not stepped saves no state
-        for entry in part.entries:
-            if entry.where[0] == "state" and len(entry.where) == 3:  # ("state", parameter index, name)
-                index = int(entry.where[1])
-                if index >= len(params):
-                    raise CheckpointError(
-                        f"{part.path!r} holds optimizer state for parameter {index}, but the optimizer has "
-                        f"{len(params)} parameters: is it a checkpoint of another model or optimizer?")
-                value = _empty_like_saved(params[index], entry) if entry.shape is not None else None
-                target["state"].setdefault(entry.where[1], {})[entry.where[2]] = value
-            else:  # param_groups, and anything else the optimizer saved (keys as the loader names them)
-                _place(target, tuple(str(key) for key in entry.where), None)
-        load_into({"optimizer_states": {part.key.split(".")[1]: target}}, part.path, spmd=False)
-        groups = target.get("param_groups", {})
-        return {**target, "state": {int(index): value for index, value in target["state"].items()},
-                "param_groups": [groups[key] for key in sorted(groups, key=int)]}
 
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
         """The user's module back as it was given, with the whole trained weights: FSDP2's

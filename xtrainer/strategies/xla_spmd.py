@@ -31,8 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from xtrainer._lazy_xla import xla as _xla
-from xtrainer.checkpoint.distributed import Distributed, DistributedEntry, DistributedPart, load_into
-from xtrainer.checkpoint.format import CheckpointError, check_fits, shapes_of
+from xtrainer.checkpoint.distributed import (Distributed, DistributedEntry, DistributedPart, load_into,
+                                            read_optimizer_state)
+from xtrainer.checkpoint.format import check_fits, shapes_of
 from xtrainer.strategies.parallel import ParallelStrategy
 from xtrainer.strategies.collectives import SpmdHosts
 from xtrainer.strategies.launchers import SpmdProcess
@@ -166,7 +167,8 @@ class XlaSPMD(ParallelStrategy):
         created had; otherwise the step would compile anew for it. From a distributed checkpoint
         it is read straight into tensors so sharded; from a whole file it arrives unsharded."""
         if isinstance(state, DistributedPart):
-            state = self._read_optimizer_state(optimizer, state)
+            params = [param for group in optimizer.param_groups for param in group["params"]]
+            state = read_optimizer_state(state, params, self._optimizer_tensor)
         super().load_optimizer_state_dict(optimizer, state)
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -177,28 +179,9 @@ class XlaSPMD(ParallelStrategy):
                     if _xla.is_xla_tensor(value) and value.shape == param.shape and not _xla.sharding_of(value):
                         _xla.mark_sharding(value, self.mesh, spec)
 
-    def _read_optimizer_state(self, optimizer: torch.optim.Optimizer, part: DistributedPart) -> dict:
-        """An ``optimizer.state_dict()`` read from a distributed checkpoint: the saved structure
-        is rebuilt from its metadata, with a tensor of the saved shape for every tensor, placed
-        and sharded as its parameter is (scalars such as Adam's ``step`` on the host)."""
-        params = [param for group in optimizer.param_groups for param in group["params"]]
-        # Keyed as saved: the checkpoint's paths name the parameter indices as strings.
-        target: dict[Any, Any] = {"state": {}}  # an optimizer that has not stepped saves no state
-        for entry in part.entries:
-            if entry.where[0] == "state" and len(entry.where) == 3:  # ("state", parameter index, name)
-                index = int(entry.where[1])
-                if index >= len(params):
-                    raise CheckpointError(
-                        f"{part.path!r} holds optimizer state for parameter {index}, but the optimizer has "
-                        f"{len(params)} parameters: is it a checkpoint of another model or optimizer?")
-                value = self._optimizer_tensor(params[index], entry) if entry.shape is not None else None
-                target["state"].setdefault(entry.where[1], {})[entry.where[2]] = value
-            else:  # param_groups, and anything else the optimizer saved (read as it was pickled)
-                _place(target, entry.where, None)
-        load_into({"optimizer_states": {part.key.split(".")[1]: target}}, part.path)
-        return {**target, "state": {int(index): value for index, value in target["state"].items()}}
-
     def _optimizer_tensor(self, param: torch.Tensor, entry: DistributedEntry) -> torch.Tensor:
+        """A tensor for a saved optimizer value to be read into: on the device and sharded as
+        ``param`` if it has the parameter's shape, else on the host (scalars such as Adam's ``step``)."""
         if entry.shape != tuple(param.shape) or param.dim() == 0 or not _xla.is_xla_tensor(param):
             return torch.zeros(entry.shape, dtype=entry.dtype)  # the optimizer moves it where it belongs
         tensor = torch.zeros(entry.shape, dtype=entry.dtype, device=param.device)
@@ -284,13 +267,6 @@ class XlaFSDPv2(XlaSPMD):
 
 #: The attribute under which an FSDPv2 unit holds the module it wraps.
 _UNIT_ATTRIBUTE = "_orig_module"
-
-
-def _place(target: dict, where: tuple, value: Any) -> None:
-    """``target[where[0]][where[1]]... = value``, making the dicts on the way."""
-    for key in where[:-1]:
-        target = target.setdefault(key, {})
-    target[where[-1]] = value
 
 
 def _leave_output(output: Any, mesh: Any) -> None:
