@@ -198,3 +198,38 @@ def test_the_private_torch_xla_internals_serve_only_the_cpu_thread_runtime():
         if attrs & private:
             used[name] = sorted(attrs & private)
     assert used and set(used) <= set(runtime), f"private torch_xla internals used outside {RUNTIME}: {used}"
+
+
+def _url_branches(path: str) -> list[str]:
+    """Where ``path`` tells a URL from a local path itself: asks ``is_url``, compares or matches a
+    string against one holding ``"://"``, or parses a URL (``urlparse``, ``urlsplit``)."""
+    found = []
+
+    def url_text(node: ast.AST) -> bool:
+        return any(isinstance(sub, ast.Constant) and isinstance(sub.value, str) and "://" in sub.value
+                   for sub in ast.walk(node))
+
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, (ast.Name, ast.Attribute)) and (node.id if isinstance(node, ast.Name) else node.attr) in (
+                "is_url", "urlparse", "urlsplit"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Compare) and any(url_text(part) for part in [node.left, *node.comparators]):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                "startswith", "endswith", "match", "search", "fullmatch", "compile", "split", "partition") \
+                and any(url_text(arg) for arg in node.args):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_checkpoint_package_tells_urls_from_local_paths():
+    """Checkpoint I/O and the local/URL distinction stay in ``checkpoint/``: its callers use its
+    operations (``fs.make_folder``, ``fs.claim_folder``, ``fs.write_text_into``, ``fs.within``,
+    ``fs.require_local``, ``storage.append``...) and never branch on a URL themselves."""
+    root = os.path.dirname(os.path.abspath(xtrainer.__file__))
+    checkpoint = _modules(root, "checkpoint")
+    branches = {name: hits for name, path in _modules(root, ".").items()
+                if name not in checkpoint and (hits := _url_branches(path))}
+    assert branches == {}, f"ask xtrainer/checkpoint/ (fs.py) instead of telling URLs from paths here: {branches}"
+    # The check sees a branch where there is one.
+    assert len(_url_branches(checkpoint["xtrainer.checkpoint.fs"])) > 10

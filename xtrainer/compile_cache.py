@@ -72,8 +72,8 @@ def absolute(path: Any) -> str:
 
 def _default_root(runs_root: str, name: str) -> str | None:
     """``<runs root>/<name>``, absolute; None where the runs root is not a local folder."""
-    runs_root = fs.local(runs_root)
-    return None if fs.is_url(runs_root) else absolute(os.path.join(runs_root, name))
+    root = fs.local_folder(runs_root)
+    return None if root is None else absolute(os.path.join(root, name))
 
 
 def _no_local_root(runs_root: str) -> str:
@@ -114,7 +114,7 @@ def activate(trainer: "Trainer") -> None:
             if not _xla.compilation_cache_started():
                 os.environ.pop("XLA_PERSISTENT_CACHE_PATH", None)  # inherited from a caller that had one
             setting = trainer.settings.compilation_cache
-            if setting is not False and fs.is_url(fs.local(trainer._runs_root)) and \
+            if setting is not False and fs.local_folder(trainer._runs_root) is None and \
                     (setting is True or _xla.requested_device_type() != "CPU"):
                 _state.update(path=None, note=_no_local_root(trainer._runs_root))
                 return

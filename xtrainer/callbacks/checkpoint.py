@@ -158,10 +158,7 @@ class ModelCheckpoint(Callback):
         self.filename = filename
         self._check_filename(filename)
         self._given_dirpath = dirpath is not None
-        dirpath = fs.local(os.fspath(dirpath)) if dirpath is not None else None
-        if dirpath is not None and "://" not in dirpath:  # a local folder, resolved as Lightning does
-            dirpath = os.path.realpath(os.path.expanduser(dirpath))
-        self.dirpath = dirpath
+        self.dirpath = fs.absolute(os.fspath(dirpath)) if dirpath is not None else None  # as Lightning resolves it
 
         # What Lightning users read; saved in checkpoints.
         self.best_k_models: dict[str, torch.Tensor] = {}

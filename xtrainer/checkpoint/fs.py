@@ -23,6 +23,8 @@ import os
 import posixpath
 import re
 import shutil
+import socket
+import uuid
 from typing import IO, Any
 
 from xtrainer.checkpoint.format import CheckpointError
@@ -56,6 +58,36 @@ def local(path: Any) -> Any:
 def is_url(path: Any) -> bool:
     """Whether ``path`` is a URL (``scheme://...``) rather than a local path."""
     return isinstance(path, str) and bool(_URL.match(path))
+
+
+def local_folder(path: Any) -> str | None:
+    """The local folder ``path`` names (a ``file://`` URL as its path), or None where it is a URL
+    of another filesystem (an object store has no local folder: a compilation cache, say, cannot
+    go there)."""
+    path = local(path)
+    return None if is_url(path) else path
+
+
+def absolute(path: Any) -> str:
+    """A folder as a run keeps it: a local one (a ``file://`` URL's too) with ``~`` expanded,
+    absolute and its links resolved, as Lightning resolves a ``ModelCheckpoint``'s ``dirpath``; a
+    URL as it is."""
+    path = local(path)
+    return path if is_url(path) else os.path.realpath(os.path.expanduser(path))
+
+
+def within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it: local paths with their links resolved,
+    URLs normalised (``normpath``)."""
+    path, folder = ((normpath(p) if is_url(p) else os.path.realpath(p)) for p in (path, folder))
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def require_local(path: str, message: str) -> None:
+    """Refuse a URL where only a local file will do (one appended to, or renamed: an object store
+    has neither): ``ValueError(message)``, with ``{path}`` in it replaced by ``path`` as a repr."""
+    if is_url(path):
+        raise ValueError(message.replace("{path}", repr(path)))
 
 
 def protocol(url: str) -> str:
@@ -195,6 +227,51 @@ def write_text(path: str, text: str) -> None:
     """Write a small text object whole (an object store shows it when the upload completes)."""
     with open(path, "wb") as f:
         f.write(text.encode("utf-8"))
+
+
+#: On an object store, the object whose exclusive creation claims a folder (``claim_folder``).
+CLAIM_FILE = ".xtrainer-claim"
+
+
+class FileInTheWay(NotADirectoryError):
+    """A file stands where ``make_folder`` was to make a folder."""
+
+
+def make_folder(path: str) -> None:
+    """Make the folder ``path`` and its parents unless they exist. An object store has no folders
+    to make: a URL is only checked for its client (``require``). A file at ``path`` is a
+    ``FileInTheWay``; what ``os.makedirs`` cannot do its ``OSError``."""
+    if is_url(path):
+        require(path)
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileInTheWay(f"{path!r} is a file, not a folder")
+    os.makedirs(path, exist_ok=True)
+
+
+def claim_folder(path: str) -> bool:
+    """Create the folder ``path`` unless it exists; whether this call created it (two processes
+    claiming one at the same moment: only one gets True). A local folder is made with
+    ``os.mkdir``; on an object store, which has no folders, the claim is the exclusive creation of
+    ``path/CLAIM_FILE`` (``claim``), holding this host, process and a random token. Other
+    failures (no such bucket, no permission) raise their ``OSError``."""
+    if is_url(path):
+        return claim(join(path, CLAIM_FILE), f"{socket.gethostname()} {os.getpid()} {uuid.uuid4().hex}")
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        return False
+    return True
+
+
+def write_text_into(folder: str, name: str, text: str) -> str:
+    """Write the small text file ``name`` whole into ``folder`` (made first where it is local: an
+    object store has no folders); returns its path."""
+    if not is_url(folder):
+        os.makedirs(folder, exist_ok=True)
+    path = join(folder, name)
+    write_text(path, text)
+    return path
 
 
 def claim(path: str, token: str) -> bool:

@@ -352,6 +352,26 @@ def replace_text(path: str, text: str) -> None:
     _fsync_dir(folder)
 
 
+def append(path: str, data: bytes) -> None:
+    """Append ``data`` to the existing local file ``path`` in one synced ``write`` (a kill cannot
+    cut it; ``fs.require_local`` refuses a URL first: an object store cannot append). If the write
+    fails half-way (a full disk) the file is cut back to its size before: no part of ``data`` is
+    left in it. An ``OSError`` is raised as it is."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # one write() in practice: a kill cannot cut it
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, size)  # no row half-written (a full disk): the file as it was
+            raise
+    finally:
+        os.close(fd)
+
+
 # ---- folders of checkpoints --------------------------------------------------------------------
 def make_room_for_folder(path: str) -> None:
     """A checkpoint folder is renamed into place, which a link or a file at ``path`` would block:

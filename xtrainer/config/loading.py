@@ -274,15 +274,7 @@ def save_config(config: Any, directory: str | os.PathLike) -> str:
     an fsspec URL (``s3://...``)."""
     from xtrainer.checkpoint import fs
 
-    if fs.is_url(os.fspath(directory)):
-        path = fs.join(os.fspath(directory), CONFIG_FILE)
-        fs.write_text(path, to_yaml(config))
-        return path
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(os.fspath(directory), CONFIG_FILE)
-    with open(path, "w") as f:
-        f.write(to_yaml(config))
-    return path
+    return fs.write_text_into(os.fspath(directory), CONFIG_FILE, to_yaml(config))
 
 
 def flatten(config: Any) -> dict[str, Any]:

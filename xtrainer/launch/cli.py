@@ -206,9 +206,7 @@ def _config_command(args: argparse.Namespace) -> int:
 def _consolidate_command(args: argparse.Namespace) -> int:
     from xtrainer import checkpoint as ckpt_io
 
-    source, output = (ckpt_io.fs.normpath(p) if ckpt_io.fs.is_url(p) else os.path.realpath(p)
-                      for p in (args.checkpoint, args.output))
-    if output == source or output.startswith(source.rstrip(os.sep) + os.sep):
+    if ckpt_io.fs.within(args.output, args.checkpoint):
         raise ckpt_io.CheckpointError(f"-o {args.output} would overwrite the checkpoint it reads ({args.checkpoint}); "
                                       "write the consolidated weights somewhere else.")
     state_dict = ckpt_io.consolidate(args.checkpoint)

@@ -24,9 +24,9 @@ class _CSVWriter:
     NAME_HPARAMS_FILE = "hparams.yaml"
 
     def __init__(self, log_dir: str) -> None:
-        if fs.is_url(log_dir):  # it appends rows and renames files: neither exists on an object store
-            raise ValueError(f"CSVLogger writes local files only, not {log_dir!r}: give it a local save_dir (the "
-                             "TensorBoardLogger and checkpoints can stay on the object store).")
+        # it appends rows and renames files: neither exists on an object store
+        fs.require_local(log_dir, "CSVLogger writes local files only, not {path}: give it a local save_dir (the "
+                                  "TensorBoardLogger and checkpoints can stay on the object store).")
         self.log_dir = log_dir
         self.metrics_file_path = os.path.join(log_dir, self.NAME_METRICS_FILE)
         self.metrics: list[dict[str, Any]] = []  # rows not written yet
@@ -98,20 +98,7 @@ class _CSVWriter:
     def _append(self, rows: list[dict[str, Any]]) -> None:
         buffer = io.StringIO()
         csv.DictWriter(buffer, fieldnames=self.metrics_keys, lineterminator="\n").writerows(rows)
-        data = buffer.getvalue().encode("utf-8")
-        fd = os.open(self.metrics_file_path, os.O_WRONLY | os.O_APPEND)
-        try:
-            size = os.fstat(fd).st_size
-            try:
-                view = memoryview(data)
-                while view:  # one write() in practice: a kill cannot cut it
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            except BaseException:
-                os.ftruncate(fd, size)  # no row half-written (a full disk): the file as it was
-                raise
-        finally:
-            os.close(fd)
+        storage.append(self.metrics_file_path, buffer.getvalue().encode("utf-8"))
 
     def _read_rows(self) -> list[dict[str, Any]]:
         with open(self.metrics_file_path, encoding="utf-8", newline="") as f:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import socket
-import uuid
 from collections.abc import Mapping
 from typing import Any, Iterable
 
@@ -15,8 +13,8 @@ from xtrainer.checkpoint import fs
 from xtrainer.loggers.base import Logger
 
 _VERSION_PREFIX = "version_"
-#: On an object store, the object whose exclusive creation claims ``version_N`` (``fs.claim``).
-CLAIM_FILE = ".xtrainer-claim"
+#: On an object store, the object whose exclusive creation claims ``version_N`` (``fs.claim_folder``).
+CLAIM_FILE = fs.CLAIM_FILE
 
 
 def folder_error(err: OSError, folder: str, what: str) -> OSError:
@@ -34,14 +32,11 @@ def folder_error(err: OSError, folder: str, what: str) -> OSError:
 
 
 def _make_root(root: str) -> None:
-    if fs.is_url(root):  # an object store has no folders to make
-        fs.require(root)
-        return
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise NotADirectoryError(f"Cannot create run folders under {root!r}: it is a file, not a folder. "
-                                 "Choose another save_dir (or default_root_dir).")
     try:
-        os.makedirs(root, exist_ok=True)
+        fs.make_folder(root)  # an object store has no folders to make
+    except fs.FileInTheWay:
+        raise NotADirectoryError(f"Cannot create run folders under {root!r}: it is a file, not a folder. "
+                                 "Choose another save_dir (or default_root_dir).") from None
     except OSError as err:
         raise folder_error(err, root, "create run folders under") from err
 
@@ -63,27 +58,19 @@ def _next_version(root: str) -> int:
 
 def _claim_version(root: str, start: int | None = None) -> int:
     """Create ``root/version_N`` for the first free N from ``start`` (default: one more than the
-    highest on disk). ``os.mkdir`` fails if the folder exists, so two runs choosing at the same
-    moment get different folders."""
+    highest on disk). The claim fails if the folder exists (``fs.claim_folder``: ``os.mkdir``, or
+    an exclusive claim object on an object store), so two runs choosing at the same moment get
+    different folders."""
     _make_root(root)
     version = max(_next_version(root), start or 0)
-    while fs.is_url(root):  # no mkdir on an object store: an exclusive claim object (see fs.claim)
+    while True:
         path = fs.join(root, f"{_VERSION_PREFIX}{version}")
         try:
-            if fs.claim(fs.join(path, CLAIM_FILE), f"{socket.gethostname()} {os.getpid()} {uuid.uuid4().hex}"):
+            if fs.claim_folder(path):
                 return version
-        except OSError as err:  # no such bucket, no permission
+        except OSError as err:  # not writable; on an object store, no such bucket or no permission
             raise folder_error(err, path, "create the run folder") from err
         version += 1
-    while True:
-        path = os.path.join(root, f"{_VERSION_PREFIX}{version}")
-        try:
-            os.mkdir(path)
-            return version
-        except FileExistsError:
-            version += 1
-        except OSError as err:
-            raise folder_error(err, path, "create the run folder") from err
 
 
 def claim_version_dir(root: str) -> str:
