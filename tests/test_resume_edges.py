@@ -157,7 +157,7 @@ def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpo
 
     from xtrainer import Trainer
     from xtrainer.callbacks import ModelCheckpoint
-    from xtrainer.checkpoint import CheckpointError, consolidate, storage
+    from xtrainer.checkpoint import CheckpointError, consolidate, folders, storage
 
     folder = tmp_path / "ckpts"
     Trainer(strategy="xla_fsdp", max_steps=2, enable_progress_bar=False, logger=False, enable_xla_health=False,
@@ -174,7 +174,7 @@ def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpo
         targets = [first, second]
         while not stop.is_set():
             for target in targets:
-                storage.link_last(str(folder), target)
+                folders.link_last(str(folder), target)
                 other = targets[1 - targets.index(target)]
                 storage.remove(other)  # pruned as a fit prunes, then written again (staged and
                 staging = other + ".staging"                # renamed into place, as a save does)
@@ -182,7 +182,7 @@ def test_consolidating_a_checkpoint_that_a_fit_re_points_reads_one_whole_checkpo
                 os.rename(staging, other)
 
     shutil.copytree(second, second + ".keep")
-    storage.link_last(str(folder), first)
+    folders.link_last(str(folder), first)
     worker = threading.Thread(target=churn)
     worker.start()
     answers = removed = 0
@@ -212,7 +212,7 @@ def test_a_folder_replaced_under_its_name_while_it_is_pinned_is_pinned_whole(tmp
     is in place under the name. The pin holds the whole new folder, never the part."""
     import shutil
 
-    from xtrainer.checkpoint import storage
+    from xtrainer.checkpoint import folders, storage
 
     names = ["manifest.json", "shard-0.pt", "shard-1.pt", "trainer.pt"]
     spare = tmp_path / "spare"
@@ -233,6 +233,6 @@ def test_a_folder_replaced_under_its_name_while_it_is_pinned_is_pinned_whole(tmp
         return listed
 
     monkeypatch.setattr(os, "listdir", listdir_while_replaced)
-    with storage.pinned(target) as pin:
+    with folders.pinned(target) as pin:
         assert replaced and sorted(listdir(pin)) == names
     assert listdir(tmp_path / "ckpts") == ["epoch=0-step=2.ckpt"]  # no pin left behind

@@ -14,7 +14,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.callbacks.monitor import Monitor
-from xtrainer.checkpoint import default_dirpath, fs, storage
+from xtrainer.checkpoint import default_dirpath, folders, fs, storage
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
@@ -294,7 +294,7 @@ class ModelCheckpoint(Callback):
         self._saves = 0
         self._warned = set()
         if trainer.is_global_zero:
-            storage.remove_leftovers(self.dirpath)  # of saves that a crash interrupted
+            folders.remove_leftovers(self.dirpath)  # of saves that a crash interrupted
             if self._given_dirpath and trainer.ckpt_path is None and self._foreign_checkpoints():
                 also = (" gets a -v1 suffix instead of replacing it" if self.enable_version_counter
                         else " replaces it (enable_version_counter=False)")
@@ -535,20 +535,20 @@ class ModelCheckpoint(Callback):
 
     def _write(self, trainer: "Trainer", path: str, weights_only: bool) -> None:
         if trainer.is_global_zero and getattr(trainer.strategy.checkpoint_layout, "kind", "file") != "file":
-            storage.make_room_for_folder(path)
+            folders.make_room_for_folder(path)
         trainer.save_checkpoint(path, weights_only=weights_only)
 
     def _link(self, trainer: "Trainer", last: str, target: str) -> None:
         """Point ``last`` at ``target`` (a complete checkpoint); every replica waits for it."""
         if trainer.is_global_zero:
-            storage.point_last(last, target)
+            folders.point_last(last, target)
         trainer.strategy.collectives.barrier("xtrainer_checkpoint_link")
 
     def _remove(self, trainer: "Trainer", paths: list[str]) -> None:
         if trainer.is_global_zero:
             for path in paths:
                 if self._owns(path):
-                    storage.remove_checkpoint(path, top=self.dirpath)
+                    folders.remove_checkpoint(path, top=self.dirpath)
         trainer.strategy.collectives.barrier("xtrainer_checkpoint_cleanup")
 
     # ---- ranking ------------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 - ``safe``: every read, weights-only (nothing in a checkpoint runs);
 - ``fs``: paths that are local or fsspec URLs (``s3://``, ``gs://``, ``memory://``), and what an
   object store guarantees;
-- ``storage``: atomic writes, manifests and checksums, disk errors, leftovers of crashed saves;
+- ``storage``: atomic writes, manifests and checksums, disk errors, removal;
+- ``folders``: a folder of checkpoints: a folder renamed into place, ``last``, removal with the
+  folders left empty, pinning what is read, leftovers of crashed saves;
 - ``layout``: what every layout shares (the contract, the header, one-file reads, sharded folders);
 - ``whole``, ``fsdp``, ``distributed``: the three layouts on disk;
 - ``resume``: which checkpoint ``ckpt_path`` (``"last"``) means for a run;
@@ -17,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from xtrainer.checkpoint import distributed, fs, fsdp, layout, safe, storage, whole
+from xtrainer.checkpoint import distributed, folders, fs, fsdp, layout, safe, storage, whole
 from xtrainer.checkpoint.format import (STATE_DICT, CheckpointError, CheckpointNotFoundError,
                                         UnreadableCheckpointError, check_header)
 from xtrainer.checkpoint.layout import TRAINER_FILE
@@ -79,7 +81,7 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
     path = fs.local(os.fspath(path))
     if not fs.exists(path):
         raise CheckpointError(f"{path!r} does not exist.")
-    with storage.pinned(path) as pinned:  # what is verified is what is read
+    with folders.pinned(path) as pinned:  # what is verified is what is read
         return _consolidate(pinned)
 
 
@@ -103,7 +105,7 @@ def read_module(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, di
     path = fs.local(os.fspath(path))
     if not fs.exists(path):
         raise CheckpointNotFoundError(f"{path!r} does not exist.")
-    with storage.pinned(path) as pinned:  # what is verified is what is read
+    with folders.pinned(path) as pinned:  # what is verified is what is read
         # A file may be PyTorch Lightning's too: its weights and hyperparameters are all this needs.
         state = layout.read_file(pinned, verify=True, lightning=True) if not fs.isdir(pinned) else None
         weights = _consolidate(pinned) if state is None else state.get("state_dict")
@@ -137,7 +139,7 @@ def _trainer_state(path: str) -> dict[str, Any]:
     sharded folder's ``trainer.pt``."""
     if not fs.exists(path):
         raise CheckpointNotFoundError(f"{path!r} does not exist.")
-    with storage.pinned(path) as pinned:
+    with folders.pinned(path) as pinned:
         return whole.read(pinned, verify=True) if not fs.isdir(pinned) else layout.trainer_state(pinned)
 
 

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from xtrainer.checkpoint import fs, safe, storage
+from xtrainer.checkpoint import folders, fs, safe, storage
 from xtrainer.checkpoint.format import (FORMAT, FORMAT_VERSION, LOOPS, STRATEGY, WORLD_SIZE,
                                         CheckpointError, UnreadableCheckpointError, check_header,
                                         lightning_checkpoint)
@@ -179,7 +179,7 @@ def save_folder(replicas: Replicas, path: str, layout: str, trainer_state: dict[
         written = storage.write_file(trainer_state, fs.join(staging, TRAINER_FILE))
         listing[TRAINER_FILE] = {"size": written.size, "sha256": written.sha256, "rank": None}
         storage.write_manifest(staging, listing, manifest_header(layout, trainer_state))
-        storage.publish(staging, path)
+        folders.publish(staging, path)
     replicas.barrier("xtrainer_save_sharded_checkpoint")
 
 

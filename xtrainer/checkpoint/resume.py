@@ -17,7 +17,7 @@ import re
 import warnings
 from typing import Iterable
 
-from xtrainer.checkpoint import fs, storage, verify
+from xtrainer.checkpoint import folders, fs, storage, verify
 from xtrainer.checkpoint.format import CheckpointError, UnreadableCheckpointError
 from xtrainer.checkpoint.layout import Header, Layout
 
@@ -76,7 +76,7 @@ def resolve(ckpt_path: str, search: list[str], layout: Layout, strategy: str,
             raise CheckpointError(f"Cannot resume from {ckpt_path!r}: {reason}.")
         return header
     for dirpath in search:  # the next start in these folders: clear what crashed saves left
-        storage.remove_leftovers(dirpath)
+        folders.remove_leftovers(dirpath)
     found = candidates(search)
     if not found:
         where = ", ".join([fs.join(root, "version_*", "checkpoints")] * bool(root) + search)

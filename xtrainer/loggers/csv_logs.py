@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from xtrainer.checkpoint import fs, storage
+from xtrainer.checkpoint import folders, fs, storage
 from xtrainer.loggers.base import warn_once
 from xtrainer.loggers.hparams import atomic_write, params_dict, scalar, write_hparams_yaml
 from xtrainer.loggers.run_folder import FolderLogger, folder_error
@@ -51,7 +51,7 @@ class _CSVWriter:
         except (UnicodeDecodeError, csv.Error) as err:
             raise ValueError(f"{self.metrics_file_path} exists and is not a CSV file this logger can append to "
                              f"({err}): move it away, or log into another version.") from err
-        storage.remove_leftovers(self.log_dir)  # a rewrite a kill cut short
+        folders.remove_leftovers(self.log_dir)  # a rewrite a kill cut short
         if not records:
             return
         self.metrics_keys = records[0]
