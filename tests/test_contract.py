@@ -1,7 +1,9 @@
 """Contracts that tie the parts together: the Trainer's settings and the config schema agree,
 hook names come from the base classes, every registered strategy fits, saves, and validates
 from its own checkpoint (a new strategy is covered by registering it), and no module imports
-another that imports it back (at the top or inside a function)."""
+another that imports it back (at the top, inside a function, or for type checkers only); the
+Trainer is a façade: no module outside it uses its private attributes, and only the loop writes
+where a fit is (``LoopState``)."""
 
 import ast
 import dataclasses
@@ -64,13 +66,15 @@ def _imports(path: str, name: str) -> set[str]:
     """The xtrainer modules ``path`` imports, when it is imported or when one of its functions
     runs: module level and inside functions and classes alike (a function's ``from xtrainer...
     import`` closes a cycle as surely as one at the top, only later), and
-    ``importlib.import_module("xtrainer...")`` with a literal name; not under ``if TYPE_CHECKING:``
-    (type checkers only). ``from xtrainer import Trainer`` imports the module the package's lazy
-    names (``xtrainer._LAZY``) point to."""
+    ``importlib.import_module("xtrainer...")`` with a literal name, and under ``if TYPE_CHECKING:``
+    too (a circle of type-only imports is a circle for type checkers and readers: a module names
+    the Trainer's type through ``xtrainer/trainer_view.py``). ``from xtrainer import Trainer``
+    imports the module the package's lazy names (``xtrainer._LAZY``) point to; the package's own
+    type-only block declares those names (PEP 562: importing the package imports none of them)."""
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     tree = ast.parse(open(path).read())
     typing_only = {id(sub) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and name == "xtrainer"
                    for stmt in node.body for sub in ast.walk(stmt)}
     found = set()
     for sub in ast.walk(tree):
@@ -99,7 +103,7 @@ def _is_module(name: str) -> bool:
         return False
 
 
-def test_no_import_cycles_beyond_type_checking_imports():
+def test_no_import_cycles_type_only_imports_counted():
     root = os.path.dirname(os.path.abspath(xtrainer.__file__))
     graph = {}
     for folder, _, files in os.walk(root):
@@ -125,6 +129,85 @@ def test_no_import_cycles_beyond_type_checking_imports():
     for name in graph:
         visit(name, [])
     assert not cycles
+
+
+def _coupling():
+    """``benchmarks/coupling.py``, which counts these from the source."""
+    spec = importlib.util.spec_from_file_location(
+        "coupling", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                                 "coupling.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_module_but_the_trainer_uses_its_private_attributes():
+    coupling = _coupling()
+    texts = coupling.sources()
+    assert coupling.private_uses(texts) == []
+    assert coupling.circles(coupling.import_graph(texts)) == []  # the counter agrees with the test above
+    # what is left to write of the Trainer outside it: Lightning's public settables and the
+    # entry points' own records (the stage running, its checkpoint, the metrics brought home)
+    written = {attr for attrs in coupling.trainer_writes(texts).values() for attr in attrs}
+    assert written <= {"should_stop", "accumulate_grad_batches", "callbacks", "datamodule", "run_config",
+                       "ckpt_path", "log_dir", "callback_metrics", "logged_metrics", "progress_bar_metrics"}, written
+    assert len(coupling.init_attributes(texts)) <= 30
+    assert sum(name.startswith("_") for name in coupling.init_attributes(texts)) <= 3
+    assert not [path for path in coupling.long_modules(texts) if path.startswith(os.path.join("xtrainer", "loop"))]
+
+
+def test_the_counters_find_what_they_count(tmp_path):
+    coupling = _coupling()
+    texts = {os.path.join("xtrainer", "a.py"): "from xtrainer import b\ndef f(trainer):\n    trainer._x = trainer._y\n"
+                                              "    trainer.should_stop = True\n",
+             os.path.join("xtrainer", "b.py"): "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                              "    from xtrainer.a import f\n",
+             os.path.join("xtrainer", "__init__.py"): "_LAZY = {}\n"}
+    assert [use[2] for use in coupling.private_uses(texts)] == ["_x", "_y"]
+    assert coupling.trainer_writes(texts) == {os.path.join("xtrainer", "a.py"): {"_x", "should_stop"}}
+    assert coupling.circles(coupling.import_graph(texts)) == [{"xtrainer.a", "xtrainer.b"}]
+
+
+def _loop_state_writes(path: str) -> list[str]:
+    """Assignments to a ``LoopState``'s fields in ``path``: ``<x>.loop.<field> = ...``,
+    ``trainer.loop = ...``, and through a name bound to ``<x>.loop`` or named ``loop``."""
+    from xtrainer.loop.state import LoopState
+
+    fields = {f.name for f in dataclasses.fields(LoopState)}
+    tree = ast.parse(open(path).read())
+    aliases = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               and isinstance(node.value, ast.Attribute) and node.value.attr == "loop"
+               for t in node.targets if isinstance(t, ast.Name)} | {"loop"}
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for sub in ast.walk(target):
+                if not isinstance(sub, ast.Attribute) or not isinstance(sub.ctx, ast.Store):
+                    continue
+                owner = sub.value
+                if (sub.attr == "loop" and isinstance(owner, (ast.Name, ast.Attribute))
+                        and ast.unparse(owner).endswith("trainer")) or (
+                        sub.attr in fields and (isinstance(owner, ast.Attribute) and owner.attr == "loop"
+                                                or isinstance(owner, ast.Name) and owner.id in aliases)):
+                    found.append(f"{path}:{node.lineno}: {ast.unparse(sub)}")
+    return found
+
+
+def test_only_the_loop_writes_where_a_fit_is():
+    root = os.path.dirname(os.path.abspath(xtrainer.__file__))
+    writes = [w for folder, _, files in os.walk(root) if not folder.startswith(os.path.join(root, "loop"))
+              for name in files if name.endswith(".py") for w in _loop_state_writes(os.path.join(folder, name))]
+    assert writes == []
+
+
+def test_the_loop_state_write_finder_finds_them(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f(trainer, loop):\n    trainer.loop.seed = 1\n    trainer.loop = 2\n    state = trainer.loop\n"
+                    "    state.global_step += 1\n    loop.progress = None\n    trainer.loopy = 3\n")
+    assert [w.split(": ")[1] for w in _loop_state_writes(str(path))] == [
+        "trainer.loop.seed", "trainer.loop", "state.global_step", "loop.progress"]
 
 
 RUNTIME = "xtrainer.strategies.launchers.cpu_threads"  # the CPU runtime's thread replicas

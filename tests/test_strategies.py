@@ -185,8 +185,8 @@ class Blocks(XModule):
 
 class CountUnits(Callback):
     def on_train_start(self, trainer, module):
-        fsdp = type(trainer._wrapped)
-        self.units = sum(isinstance(m, fsdp) for m in trainer._wrapped.modules())
+        fsdp = type(trainer.model)
+        self.units = sum(isinstance(m, fsdp) for m in trainer.model.modules())
 
 
 @pytest.mark.parametrize("policy, units", [(None, 1), (70, 4), ({nn.Linear}, 5)], ids=["none", "size", "class"])

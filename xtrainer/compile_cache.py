@@ -44,14 +44,13 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint import fs
 from xtrainer.strategies import shared_process
+from xtrainer.trainer_view import TrainerView
 
-if TYPE_CHECKING:
-    from xtrainer.trainer import Trainer
 
 _lock = threading.Lock()
 #: Set with ``XLA_PERSISTENT_CACHE_PATH`` when xtrainer chose it, so that a process started from
@@ -102,21 +101,21 @@ def process_folder(root: str, replicas_in_process: int, global_rank: int, proces
     return os.path.join(root, name)
 
 
-def activate(trainer: "Trainer") -> None:
+def activate(trainer: "TrainerView") -> None:
     """At the start of each replica, before its first compilation: give this process its cache
     folder (or make sure it has none when the run asks for none). Host-side only."""
     if not trainer.strategy.runtime.compiles_with_xla:
         _activate_inductor(trainer)
         return
-    root = folder_for(trainer.settings.compilation_cache, trainer._runs_root)
+    root = folder_for(trainer.settings.compilation_cache, trainer.runs_root)
     with _lock:
         if root is None:
             if not _xla.compilation_cache_started():
                 os.environ.pop("XLA_PERSISTENT_CACHE_PATH", None)  # inherited from a caller that had one
             setting = trainer.settings.compilation_cache
-            if setting is not False and fs.local_folder(trainer._runs_root) is None and \
+            if setting is not False and fs.local_folder(trainer.runs_root) is None and \
                     (setting is True or _xla.requested_device_type() != "CPU"):
-                _state.update(path=None, note=_no_local_root(trainer._runs_root))
+                _state.update(path=None, note=_no_local_root(trainer.runs_root))
                 return
             default_cpu = setting is None
             _state.update(path=None, note="off" + (" (the default on the CPU runtime, which cannot load cached "
@@ -139,7 +138,7 @@ def activate(trainer: "Trainer") -> None:
         _state.update(path=path, note="")
 
 
-def _activate_inductor(trainer: "Trainer") -> None:
+def _activate_inductor(trainer: "TrainerView") -> None:
     """The native strategies: torch.compile's own on-disk caches (Inductor's compiled graphs,
     AOTAutograd's and the kernels) go to ``<runs root>/inductor_cache/rank_<k>`` (or the folder
     given), so that a restart on a machine with a fresh temporary folder (a preemptible VM) finds
@@ -159,12 +158,12 @@ def _activate_inductor(trainer: "Trainer") -> None:
             os.environ[_INDUCTOR] = given = absolute(given)  # the user's own, from the environment
             _state.update(path=given, note="")
             return
-        root = _default_root(trainer._runs_root, "inductor_cache") if setting in (None, True) else \
+        root = _default_root(trainer.runs_root, "inductor_cache") if setting in (None, True) else \
             None if setting is False else absolute(setting)
         if root is None:
             if given and given == os.environ.get(_INDUCTOR_MARK):  # ours, from an earlier run in this process
                 os.environ.pop(_INDUCTOR, None)
-            note = "off" if setting is False else _no_local_root(trainer._runs_root)
+            note = "off" if setting is False else _no_local_root(trainer.runs_root)
             _state.update(path=None, note=note + " (torch.compile keeps its own cache in the temporary folder)")
             return
         path = process_folder(root, 1, trainer.strategy.global_rank, 0)

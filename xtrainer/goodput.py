@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.checkpoint.storage import replace_text
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 FILE = "goodput.json"
 BUCKETS = ("startup", "compiling", "data", "checkpointing", "validating", "training")
@@ -139,7 +139,7 @@ class Goodput(Callback):
             self._switch(previous)
 
     # ---- hooks ------------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_fit_start(self, trainer: "TrainerView", module: "XModule") -> None:
         from xtrainer.callbacks.health import replicas_in_process
 
         self._replicas = replicas_in_process(trainer)
@@ -152,14 +152,14 @@ class Goodput(Callback):
         # their compile seconds: read there, not on every batch.
         self._steps = {"data": 0.0, "training": 0.0}
         self._written_at = -math.inf  # the first logging step writes
-        self._folder, self._root = trainer.log_dir, trainer._runs_root
+        self._folder, self._root = trainer.log_dir, trainer.runs_root
         self._write = trainer.is_global_zero
         self.record = {"run": os.path.basename(trainer.log_dir), "process_started_at": self.process_started_at,
                        "resumed_from_step": trainer.global_step if trainer.ckpt_path else None,
                        "resumed_from": trainer.ckpt_path, "last_step": trainer.global_step, "status": "running",
                        "startup_compiling": 0.0, "seconds": dict.fromkeys(BUCKETS, 0.0)}
 
-    def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: "TrainerView", module: "XModule", batch: Any, batch_idx: int) -> None:
         if self._phase == "data":  # between a batch's wait and its step: a clock reading only (see _steps)
             now = time.time()
             self._steps["data"] += now - self._since
@@ -167,7 +167,7 @@ class Goodput(Callback):
         elif self._active and self._phase != "startup":
             self._switch("training")
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # From here to the next batch: the other hooks, then the loader.
         if self._phase == "training":
@@ -177,16 +177,16 @@ class Goodput(Callback):
         elif self._active:
             self._switch("data")  # the first step's end closes the startup
 
-    def on_validation_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_start(self, trainer: "TrainerView", module: "XModule") -> None:
         if self._active and trainer.state == "fit" and not trainer.sanity_checking and self._phase != "startup":
             self._resume_to = self._phase
             self._switch("validating")
 
-    def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if self._active and self._phase == "validating":
             self._switch(getattr(self, "_resume_to", "data"))
 
-    def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
+    def on_metrics(self, trainer: "TrainerView", module: "XModule", metrics: dict[str, float], step: int) -> None:
         if self._active and trainer.state == "fit":
             self.record["last_step"] = max(self.record["last_step"], trainer.global_step)
             now = time.monotonic()
@@ -195,14 +195,14 @@ class Goodput(Callback):
                 self._switch(self._phase)  # the account so far, compile seconds split out
                 self._save()
 
-    def on_exception(self, trainer: "Trainer", module: "XModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: "TrainerView", module: "XModule", exception: BaseException) -> None:
         if self._active:
             from xtrainer.launch.interrupts import TrainingInterrupted
 
             self.record["status"] = "interrupted" if isinstance(exception, TrainingInterrupted) else "failed"
             self.record["last_step"] = trainer.global_step
 
-    def on_fit_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_fit_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if not self._active:
             return
         self.record["status"] = "finished"
@@ -211,7 +211,7 @@ class Goodput(Callback):
         if trainer.is_global_zero and self.print_summary:
             print(self.summary, flush=True)
 
-    def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+    def teardown(self, trainer: "TrainerView", module: "XModule", stage: str) -> None:
         if self._active and self.record["status"] != "finished":
             self._finish()  # interrupted or failed: the account so far, for the next run's summary
         self._active, self._phase = False, "idle"
@@ -245,7 +245,7 @@ class Goodput(Callback):
 
 
 @contextlib.contextmanager
-def timing(trainer: "Trainer", phase: str) -> Iterator[None]:
+def timing(trainer: "TrainerView", phase: str) -> Iterator[None]:
     """``with goodput.timing(trainer, "checkpointing"):`` around work the loop does not see."""
     owner = next((cb for cb in trainer.callbacks if isinstance(cb, Goodput)), None)
     if owner is None:

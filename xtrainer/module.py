@@ -9,7 +9,7 @@ import copy
 import inspect
 import os
 import types
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -18,9 +18,7 @@ from torch import nn
 
 from xtrainer.loop.optimizers import step_scheduler
 from xtrainer.stepping import clear_gradients
-
-if TYPE_CHECKING:
-    from xtrainer.trainer import Trainer
+from xtrainer.trainer_view import TrainerView
 
 
 class AttributeDict(dict):
@@ -135,7 +133,6 @@ def _init_arguments(frame: types.FrameType | None, obj: Any) -> dict[str, Any]:
     return collected
 
 
-
 class BatchTransferHooks:
     """Lightning's three batch-transfer hooks, on ``XModule`` and ``XDataModule`` alike: a batch
     drawn from a loader goes through ``on_before_batch_transfer``, ``transfer_batch_to_device``
@@ -222,17 +219,17 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
 
     # ---- what the Trainer provides -------------------------------------------------------
     @property
-    def trainer(self) -> "Trainer":
+    def trainer(self) -> "TrainerView":
         if self._trainer is None:
             raise _Detached(f"{type(self).__name__} is not attached to a Trainer yet.")
         return self._trainer
 
     @trainer.setter
-    def trainer(self, trainer: "Trainer | None") -> None:
+    def trainer(self, trainer: "TrainerView | None") -> None:
         self._trainer = trainer
 
     @property
@@ -364,7 +361,7 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
         """The optimizers (one, or a list of several) wrapped so that ``step()`` reduces gradients
         across replicas as the strategy needs; ``use_pl_optimizer=False``: the plain ones."""
         trainer = self.trainer
-        found = trainer._optim.manual_optimizers if use_pl_optimizer else trainer.optimizers
+        found = trainer.run.optim.manual_optimizers if use_pl_optimizer else trainer.optimizers
         return found[0] if len(found) == 1 else list(found)
 
     def lr_schedulers(self) -> Any:
@@ -498,7 +495,7 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
             raise ValueError(f"self.log({name!r}, sync_dist_group=...) is not supported: sync_dist reduces over "
                              "every replica.")
         trainer = self._trainer if self._trainer is not None else self.trainer  # (the property says what is wrong)
-        trainer._results.log(name, value, on_step, on_epoch, prog_bar, sync_dist, reduce_fx, batch_size, logger,
+        trainer.run.results.log(name, value, on_step, on_epoch, prog_bar, sync_dist, reduce_fx, batch_size, logger,
                              add_dataloader_idx)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:

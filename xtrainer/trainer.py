@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import functools
 import inspect
 import math
 import os
@@ -24,21 +23,16 @@ from xtrainer.datamodule import XDataModule
 from xtrainer.launch import interrupts, stages
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
 from xtrainer.loggers.run_folder import planned_run_folder
-from xtrainer.loop import checkpoints, loaders, replica
+from xtrainer.loop import checkpoints
 from xtrainer.loop.checkpoints import seed_everything
-from xtrainer.loop.hooks import HookTable
 from xtrainer.loop.metric_values import MetricValues
-from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.optimizers import SchedulerConfig
-from xtrainer.loop.publishing import Publisher
-from xtrainer.loop.results import Results
+from xtrainer.loop.run import Run
 from xtrainer.loop.state import LoopState
 from xtrainer.module import XModule
 from xtrainer.strategies import Strategy, resolve_strategy
-from xtrainer.strategies.data import CombinedData
 from xtrainer.strategies.precision import Precision
 from xtrainer.suggest import did_you_mean
-from xtrainer.utilities.combined_loader import CombinedLoader
 
 __all__ = ["Trainer", "seed_everything"]
 
@@ -51,6 +45,22 @@ def _check_weights_only(weights_only: bool | None) -> None:
                          "plain values only; nothing in the file runs); pass weights_only=True or leave it out.")
     if weights_only not in (None, True):
         raise TypeError(f"weights_only must be None, True or False, got {weights_only!r}.")
+
+
+class _Setting:
+    """A Trainer attribute that is its setting of the same name (``trainer.settings``): read from
+    it, and a write (a callback's, as Lightning's ``GradientAccumulationScheduler`` does) changes it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        if trainer is None:
+            return self
+        return getattr(trainer.settings, self.name)
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        setattr(trainer.settings, self.name, value)
 
 
 class Trainer:
@@ -172,30 +182,16 @@ class Trainer:
         settings, callbacks, logger = arguments.resolve(
             {name: value for name, value in locals().items() if name in TrainerSettings.names()},
             callbacks, logger, plugins, model_registry)
-        self.fast_dev_run, self.overfit_batches = settings.fast_dev_run, settings.overfit_batches
-        self.num_sanity_val_steps = settings.num_sanity_val_steps
-        self.min_epochs, self.min_steps = settings.min_epochs, settings.min_steps
-        self.max_time = arguments.seconds(settings.max_time)
-        self.enable_model_summary = settings.enable_model_summary
-        self.reload_dataloaders_every_n_epochs = settings.reload_dataloaders_every_n_epochs
-        self.use_distributed_sampler = settings.use_distributed_sampler
-        self.num_nodes = settings.num_nodes
         self.strategy = resolve_strategy(strategy, settings.accelerator, settings.devices)
         self.precision = Precision(settings.precision)
         self.strategy.configure(settings.accelerator, settings.devices, settings.num_nodes, self.precision)
+        #: The arguments, checked (``config/settings.py``); most read through the attributes of their names.
         self.settings = settings
-        self.max_epochs, self.max_steps = settings.max_epochs, settings.max_steps
+        self.max_time = arguments.seconds(settings.max_time)
         self.limits = {"train": settings.limit_train_batches, "validate": settings.limit_val_batches,
                        "test": settings.limit_test_batches, "predict": settings.limit_predict_batches}
-        self.val_check_interval = settings.val_check_interval
-        self.check_val_every_n_epoch = settings.check_val_every_n_epoch
         # A fast_dev_run writes the values of every step, as in Lightning.
         self.log_every_n_steps = 1 if settings.fast_dev_run else settings.log_every_n_steps
-        self.accumulate_grad_batches = settings.accumulate_grad_batches
-        self.gradient_clip_val = settings.gradient_clip_val
-        self.gradient_clip_algorithm = settings.gradient_clip_algorithm
-        self.detect_nonfinite = settings.detect_nonfinite
-        self._publisher = Publisher(settings.detect_nonfinite)
         root = settings.default_root_dir or os.path.join(os.getcwd(), "xtrainer_logs")
         self.default_root_dir = fs.local(os.fspath(root))  # a file:// URL is the local folder it names
         self._log_dir: str | None = None  # claimed on first use (log_dir)
@@ -207,52 +203,81 @@ class Trainer:
                              "GradientAccumulationScheduler both set how many batches to accumulate (Lightning refuses "
                              "both too): leave accumulate_grad_batches out, or put its value in the scheduler's "
                              "scheduling ({0: n, ...}).")
-        self._hooks = HookTable()  # who overrides which hook (Trainer._call)
         if logger is True:
             # <default_root_dir>/version_N (Lightning's logger=True adds a lightning_logs/ level)
             logger = TensorBoardLogger(name="")
         self.loggers = [] if logger in (None, False) else arguments.as_list(logger)
         self.datamodule: XDataModule | None = None
-        self.sanity_checking = False
         self._fitted_model: XModule | None = None  # for validate()/test()/predict() without a model
-        self._started_at = 0.0
-        self._loader_hooks: dict[str, Any] = {}
-        self._replica_ready = False  # this object's strategy has set up a replica's environment
-        self._num_val_batches: list[float] = []
 
         #: Where the fit is: what a checkpoint saves and ``fit`` continues from (written by the loop only).
         self.loop = LoopState()
+        #: What the replica's run owns: the wrapped module, the optimizers, the logged results, the
+        #: data (``xtrainer/loop/run.py``); the loop's, read here through Lightning's properties.
+        self.run = Run(self, settings.detect_nonfinite)
         self.should_stop = False
-        #: Graphs compiled while writing checkpoints, so far in this process.
-        self.checkpoint_compilations = 0
         #: The checkpoint the last fit/validate/test/predict started from (None: none).
         self.ckpt_path: str | None = None
-        self._resumed_by_path = False  # ckpt_path named a checkpoint, not "last" (ModelCheckpoint keeps it)
-        self._resolved_ckpt: tuple[Any, str | None] | None = None
         #: The resolved configuration of ``xtrainer fit`` (flat keys), logged with the module's
         #: hyperparameters.
         self.run_config: dict[str, Any] = {}
         self.callback_metrics = {}  # values: 0-dim CPU tensors, as in Lightning (MetricValues)
         self.progress_bar_metrics: dict[str, float] = {}  # floats, as in Lightning
         self.logged_metrics = {}
-        self.state = "idle"  # "fit", "validate", "test" or "predict" while one runs
-        self.num_training_batches: float = 0
-        #: The training batch running is the epoch's last (as Lightning's; False for a loader without a length).
-        self.is_last_batch = False
-        #: The last run stopped on a signal (``TrainingInterrupted``) or Ctrl-C.
-        self.interrupted = False
-        self._stage_data: dict[str, list[Any]] = {}  # a run's loaders, as the strategy delivers them
-        # predict: per loader, the sample indices of each batch so far (empty where the loader has no batch sampler)
-        self._predict_batch_indices: list[list[list[int]]] = []
-        # Set inside a run (per replica).
-        self._module: XModule | None = None
-        self._last_module: XModule | None = None  # the last stage's module (lightning_module after it)
-        self._wrapped: nn.Module | None = None
-        self._transfer: Any = None  # the batch-transfer hooks (loop.steps.BatchTransfer), where overridden
-        self._optim = Optimization()
-        self._train_results = self._results = Results("train", default_on_step=True)
-        self._train_data: Any = None  # the fit's training data, as the strategy delivers it
-        self._restored_data_state: Any = None  # the data order a resumed epoch continues
+
+    # ---- the settings, read from ``settings`` (Lightning's names; a write changes the setting) ---
+    fast_dev_run = _Setting()
+    overfit_batches = _Setting()
+    num_sanity_val_steps = _Setting()
+    min_epochs = _Setting()
+    min_steps = _Setting()
+    max_epochs = _Setting()
+    max_steps = _Setting()
+    enable_model_summary = _Setting()
+    reload_dataloaders_every_n_epochs = _Setting()
+    use_distributed_sampler = _Setting()
+    num_nodes = _Setting()
+    val_check_interval = _Setting()
+    check_val_every_n_epoch = _Setting()
+    accumulate_grad_batches = _Setting()
+    gradient_clip_val = _Setting()
+    gradient_clip_algorithm = _Setting()
+    detect_nonfinite = _Setting()
+
+    @property
+    def num_training_batches(self) -> float:
+        """Batches of a training epoch (``limit_train_batches`` applied; inf without a length; 0 before a fit)."""
+        return self.run.num_training_batches
+
+    @property
+    def state(self) -> str:
+        """``"fit"``, ``"validate"``, ``"test"`` or ``"predict"`` while one runs, else ``"idle"``."""
+        return self.run.state
+
+    @property
+    def interrupted(self) -> bool:
+        """The last run stopped on a signal (``TrainingInterrupted``) or Ctrl-C."""
+        return self.run.interrupted
+
+    @property
+    def checkpoint_compilations(self) -> int:
+        """Graphs compiled while writing checkpoints, so far in this process."""
+        return self.run.checkpoint_compilations
+
+    @property
+    def is_last_batch(self) -> bool:
+        """The training batch running is the epoch's last (as Lightning's; False for a loader without a length)."""
+        return self.run.is_last_batch
+
+    @property
+    def sanity_checking(self) -> bool:
+        """The sanity check's validation batches are running."""
+        return self.run.sanity_checking
+
+    @property
+    def runs_root(self) -> str:
+        """Where run folders are made: the first folder logger's ``<save_dir>/<name>``, else ``default_root_dir``."""
+        return self._runs_root
 
     # ---- the run folder ------------------------------------------------------------------------
     @property
@@ -288,6 +313,11 @@ class Trainer:
         if value != previous:  # e.g. rank 0's folder, broadcast: the loggers follow
             move_run_folder(self.loggers, previous, value)
 
+    @property
+    def log_dir_claimed(self) -> str | None:
+        """The run folder this process claimed or was given (None: none yet; ``log_dir`` claims one)."""
+        return self._log_dir
+
     # ---- where we are -----------------------------------------------------------------------
     @property
     def global_step(self) -> int:
@@ -303,7 +333,7 @@ class Trainer:
     # will have, as in Lightning: rank 0 of ``world_size`` planned replicas.
     @property
     def world_size(self) -> int:
-        if self._replica_ready:
+        if self.run.replica_ready:
             return self.strategy.world_size
         return stages.planned_world_size(self)
 
@@ -336,8 +366,9 @@ class Trainer:
     def callback_metrics(self) -> MetricValues:
         """The latest logged values, each a 0-dim CPU tensor (``.item()``, ``float()``), as in Lightning.
         Read in the module's own epoch-end hook, they include that epoch's values (one host sync)."""
-        if self._publisher.previewing is not None:
-            self._publisher.preview(self)
+        publisher = self.run.publisher
+        if publisher.previewing is not None:
+            publisher.preview(self)
         return self._callback_metrics
 
     @callback_metrics.setter
@@ -395,8 +426,9 @@ class Trainer:
     @property
     def lightning_module(self) -> XModule:
         """The module of the stage running, or of the last one (as in Lightning)."""
-        if self._module is None and self._last_module is not None:
-            return self._last_module
+        run = self.run
+        if run.module is None and run.last_module is not None:
+            return run.last_module
         return self.module
 
     @property
@@ -411,32 +443,32 @@ class Trainer:
 
     @property
     def num_val_batches(self) -> list[float]:
-        return list(self._num_val_batches)
+        return list(self.run.num_val_batches)
 
     @property
     def num_sanity_val_batches(self) -> list[float]:
         steps = self.num_sanity_val_steps
-        return [n if steps == -1 else min(steps, n) for n in self._num_val_batches]
+        return [n if steps == -1 else min(steps, n) for n in self.run.num_val_batches]
 
     @property
     def num_test_batches(self) -> list[float]:
-        return [self._num_batches(data, "test") for data in self._stage_data.get("test", [])]
+        return [self.run.num_batches(data, "test") for data in self.run.stage_data.get("test", [])]
 
     @property
     def num_predict_batches(self) -> list[float]:
-        return [self._num_batches(data, "predict") for data in self._stage_data.get("predict", [])]
+        return [self.run.num_batches(data, "predict") for data in self.run.stage_data.get("predict", [])]
 
     # ---- Lightning's names for where a run is and what it reads ------------------------------
     @property
     def training(self) -> bool:
         """Fit's training batches are running (not its validation or sanity check)."""
-        return self.state == "fit" and self._results is self._train_results
+        return self.state == "fit" and self.run.results is self.run.train_results
 
     @property
     def validating(self) -> bool:
         """``validate()`` runs, or fit's validation (not the sanity check: ``sanity_checking``)."""
         return not self.sanity_checking and (
-            self.state == "validate" or (self.state == "fit" and self._results.stage == "validate"))
+            self.state == "validate" or (self.state == "fit" and self.run.results.stage == "validate"))
 
     @property
     def testing(self) -> bool:
@@ -455,7 +487,7 @@ class Trainer:
     def enable_validation(self) -> bool:
         """The fit validates: it has validation data (a fit has some only where the module has a
         ``validation_step``: ``loop/loaders.py``), and ``limit_val_batches`` leaves batches."""
-        return bool(self._stage_data.get("validate")) and self.limits["validate"] != 0
+        return bool(self.run.stage_data.get("validate")) and self.limits["validate"] != 0
 
     @property
     def limit_train_batches(self) -> int | float:
@@ -476,7 +508,7 @@ class Trainer:
     @property
     def train_dataloader(self) -> Any:
         """The fit's training loader, as the strategy feeds it (with the sampler it put in)."""
-        return self._train_data.loader if self._train_data is not None else None
+        return self.run.train_data.loader if self.run.train_data is not None else None
 
     @property
     def val_dataloaders(self) -> Any:
@@ -492,34 +524,36 @@ class Trainer:
         return self._loaders_of("predict")
 
     def _loaders_of(self, stage: str) -> Any:
-        found = [getattr(data, "loader", data) for data in self._stage_data.get(stage, [])]
+        found = [getattr(data, "loader", data) for data in self.run.stage_data.get(stage, [])]
         return None if not found else found[0] if len(found) == 1 else found
 
     @property
     def module(self) -> XModule:
-        if self._module is None:
+        module = self.run.module
+        if module is None:
             raise RuntimeError("The Trainer has no module outside fit/validate/test/predict.")
-        return self._module
+        return module
 
     @property
     def model(self) -> nn.Module:
         """The module as the strategy wrapped it (DistributedDataParallel, FSDP...), inside a run.
         ``trainer.strategy.full_module_state_dict(trainer.model)`` gives its whole weights."""
-        if self._wrapped is None:
+        wrapped = self.run.wrapped
+        if wrapped is None:
             raise RuntimeError("The Trainer has no model outside fit/validate/test/predict.")
-        return self._wrapped
+        return wrapped
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return list(self._optim.optimizers)
+        return list(self.run.optim.optimizers)
 
     @property
     def lr_schedulers(self) -> list[Any]:
-        return [s.scheduler for s in self._optim.schedulers]
+        return [s.scheduler for s in self.run.optim.schedulers]
 
     @property
     def lr_scheduler_configs(self) -> list[SchedulerConfig]:
-        return list(self._optim.schedulers)
+        return list(self.run.optim.schedulers)
 
     # ---- entry points (calling process) ------------------------------------------------------
     def fit(self, model: XModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
@@ -537,17 +571,9 @@ class Trainer:
         its checksum, its strategy and world size against this run's) and announced in one line;
         None for a fresh start. ``"last"`` looks in this run's lineage only (``resume.py``). The
         next ``fit``/``validate``/``test``/``predict`` given the same ``ckpt_path`` uses this answer."""
-        resolved = self._resolve_ckpt_path(ckpt_path)
-        self._resolved_ckpt = (ckpt_path, resolved)
+        resolved = checkpoints.resolve_once(self, ckpt_path)
+        self.run.resolved_ckpt = (ckpt_path, resolved)
         return resolved
-
-    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike | None, stage: str = "fit") -> str | None:
-        if ckpt_path is None:
-            return None
-        if self._resolved_ckpt is not None and self._resolved_ckpt[0] == ckpt_path:
-            resolved, self._resolved_ckpt = self._resolved_ckpt[1], None
-            return resolved
-        return checkpoints.resolve_ckpt_path(self, fs.local(os.fspath(ckpt_path)), stage)
 
     def validate(self, model: XModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
                  verbose: bool = True, datamodule: XDataModule | None = None,
@@ -590,27 +616,6 @@ class Trainer:
                 ckpt_path = "best"
         return stages.evaluate(self, stage, model, dataloaders, ckpt_path, verbose, datamodule)
 
-    def _train_data_state(self) -> Any:
-        """What a checkpoint keeps of the training data's order in this epoch (None: nothing)."""
-        return self._train_data.state_dict() if self._train_data is not None else None
-
-    def _device_data(self, loader: Any) -> Any:
-        if isinstance(loader, CombinedLoader):  # training loaders read together: each one as a loader is
-            return CombinedData(loader, [self._device_data(inner) for inner in loader.flattened],
-                                self.strategy.runtime.rng_state_kept)
-        return self.strategy.process_dataloader(loader, distribute=self.use_distributed_sampler)
-
-    def _call_on_exception(self, err: BaseException) -> None:
-        """Every ``on_exception`` hook, each given its chance: one that fails does not hide ``err``.
-        A stop on a signal or Ctrl-C is ``interrupted`` by then, as in Lightning."""
-        self.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
-        if self._module is None:
-            return
-        module = self._module
-        hooks = [(f"{type(cb).__name__}.on_exception", functools.partial(cb.on_exception, self, module, err))
-                 for cb in self.callbacks] + [(f"{type(module).__name__}.on_exception", lambda: module.on_exception(err))]
-        replica.run_cleanup(hooks, err)  # one that fails is a note on err, which goes on
-
     def hyperparameters(self) -> dict[str, Any]:
         """What the loggers' ``log_hyperparams`` receive, as in Lightning: the data module's saved
         hyperparameters and the module's (the module's where both name one); secrets written as
@@ -630,11 +635,11 @@ class Trainer:
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``XModule.manual_backward``."""
-        self._optim.manual_backward(self, loss, *args, **kwargs)
+        self.run.optim.manual_backward(self, loss, *args, **kwargs)
 
     def clip_gradients_of(self, optimizer: Any, value: float | None, algorithm: str | None) -> None:
         """``XModule.clip_gradients``."""
-        self._optim.clip_gradients_of(self, optimizer, value, algorithm)
+        self.run.optim.clip_gradients_of(self, optimizer, value, algorithm)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False,
@@ -653,7 +658,7 @@ class Trainer:
         """
         if storage_options is not None:
             raise ValueError("save_checkpoint(storage_options=...) is not supported: give a local path.")
-        if self._wrapped is not None:
+        if self.run.wrapped is not None:
             with goodput.timing(self, "checkpointing"):  # goodput: time spent saving
                 checkpoints.save(self, fs.local(os.fspath(path)), weights_only)
         elif self._fitted_model is not None:
@@ -666,29 +671,4 @@ class Trainer:
         """The global step whose training loss was first NaN or infinite, if the weights have been
         updated since (None: all good so far, or ``detect_nonfinite="off"``). A host sync: for
         deciding whether a checkpoint may be written, which syncs anyway."""
-        return self._publisher.nonfinite_step(self)
-
-    # ---- helpers -------------------------------------------------------------------------------
-    def _call(self, hook: str, *args: Any) -> Any:
-        """Call ``hook`` on every callback, in order, then on the module, as Lightning does; the
-        module's answer. Only those that override the no-op are called (``xtrainer/loop/hooks.py``)."""
-        module = self._module if self._module is not None else self.module  # (the property says what is wrong)
-        own, callbacks = self._hooks.entry(hook, module, self.callbacks)
-        for fn in callbacks:
-            fn(self, module, *args)
-        return own(*args) if own is not None else None
-
-    def _start_stage(self, model: XModule) -> None:
-        """As a stage starts (in the calling process): its metrics are its own (Lightning resets
-        them too), and ``model`` is ``lightning_module`` once it is over."""
-        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
-        self._last_module = model
-
-    def _num_batches(self, data: Any, stage: str) -> float:
-        return loaders.num_batches(data, self.limits["train" if stage == "fit" else stage], stage)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_module=None, _last_module=None, _wrapped=None, _optim=Optimization(), _hooks=HookTable())
-        return state
-
+        return self.run.publisher.nonfinite_step(self)

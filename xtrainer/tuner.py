@@ -203,7 +203,7 @@ class _LRSweep(Callback):
                              "learning rate with a module that trains under that optimizer alone.")
         # The search sets the learning rate itself: the module's schedulers do not step during it
         # (Lightning's finder replaces them too; a monitored one would find no validation metric).
-        trainer._optim.schedulers = []
+        trainer.run.optim.schedulers = []
 
     def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
         lr = self._lr_of_step(trainer.global_step)

@@ -15,10 +15,10 @@ from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from xtrainer.callbacks.base import Callback
 from xtrainer.callbacks.monitor import Monitor
 from xtrainer.checkpoint import default_dirpath, folders, fs, storage
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 
 class MetricNotFoundError(KeyError, RuntimeError):
@@ -267,7 +267,7 @@ class ModelCheckpoint(Callback):
         self.current_score = score_tensor(current) if current is not None else None
         self._update_kth()
 
-    def on_load_checkpoint(self, trainer: "Trainer", module: "XModule", checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(self, trainer: "TrainerView", module: "XModule", checkpoint: dict[str, Any]) -> None:
         """Say so when the checkpoint holds the bookkeeping of a checkpoint callback configured
         otherwise (another monitor, say) for this folder: this one starts afresh and leaves those
         files alone."""
@@ -284,7 +284,7 @@ class ModelCheckpoint(Callback):
                            "files the other one kept are left alone.")
 
     # ---- hooks ----------------------------------------------------------------------------------
-    def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+    def setup(self, trainer: "TrainerView", module: "XModule", stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = default_dirpath(trainer.log_dir)
         self._last_save_time = time.monotonic()
@@ -302,42 +302,42 @@ class ModelCheckpoint(Callback):
                                f"checkpoint of this run with the same name{also}, and last.ckpt is replaced. Give each "
                                "run its own dirpath (the default, <run folder>/checkpoints, is).")
 
-    def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_start(self, trainer: "TrainerView", module: "XModule") -> None:
         # The checkpoint the fit resumed from is never removed, as in Lightning; one reached
         # through ckpt_path="last" (last.ckpt: a link to it here, a file of its own in Lightning)
         # is pruned as before, so that a restart loop's disk use stays bounded by save_top_k.
-        named = trainer.ckpt_path if trainer.state == "fit" and trainer._resumed_by_path else None
+        named = trainer.ckpt_path if trainer.state == "fit" and trainer.run.resumed_by_path else None
         self._resumed_from = fs.normalize(named) if named else None
         self._last_save_time = time.monotonic()
 
-    def on_validation_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_start(self, trainer: "TrainerView", module: "XModule") -> None:
         if trainer.state == "fit" and not _sanity_checking(trainer):
             self._validated = False
 
-    def on_validation_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+    def on_validation_batch_end(self, trainer: "TrainerView", module: "XModule", outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if trainer.state == "fit" and not _sanity_checking(trainer):
             self._validated = self._validation_ran = True
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._should_skip(trainer):
             return
         n, interval = self.every_n_train_steps, self.train_time_interval
         if (n >= 1 and trainer.global_step % n == 0) or (interval is not None and self._time_is_up(trainer, interval)):
             if self.monitor is not None:  # every replica saves here: a value logged with sync_dist, reduced
-                trainer._publisher.preview_synced(trainer)
+                trainer.run.publisher.preview_synced(trainer)
             self._save(trainer, topk=True)
 
-    def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_epoch_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if not self._should_skip(trainer) and self._on_train_epoch_end(trainer):
             self._save(trainer, topk=self._epoch_due(trainer))
 
-    def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if not self._should_skip(trainer) and not self._on_train_epoch_end(trainer):
             self._save(trainer, topk=self._epoch_due(trainer))
 
-    def on_train_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if (self._saves == 0 and trainer.global_step > 0 and not _sanity_checking(trainer)
                 and not getattr(trainer, "fast_dev_run", False)
                 and not self._on_train_epoch_end(trainer) and not self._validation_ran
@@ -347,7 +347,7 @@ class ModelCheckpoint(Callback):
                            "no validation ran. Pass save_on_train_epoch_end=True to save at the end of training "
                            "epochs.")
 
-    def on_exception(self, trainer: "Trainer", module: "XModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: "TrainerView", module: "XModule", exception: BaseException) -> None:
         """``save_on_exception``: a checkpoint of the fit as it stands when ``exception`` ended it."""
         if not self.save_on_exception or trainer.interrupted or trainer.state != "fit" \
                 or _sanity_checking(trainer) or getattr(trainer, "fast_dev_run", False):
@@ -361,14 +361,14 @@ class ModelCheckpoint(Callback):
             rank_zero_info(f"An {type(exception).__name__} was raised with message: {exception}; saved checkpoint to "
                            f"{path}")
 
-    def _should_skip(self, trainer: "Trainer") -> bool:
+    def _should_skip(self, trainer: "TrainerView") -> bool:
         return (trainer.state != "fit" or _sanity_checking(trainer) or bool(getattr(trainer, "fast_dev_run", False))
                 or trainer.global_step == (self._last_saved_step if self._last_saved_step is not None else 0))
 
-    def _epoch_due(self, trainer: "Trainer") -> bool:
+    def _epoch_due(self, trainer: "TrainerView") -> bool:
         return self.every_n_epochs >= 1 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
 
-    def _on_train_epoch_end(self, trainer: "Trainer") -> bool:
+    def _on_train_epoch_end(self, trainer: "TrainerView") -> bool:
         """Whether this fit saves at the end of training epochs (else after validation), as
         Lightning decides it."""
         if self.save_on_train_epoch_end is not None:
@@ -382,12 +382,12 @@ class ModelCheckpoint(Callback):
         interval = trainer.val_check_interval
         return isinstance(interval, float) and interval == 1.0
 
-    def _time_is_up(self, trainer: "Trainer", interval: float) -> bool:
+    def _time_is_up(self, trainer: "TrainerView", interval: float) -> bool:
         # Replicas must agree (a save is collective): rank 0's clock decides for all of them.
         due = time.monotonic() - self._last_save_time >= interval
         return bool(trainer.strategy.collectives.broadcast(due)) if trainer.world_size > 1 else due
 
-    def save_now(self, trainer: "Trainer") -> str | None:
+    def save_now(self, trainer: "TrainerView") -> str | None:
         """Write a complete checkpoint now, whatever the schedule (a graceful stop on a signal does);
         the path of the newest checkpoint, or None if none could be written (non-finite loss)."""
         if trainer.global_step == self._last_saved_step:
@@ -397,13 +397,13 @@ class ModelCheckpoint(Callback):
         return self._save(trainer, topk=self.monitor is None, force=True)
 
     # ---- saving ---------------------------------------------------------------------------------
-    def _save(self, trainer: "Trainer", topk: bool, force: bool = False) -> str | None:
+    def _save(self, trainer: "TrainerView", topk: bool, force: bool = False) -> str | None:
         plan = self._plan(trainer, topk, force)
         if trainer.world_size > 1:
             plan = trainer.strategy.collectives.broadcast(plan)  # rank 0 decides: a save is collective
         return self._apply(trainer, plan, force)
 
-    def _plan(self, trainer: "Trainer", topk: bool, force: bool) -> dict[str, Any]:
+    def _plan(self, trainer: "TrainerView", topk: bool, force: bool) -> dict[str, Any]:
         """What this save does, decided without changing anything (rank 0's plan is the one
         applied on every replica): the file to write, the new bookkeeping, the files to remove."""
         metrics = self._monitor_candidates(trainer)
@@ -485,7 +485,7 @@ class ModelCheckpoint(Callback):
                            "current_score": current, "last_target": last_target, "interrupted": interrupted})
         return plan
 
-    def _apply(self, trainer: "Trainer", plan: dict[str, Any], force: bool) -> str | None:
+    def _apply(self, trainer: "TrainerView", plan: dict[str, Any], force: bool) -> str | None:
         if plan["error"]:
             kind, message = plan["error"]
             raise (MetricNotFoundError if kind == "metric" else ValueError)(message)
@@ -528,23 +528,23 @@ class ModelCheckpoint(Callback):
         self._say(trainer, plan["info"])
         return self._newest
 
-    def _say(self, trainer: "Trainer", lines: list[str]) -> None:
+    def _say(self, trainer: "TrainerView", lines: list[str]) -> None:
         if self.verbose and trainer.is_global_zero:
             for line in lines:
                 print(line, flush=True)
 
-    def _write(self, trainer: "Trainer", path: str, weights_only: bool) -> None:
+    def _write(self, trainer: "TrainerView", path: str, weights_only: bool) -> None:
         if trainer.is_global_zero and getattr(trainer.strategy.checkpoint_layout, "kind", "file") != "file":
             folders.make_room_for_folder(path)
         trainer.save_checkpoint(path, weights_only=weights_only)
 
-    def _link(self, trainer: "Trainer", last: str, target: str) -> None:
+    def _link(self, trainer: "TrainerView", last: str, target: str) -> None:
         """Point ``last`` at ``target`` (a complete checkpoint); every replica waits for it."""
         if trainer.is_global_zero:
             folders.point_last(last, target)
         trainer.strategy.collectives.barrier("xtrainer_checkpoint_link")
 
-    def _remove(self, trainer: "Trainer", paths: list[str]) -> None:
+    def _remove(self, trainer: "TrainerView", paths: list[str]) -> None:
         if trainer.is_global_zero:
             for path in paths:
                 if self._owns(path):
@@ -552,7 +552,7 @@ class ModelCheckpoint(Callback):
         trainer.strategy.collectives.barrier("xtrainer_checkpoint_cleanup")
 
     # ---- ranking ------------------------------------------------------------------------------
-    def check_monitor_top_k(self, trainer: "Trainer", current: Any = None) -> bool:
+    def check_monitor_top_k(self, trainer: "TrainerView", current: Any = None) -> bool:
         """Whether a checkpoint scoring ``current`` would be kept among the top k now."""
         del trainer
         if current is None:
@@ -582,7 +582,7 @@ class ModelCheckpoint(Callback):
             self.kth_best_model_path, self.kth_value = "", score_tensor(self._ranking.worst)
 
     # ---- names --------------------------------------------------------------------------------
-    def _monitor_candidates(self, trainer: "Trainer") -> dict[str, Any]:
+    def _monitor_candidates(self, trainer: "TrainerView") -> dict[str, Any]:
         """The logged metrics (floats), with ``epoch`` and ``step`` as ints."""
         metrics: dict[str, Any] = {}
         for name, value in trainer.callback_metrics.items():
@@ -648,7 +648,7 @@ class ModelCheckpoint(Callback):
                              "metric in filename= must not make '..' or an absolute path.")
         return path
 
-    def _unique_path(self, trainer: "Trainer", metrics: dict[str, Any], replaceable: str | None) -> str:
+    def _unique_path(self, trainer: "TrainerView", metrics: dict[str, Any], replaceable: str | None) -> str:
         """The formatted path, with ``-vN`` while a file of that name exists (other than
         ``replaceable``, which this save may overwrite), as Lightning's version counter."""
         name = self._format_name(self.filename, metrics)
@@ -661,7 +661,7 @@ class ModelCheckpoint(Callback):
             version += 1
         return path
 
-    def file_exists(self, filepath: str | os.PathLike, trainer: "Trainer", broadcast: bool = True) -> bool:
+    def file_exists(self, filepath: str | os.PathLike, trainer: "TrainerView", broadcast: bool = True) -> bool:
         """Whether ``filepath`` exists on rank 0 (told to every replica)."""
         exists = fs.lexists(os.fspath(filepath))
         return bool(trainer.strategy.collectives.broadcast(exists)) if broadcast and trainer.world_size > 1 else exists
@@ -706,7 +706,7 @@ class ModelCheckpoint(Callback):
             yaml.dump({path: float(score) for path, score in self.best_k_models.items()}, f)
 
 
-def _sanity_checking(trainer: "Trainer") -> bool:
+def _sanity_checking(trainer: "TrainerView") -> bool:
     return bool(getattr(trainer, "sanity_checking", False))
 
 

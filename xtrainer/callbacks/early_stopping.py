@@ -11,10 +11,10 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from xtrainer.callbacks.base import Callback
 from xtrainer.callbacks.checkpoint import MetricNotFoundError, score_tensor
 from xtrainer.callbacks.monitor import Monitor
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 
 class EarlyStopping(Callback):
@@ -100,7 +100,7 @@ class EarlyStopping(Callback):
         self.stop_reason = str(state_dict.get("stop_reason", "") or "")
 
     # ---- when to check ---------------------------------------------------------------------------
-    def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+    def setup(self, trainer: "TrainerView", module: "XModule", stage: str) -> None:
         if self.check_on_train_epoch_end is not None:
             self._at_epoch_end = self.check_on_train_epoch_end
         else:  # as Lightning: once per epoch, after its validation, unless validation comes at other times
@@ -108,21 +108,21 @@ class EarlyStopping(Callback):
             self._at_epoch_end = (isinstance(interval, float) and interval == 1.0
                                   and trainer.check_val_every_n_epoch in (1, None))
 
-    def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_epoch_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if self._at_epoch_end and not self._skip(trainer):
             self._run_early_stopping_check(trainer)
 
-    def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if not self._at_epoch_end and not self._skip(trainer):
             self._run_early_stopping_check(trainer)
 
     @staticmethod
-    def _skip(trainer: "Trainer") -> bool:
+    def _skip(trainer: "TrainerView") -> bool:
         return (trainer.state != "fit" or bool(getattr(trainer, "sanity_checking", False))
                 or bool(getattr(trainer, "fast_dev_run", False)))
 
     # ---- the check ------------------------------------------------------------------------------
-    def _run_early_stopping_check(self, trainer: "Trainer") -> None:
+    def _run_early_stopping_check(self, trainer: "TrainerView") -> None:
         """One check (Lightning's name: a subclass may call it from another hook, as its docs show)."""
         metrics = trainer.callback_metrics
         if metrics.get(self.monitor) is None:
@@ -170,7 +170,7 @@ class EarlyStopping(Callback):
                           f"score: {best:.3f}. Signaling Trainer to stop.")
         return False, ""
 
-    def _say(self, trainer: "Trainer", message: str) -> None:
+    def _say(self, trainer: "TrainerView", message: str) -> None:
         if trainer.world_size > 1:
             if self.log_rank_zero_only and not trainer.is_global_zero:
                 return

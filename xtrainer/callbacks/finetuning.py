@@ -29,10 +29,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.loop.optimizers import prefer_foreach
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 
 def multiplicative(epoch: int) -> float:
@@ -143,7 +143,7 @@ class BaseFinetuning(Callback):
             optimizer.add_param_group({"params": params, "lr": params_lr / denom})
 
     # ---- the hooks ---------------------------------------------------------------------------------
-    def setup(self, trainer: "Trainer", pl_module: "XModule", stage: str) -> None:
+    def setup(self, trainer: "TrainerView", pl_module: "XModule", stage: str) -> None:
         if stage != "fit":
             return
         strategy = trainer.strategy
@@ -162,11 +162,11 @@ class BaseFinetuning(Callback):
             self._trainable = self._untracked_bn = None
         self.freeze_before_training(pl_module)
 
-    def on_fit_start(self, trainer: "Trainer", pl_module: "XModule") -> None:
+    def on_fit_start(self, trainer: "TrainerView", pl_module: "XModule") -> None:
         if self._pending:  # state loaded by a path that did not rebuild the groups first
             self.restore_param_groups(trainer, pl_module)
 
-    def on_train_epoch_start(self, trainer: "Trainer", pl_module: "XModule") -> None:
+    def on_train_epoch_start(self, trainer: "TrainerView", pl_module: "XModule") -> None:
         for index, optimizer in enumerate(trainer.optimizers):
             before = len(optimizer.param_groups)
             self.finetune_function(pl_module, trainer.current_epoch, optimizer)
@@ -190,7 +190,7 @@ class BaseFinetuning(Callback):
         self._trainable, self._untracked_bn = state_dict.get("trainable"), state_dict.get("untracked_bn")
         self._pending = bool(self._internal_optimizer_metadata)
 
-    def restore_param_groups(self, trainer: "Trainer", pl_module: "XModule") -> None:
+    def restore_param_groups(self, trainer: "TrainerView", pl_module: "XModule") -> None:
         """Rebuild each optimizer's groups as saved (those added during the fit included) and the
         saved trainable parameters; the Trainer calls it on resume before loading the optimizer
         states, which need the saved number of groups."""
@@ -263,7 +263,7 @@ class BackboneFinetuning(BaseFinetuning):
         super().load_state_dict(state_dict)
         self.previous_backbone_lr = state_dict.get("previous_backbone_lr")
 
-    def setup(self, trainer: "Trainer", pl_module: "XModule", stage: str) -> None:
+    def setup(self, trainer: "TrainerView", pl_module: "XModule", stage: str) -> None:
         if not isinstance(getattr(pl_module, "backbone", None), nn.Module):
             raise ValueError(f"BackboneFinetuning needs the module to have an nn.Module attribute 'backbone'; "
                              f"{type(pl_module).__name__} has none.")

@@ -13,10 +13,10 @@ from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks.base import Callback
 from xtrainer.loop.results import batch_size
 from xtrainer.strategies import shared_process
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 
 class RecompilationError(RuntimeError):
@@ -78,11 +78,11 @@ class XlaHealth(Callback):
         self._compiles_seen = 0  # graphs compiled by the steps at the last check (a fit starts it afresh)
         self._compiling = True
 
-    def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+    def setup(self, trainer: "TrainerView", module: "XModule", stage: str) -> None:
         # From the replica's start: restoring a checkpoint compiles too (cache lookups included).
         self._cache_counts = _cache_counts(trainer)
 
-    def on_fit_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_fit_start(self, trainer: "TrainerView", module: "XModule") -> None:
         self.recompilations, self._warm, self._first_epoch_shapes = [], False, set()
         self._warming_last_step = False
         self._fit = self._mark(trainer)
@@ -97,41 +97,41 @@ class XlaHealth(Callback):
         self._data_compiles_seen = self._fit["data_compiles"]
         self._data_warned = False
 
-    def _mark(self, trainer: "Trainer") -> dict[str, float]:
+    def _mark(self, trainer: "TrainerView") -> dict[str, float]:
         return {"time": time.perf_counter(), "step": trainer.global_step, **trainer.strategy.runtime.device_counters(),
                 **_data_counters(trainer)}
 
-    def _step_compiles(self, trainer: "Trainer") -> tuple[int, int]:
+    def _step_compiles(self, trainer: "TrainerView") -> tuple[int, int]:
         """Graphs compiled by the steps (a checkpoint's and the data loading's left out), and by
         the data loading, in this process so far."""
         data = _data_counters(trainer)["data_compiles"]
         return trainer.strategy.runtime.compile_count() - trainer.checkpoint_compilations - data, data
 
     # ---- every batch: recompilations (host counters only) ------------------------------------
-    def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: "TrainerView", module: "XModule", batch: Any, batch_idx: int) -> None:
         samples = batch_size(batch) * self._work.replicas_in_batch  # counted before the step's values are read
         self._samples += samples
         self._interval_samples += samples
         self._work.batch(trainer, module, batch, batch_idx)
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._warming_last_step:  # the first step after the first epoch (and its validation)
             self._warming_last_step, self._warm = False, True
             self._compiles_seen, self._data_compiles_seen = self._step_compiles(trainer)
         self._check(trainer, f"training batch {batch_idx}", batch)
 
-    def on_validation_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+    def on_validation_batch_end(self, trainer: "TrainerView", module: "XModule", outputs: Any, batch: Any,
                                 batch_idx: int, *args: Any) -> None:
         self._check(trainer, f"validation batch {batch_idx}", batch)
 
-    def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_epoch_end(self, trainer: "TrainerView", module: "XModule") -> None:
         self._check(trainer, "the end of the epoch", None)
         if not self._warm:
             self._warming_last_step = True
             self._warn_data_loading(trainer)
 
-    def _warn_data_loading(self, trainer: "Trainer") -> None:
+    def _warn_data_loading(self, trainer: "TrainerView") -> None:
         """Once, after the first epoch (or at the end of a shorter fit): graphs compiled while the training data was loaded (a
         dataset that runs ops on the device, such as an RL generator calling its policy)."""
         now = _data_counters(trainer)
@@ -147,7 +147,7 @@ class XlaHealth(Callback):
             "with a host read (.item(), .cpu()) runs a graph of its own: batch the policy's calls, or keep the "
             "environment's policy on the CPU (see 'A dataset that runs the model' in docs/troubleshooting.md).")
 
-    def _check(self, trainer: "Trainer", where: str, batch: Any) -> None:
+    def _check(self, trainer: "TrainerView", where: str, batch: Any) -> None:
         """Report the graphs compiled since the last check, once warm. ``batch`` (None at an
         epoch's end): in the first epoch its shapes join those the steps ran with, whether they
         compiled a graph or found one already compiled (in this process, or in the persistent
@@ -179,7 +179,7 @@ class XlaHealth(Callback):
                    "number that varies between steps, a branch taken for the first time, a .item() in the step)")
         self._report(trainer, where, new, why)
 
-    def _report(self, trainer: "Trainer", where: str, new: int, why: str) -> None:
+    def _report(self, trainer: "TrainerView", where: str, new: int, why: str) -> None:
         record = {"step": trainer.global_step, "epoch": trainer.current_epoch, "where": where, "graphs": new,
                   "reason": why}
         self.recompilations.append(record)
@@ -193,7 +193,7 @@ class XlaHealth(Callback):
             rank_zero_warn(message)
 
     # ---- every logging interval ------------------------------------------------------------
-    def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
+    def on_metrics(self, trainer: "TrainerView", module: "XModule", metrics: dict[str, float], step: int) -> None:
         """The interval's figures join the logged values on their way to the loggers."""
         if trainer.state == "fit" and step != self._interval["step"]:
             figures = self._interval_figures(trainer)
@@ -204,7 +204,7 @@ class XlaHealth(Callback):
             if shown[key] is not None:
                 trainer.progress_bar_metrics[key] = shown[key]
 
-    def _interval_figures(self, trainer: "Trainer") -> dict[str, float]:
+    def _interval_figures(self, trainer: "TrainerView") -> dict[str, float]:
         now, before = self._mark(trainer), self._interval
         seconds = max(now["time"] - before["time"], 1e-9)
         per_replica = self._replicas
@@ -225,7 +225,7 @@ class XlaHealth(Callback):
         self._interval, self._interval_samples = now, 0
         return {k: float(v) for k, v in figures.items()}
 
-    def on_fit_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_fit_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if not self._warm:  # a fit shorter than an epoch
             self._warn_data_loading(trainer)
         end, start = self._mark(trainer), self._fit
@@ -270,7 +270,7 @@ _FIGURES = {"compiles": "compilations", "compile_s": "compile_seconds", "executi
 _NO_DATA_COUNTERS: dict[str, float] = {"data_compiles": 0, "data_compile_s": 0.0, "data_reads": 0}  # read, never changed
 
 
-def _data_counters(trainer: "Trainer") -> dict[str, float]:
+def _data_counters(trainer: "TrainerView") -> dict[str, float]:
     """Graphs compiled while a dataset ran ops on the XLA device during loading (host counters;
     zeros for a strategy that does not compile with XLA)."""
     if not trainer.strategy.runtime.compiles_with_xla:
@@ -280,7 +280,7 @@ def _data_counters(trainer: "Trainer") -> dict[str, float]:
             "data_reads": counters["reads"]}
 
 
-def _cache_counts(trainer: "Trainer") -> dict[str, int]:
+def _cache_counts(trainer: "TrainerView") -> dict[str, int]:
     """The persistent compilation cache's counters: XLA's, or torch.compile's (Inductor's)."""
     return _xla.persistent_cache_counts() if trainer.strategy.runtime.compiles_with_xla else compile_cache.inductor_counts()
 
@@ -290,7 +290,7 @@ class _Work:
     batch on the host (shapes only), multiplied by the micro-batches run, over the host clock's
     seconds. No device value is read."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: "TrainerView") -> None:
         xla = trainer.strategy.runtime.compiles_with_xla
         spmd = xla and _xla.is_spmd()
         # MPMD: every replica runs the counted step on its own batch; SPMD: one program whose
@@ -307,7 +307,7 @@ class _Work:
         self.accumulate = trainer.accumulate_grad_batches
         self._counted = False
 
-    def batch(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
+    def batch(self, trainer: "TrainerView", module: "XModule", batch: Any, batch_idx: int) -> None:
         self.micro += 1
         self.interval_micro += 1
         if self._counted:
@@ -365,7 +365,7 @@ class _Work:
         return text
 
 
-def replicas_in_process(trainer: "Trainer") -> int:
+def replicas_in_process(trainer: "TrainerView") -> int:
     """How many replicas this process runs, whose work torch_xla's process-wide counters add up:
     every replica where they are threads of one process (the CPU runtime with ``devices=N``), else
     1 (one process per replica, or one SPMD program)."""

@@ -14,10 +14,10 @@ from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback
 from xtrainer.callbacks.health import XlaHealth
 from xtrainer.callbacks.progress import ProgressBar
 from xtrainer.config.settings import seconds
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 
 class ModelSummary(Callback):
@@ -28,7 +28,7 @@ class ModelSummary(Callback):
     def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
         self.max_depth, self.summarize_kwargs = max_depth, summarize_kwargs
 
-    def on_fit_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_fit_start(self, trainer: "TrainerView", module: "XModule") -> None:
         if self.max_depth == 0 or not trainer.is_global_zero:
             return
         from xtrainer.summary import summarize
@@ -111,40 +111,40 @@ class Timer(Callback):
     def _finish(self, stage: str) -> None:
         self._end[stage] = time.monotonic()
 
-    def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_start(self, trainer: "TrainerView", module: "XModule") -> None:
         self._begin("train")
 
-    def on_train_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_end(self, trainer: "TrainerView", module: "XModule") -> None:
         self._finish("train")
 
-    def on_validation_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_start(self, trainer: "TrainerView", module: "XModule") -> None:
         self._begin("validate")
 
-    def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_end(self, trainer: "TrainerView", module: "XModule") -> None:
         self._finish("validate")
 
-    def on_test_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_test_start(self, trainer: "TrainerView", module: "XModule") -> None:
         self._begin("test")
 
-    def on_test_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_test_end(self, trainer: "TrainerView", module: "XModule") -> None:
         self._finish("test")
 
-    def on_predict_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_predict_start(self, trainer: "TrainerView", module: "XModule") -> None:
         self._begin("predict")
 
-    def on_predict_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_predict_end(self, trainer: "TrainerView", module: "XModule") -> None:
         self._finish("predict")
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._interval == "step":
             self._check(trainer)
 
-    def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_epoch_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if self._interval == "epoch":
             self._check(trainer)
 
-    def _check(self, trainer: "Trainer") -> None:
+    def _check(self, trainer: "TrainerView") -> None:
         if self._duration is None or trainer.should_stop or self.time_elapsed("train") < self._duration:
             return
         trainer.should_stop = True  # host clock only; the replicas agree at the next logging step
@@ -189,12 +189,12 @@ class GradientAccumulationScheduler(Callback):
     def going_to_accumulate_grad_batches(self, epoch: int) -> int:
         return next(v for k, v in reversed(self.scheduling.items()) if k <= epoch)
 
-    def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_start(self, trainer: "TrainerView", module: "XModule") -> None:
         if not module.automatic_optimization:
             raise RuntimeError("GradientAccumulationScheduler needs automatic optimization; under manual optimization "
                                "step the optimizers every N batches in training_step instead.")
 
-    def on_train_epoch_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_epoch_start(self, trainer: "TrainerView", module: "XModule") -> None:
         trainer.accumulate_grad_batches = self.going_to_accumulate_grad_batches(trainer.current_epoch)
 
 
@@ -215,21 +215,21 @@ class BasePredictionWriter(Callback):
         self.interval = write_interval
         self._predictions: list[list[Any]] = []  # per dataloader
 
-    def write_on_batch_end(self, trainer: "Trainer", pl_module: "XModule", prediction: Any, batch_indices: Any,
+    def write_on_batch_end(self, trainer: "TrainerView", pl_module: "XModule", prediction: Any, batch_indices: Any,
                            batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} asks to write each batch: define write_on_batch_end.")
 
-    def write_on_epoch_end(self, trainer: "Trainer", pl_module: "XModule", predictions: list[Any],
+    def write_on_epoch_end(self, trainer: "TrainerView", pl_module: "XModule", predictions: list[Any],
                            batch_indices: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__} asks to write each epoch: define write_on_epoch_end.")
 
-    def on_predict_epoch_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_predict_epoch_start(self, trainer: "TrainerView", module: "XModule") -> None:
         self._predictions = []
 
-    def on_predict_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+    def on_predict_batch_end(self, trainer: "TrainerView", module: "XModule", outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:
         if self.interval in ("batch", "batch_and_epoch"):
-            noted = trainer._predict_batch_indices
+            noted = trainer.run.predict_batch_indices
             indices = noted[dataloader_idx][batch_idx] if dataloader_idx < len(noted) and noted[dataloader_idx] else []
             self.write_on_batch_end(trainer, module, outputs, indices, batch, batch_idx, dataloader_idx)
         if self.interval in ("epoch", "batch_and_epoch"):
@@ -237,11 +237,11 @@ class BasePredictionWriter(Callback):
                 self._predictions.append([])
             self._predictions[dataloader_idx].append(outputs)
 
-    def on_predict_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_predict_epoch_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if self.interval in ("epoch", "batch_and_epoch"):
             loaders = max(len(trainer.num_predict_batches), len(self._predictions), 1)
             predictions = self._predictions + [[] for _ in range(loaders - len(self._predictions))]
-            noted = trainer._predict_batch_indices
+            noted = trainer.run.predict_batch_indices
             indices = [list(noted[i]) if i < len(noted) else [] for i in range(loaders)]
             self.write_on_epoch_end(trainer, module, predictions[0] if loaders == 1 else predictions, indices)
             self._predictions = []

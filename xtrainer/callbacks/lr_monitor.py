@@ -10,10 +10,10 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.loop.publishing import automatic_lr_names
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 
 class LearningRateMonitor(Callback):
@@ -59,7 +59,7 @@ class LearningRateMonitor(Callback):
         self._kinds: dict[str, str] = {}  # "<name>-momentum": "momentum", ...
 
     # ---- hooks ----------------------------------------------------------------------------------
-    def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_start(self, trainer: "TrainerView", module: "XModule") -> None:
         if not trainer.loggers:
             raise ValueError("LearningRateMonitor needs a Trainer with a logger (logger=False was given); as in "
                              "Lightning, it logs through the loggers. Drop the callback or give a logger.")
@@ -76,16 +76,16 @@ class LearningRateMonitor(Callback):
         self._in_batch = self._in_validation = False
         self._step_stats = {}
 
-    def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: "TrainerView", module: "XModule", batch: Any, batch_idx: int) -> None:
         self._in_batch = True
         if self.logging_interval != "epoch":  # the rates this step uses (host floats: no sync)
             self._step_stats = self._extract(trainer, "step" if self.logging_interval is None else "any")
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._in_batch = False
 
-    def on_train_epoch_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_epoch_start(self, trainer: "TrainerView", module: "XModule") -> None:
         """The rates the epoch starts with, logged now at the current step, as Lightning logs
         them (host floats: no sync)."""
         if self.logging_interval == "step":
@@ -98,13 +98,13 @@ class LearningRateMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(dict(stats), trainer.global_step)
 
-    def on_validation_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_start(self, trainer: "TrainerView", module: "XModule") -> None:
         self._in_validation = True
 
-    def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_end(self, trainer: "TrainerView", module: "XModule") -> None:
         self._in_validation = False
 
-    def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
+    def on_metrics(self, trainer: "TrainerView", module: "XModule", metrics: dict[str, float], step: int) -> None:
         """Replace the automatic ``lr-<Optimizer>/pg<i>`` keys by Lightning's, when they are due:
         the step's rates at a logging step (the epoch's were logged as it started)."""
         if trainer.state != "fit":
@@ -119,7 +119,7 @@ class LearningRateMonitor(Callback):
         metrics.update(stats)
         self._record(trainer, stats)
 
-    def _record(self, trainer: "Trainer", stats: dict[str, float]) -> None:
+    def _record(self, trainer: "TrainerView", stats: dict[str, float]) -> None:
         """``stats`` into ``trainer.callback_metrics`` (monitorable) and into ``lrs`` and the last
         momentum and weight decay values."""
         trainer.callback_metrics.update(stats)
@@ -133,7 +133,7 @@ class LearningRateMonitor(Callback):
                 self.lrs.setdefault(name, []).append(value)
 
     # ---- names and values -----------------------------------------------------------------------
-    def _extract(self, trainer: "Trainer", interval: str) -> dict[str, float]:
+    def _extract(self, trainer: "TrainerView", interval: str) -> dict[str, float]:
         """The rates (and momenta, weight decays) due at ``interval`` (``"step"``, ``"epoch"`` or
         ``"any"``), by Lightning's names."""
         stats: dict[str, float] = {}
@@ -161,10 +161,10 @@ class LearningRateMonitor(Callback):
         return stats
 
     @staticmethod
-    def _optimizer_of(config: Any, trainer: "Trainer") -> Any:
+    def _optimizer_of(config: Any, trainer: "TrainerView") -> Any:
         return getattr(config.scheduler, "optimizer", None) or trainer.optimizers[0]
 
-    def _named(self, trainer: "Trainer") -> list[tuple[Any, list[str], str | None]]:
+    def _named(self, trainer: "TrainerView") -> list[tuple[Any, list[str], str | None]]:
         """``(optimizer, one name per parameter group, its scheduler's interval or None)``: the
         scheduled optimizers first, then those without a scheduler, as Lightning names them."""
         seen: list[Any] = []

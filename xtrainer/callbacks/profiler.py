@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks.base import Callback
 from xtrainer.strategies.launchers.processes import free_port
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 
 class XlaProfiler(Callback):
@@ -39,19 +39,19 @@ class XlaProfiler(Callback):
         self._tracing = False
         self.traced_steps: list[int] = []
 
-    def setup(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+    def setup(self, trainer: "TrainerView", module: "XModule", stage: str) -> None:
         if stage == "fit" and trainer.is_global_zero and self._server is None:
             if self.port is None:
                 self.port = free_port()
             self._server = _xla.start_profiler_server(self.port)
         self.dirpath = self.dirpath or trainer.log_dir
 
-    def on_train_batch_start(self, trainer: "Trainer", module: "XModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: "TrainerView", module: "XModule", batch: Any, batch_idx: int) -> None:
         if trainer.is_global_zero and not self._tracing and trainer.global_step == self.start_step:
             _xla.start_trace(self.dirpath)
             self._tracing = True
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._tracing:
             if trainer.global_step not in self.traced_steps:
@@ -59,7 +59,7 @@ class XlaProfiler(Callback):
             if trainer.global_step >= self.start_step + self.num_steps:
                 self._stop()
 
-    def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+    def teardown(self, trainer: "TrainerView", module: "XModule", stage: str) -> None:
         self._stop()  # a fit that ended (or failed) inside the window still leaves its trace
 
     def _stop(self) -> None:

@@ -7,10 +7,10 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from xtrainer.callbacks.base import Callback
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 
 class ProgressBar(Callback):
@@ -50,7 +50,7 @@ class ProgressBar(Callback):
         return bool(isatty and isatty())
 
     # ---- training ----------------------------------------------------------------------------
-    def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_start(self, trainer: "TrainerView", module: "XModule") -> None:
         if trainer.is_global_zero and self._use_rich():
             from rich.console import Console
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -63,56 +63,56 @@ class ProgressBar(Callback):
                 console=Console(file=self._out(), force_terminal=self.rich or None), auto_refresh=False)
             self._progress.start()
 
-    def on_train_epoch_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_epoch_start(self, trainer: "TrainerView", module: "XModule") -> None:
         self._start, self._start_step = time.perf_counter(), trainer.global_step
         if self._progress is not None:
             total = trainer.num_training_batches
             self._task = self._progress.add_task("train", total=None if total == float("inf") else int(total),
                                                  epoch=trainer.current_epoch, rate="", values="")
 
-    def on_metrics(self, trainer: "Trainer", module: "XModule", metrics: dict[str, float], step: int) -> None:
+    def on_metrics(self, trainer: "TrainerView", module: "XModule", metrics: dict[str, float], step: int) -> None:
         if trainer.state == "fit":
             self._due = True  # fresh values: shown once the batch ends (no read of our own)
             self._last = set(metrics)
             self._stale -= self._last
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "XModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "XModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self._due or not trainer.is_global_zero:
             return
         self._due = False
         self._show(trainer, batch_idx + 1, f"batch {batch_idx + 1}/{_fmt_total(trainer.num_training_batches)}")
 
-    def on_train_epoch_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_epoch_end(self, trainer: "TrainerView", module: "XModule") -> None:
         # The epoch's last read (its epoch values) came just before this hook; from the next
         # epoch's first batch on they belong to the past.
         self._stale, self._last, self._due = set(self._last), set(), False  # shown here, not again at batch 1
         if trainer.is_global_zero:
             self._show(trainer, None, "done", mid_epoch=False)
 
-    def on_train_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_end(self, trainer: "TrainerView", module: "XModule") -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = self._task = None
 
-    def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+    def teardown(self, trainer: "TrainerView", module: "XModule", stage: str) -> None:
         self.on_train_end(trainer, module)  # also when training failed: give the terminal back
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_end(self, trainer: "TrainerView", module: "XModule") -> None:
         self._last = set()  # validation values are not the training epoch's
         if trainer.is_global_zero and trainer.state != "fit":
             values = " ".join(f"{k}={v:.4g}" for k, v in sorted(trainer.callback_metrics.items()))
             print(f"{trainer.state}: {values}", file=self._out(), flush=True)
 
-    def _values(self, trainer: "Trainer", mid_epoch: bool) -> str:
+    def _values(self, trainer: "TrainerView", mid_epoch: bool) -> str:
         shown = {k: v for k, v in trainer.progress_bar_metrics.items() if not (mid_epoch and k in self._stale)}
-        loss = trainer._publisher.loop_loss
+        loss = trainer.run.publisher.loop_loss
         if loss is not None and not shown.keys() - THROUGHPUT_KEYS:  # nothing of the module's on the bar
             shown["loss"] = loss
         return " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
 
-    def _show(self, trainer: "Trainer", completed: int | None, where: str, mid_epoch: bool = True) -> None:
+    def _show(self, trainer: "TrainerView", completed: int | None, where: str, mid_epoch: bool = True) -> None:
         elapsed = time.perf_counter() - self._start
         rate = (trainer.global_step - self._start_step) / elapsed if elapsed > 0 else 0.0
         values = self._values(trainer, mid_epoch)

@@ -14,17 +14,18 @@ import torch
 
 from xtrainer.datamodule import XDataModule
 from xtrainer.launch import interrupts
-from xtrainer.loop import evaluation, loaders, replica
+from xtrainer.loop import checkpoints, evaluation, loaders, replica
 from xtrainer.loop.replica import remove_if_empty
+from xtrainer.loop.run import run_cleanup
 from xtrainer.loop.steps import check_eval_step, check_module
 from xtrainer.strategies.launchers import SpmdProcess
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 
-def fit(trainer: Trainer, model: XModule, train_dataloaders: Any, val_dataloaders: Any,
+def fit(trainer: TrainerView, model: XModule, train_dataloaders: Any, val_dataloaders: Any,
         datamodule: XDataModule | None, ckpt_path: Any) -> None:
     """``Trainer.fit``: the data of the fit, then the replicas, under a graceful stop on SIGTERM/SIGINT."""
     check_module(model, "fit")
@@ -41,10 +42,10 @@ def fit(trainer: Trainer, model: XModule, train_dataloaders: Any, val_dataloader
         error = err
         raise
     finally:  # a data module's teardown that fails too does not hide the fit's error
-        replica.run_cleanup([("the data module's teardown", lambda: loaders.teardown(trainer, "fit"))], error)
+        run_cleanup([("the data module's teardown", lambda: loaders.teardown(trainer, "fit"))], error)
 
 
-def evaluate(trainer: Trainer, stage: str, model: XModule, dataloaders: Any, ckpt_path: Any, verbose: bool,
+def evaluate(trainer: TrainerView, stage: str, model: XModule, dataloaders: Any, ckpt_path: Any, verbose: bool,
              datamodule: XDataModule | None) -> Any:
     """``Trainer.validate``/``test``/``predict`` of ``model``: its data, then the replicas; the
     results table printed when ``verbose``."""
@@ -63,37 +64,39 @@ def evaluate(trainer: Trainer, stage: str, model: XModule, dataloaders: Any, ckp
         error = err
         raise
     finally:
-        replica.run_cleanup([("the data module's teardown", lambda: loaders.teardown(trainer, stage))], error)
+        run_cleanup([("the data module's teardown", lambda: loaders.teardown(trainer, stage))], error)
     if verbose and stage != "predict":
         evaluation.print_results(stage, results)
     return results
 
 
-def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | None], ckpt_path: Any) -> Any:
+def run(trainer: TrainerView, stage: str, model: XModule, sources: dict[str, list | None], ckpt_path: Any) -> Any:
     """Start the replicas of ``stage`` and return rank 0's outputs; where the replicas ran in
     other processes, rank 0's weights, loop state, metrics and callback states come home."""
-    resolved = trainer._resolve_ckpt_path(ckpt_path, stage)
+    resolved = checkpoints.resolve_once(trainer, ckpt_path, stage)
     trainer.ckpt_path = resolved
     claims = claims_run_folder()
     if claims:
         trainer.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
     # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the
     # epoch) and each replica's XLA random generator (with its rank).
-    trainer.loop.seed = torch.initial_seed() % 2**31
-    trainer.interrupted = False
-    trainer._start_stage(model)
+    trainer.loop.draw_seed(torch.initial_seed() % 2**31)
+    trainer.run.interrupted = False
+    # its metrics are its own (Lightning resets them too), and ``model`` is ``lightning_module`` once it is over
+    trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics = {}, {}, {}
+    trainer.run.last_module = model
     launcher = trainer.strategy.launcher
     try:
-        result = launcher.launch(functools.partial(replica.run, trainer), stage, model, sources, resolved)
+        result = launcher.launch(functools.partial(replica.run_stage, trainer), stage, model, sources, resolved)
     except BaseException as err:
         # (where the replicas ran in other processes, the caller's Trainer learns it here)
-        trainer.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
+        trainer.run.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
         if claims:
             remove_if_empty(trainer.log_dir)  # a run that failed before writing anything leaves no folder
         raise
     if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
         load_home(trainer, stage, model, result["state_dict"])
-        trainer.loop = result["loop"]
+        trainer.loop.adopt(result["loop"])
         trainer.should_stop = result["should_stop"]
         trainer.callback_metrics = result["callback_metrics"]
         trainer.logged_metrics = result["logged_metrics"]
@@ -103,7 +106,7 @@ def run(trainer: Trainer, stage: str, model: XModule, sources: dict[str, list | 
     return result["outputs"]
 
 
-def load_home(trainer: Trainer, stage: str, model: XModule, state: dict[str, torch.Tensor]) -> None:
+def load_home(trainer: TrainerView, stage: str, model: XModule, state: dict[str, torch.Tensor]) -> None:
     """Rank 0's weights into the calling process's ``model``, where the replicas ran on copies of
     it (the XLA strategies with several devices). A parameter or buffer that a hook added to the
     replicas' copies (or took from them, or reshaped) has no place here: a one-line error names
@@ -137,7 +140,7 @@ def claims_run_folder() -> bool:
     return not (in_process_group_env() and rank.isdigit() and int(rank) != 0)
 
 
-def planned_world_size(trainer: Trainer) -> int:
+def planned_world_size(trainer: TrainerView) -> int:
     """The replicas the launch will start (before it has): what ``trainer.world_size`` says in the
     calling process, as in Lightning."""
     planned = trainer.strategy.launcher.planned_world_size()

@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any
 from xtrainer.callbacks.base import Callback
 from xtrainer.launch import hang_monitor
 from xtrainer.launch.hang_monitor import EXIT_CODE, FLOOR, STARTUP_LIMIT, STEP_MULTIPLE, WARM_STEPS  # noqa: F401
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.module import XModule
-    from xtrainer.trainer import Trainer
 
 #: The signals the monitor sends: every thread's stacks (``faulthandler``), and the end of the
 #: process (``exit_on_hang``). Real-time signals nothing else uses; SIGUSR2 where there are none.
@@ -69,20 +69,20 @@ class HangWatchdog(Callback):
         self.timeout, self.exit_on_hang = timeout, exit_on_hang
 
     # ---- the replica's side: host clock readings only ---------------------------------------
-    def on_train_start(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_train_start(self, trainer: "TrainerView", module: "XModule") -> None:
         self._folder = trainer.log_dir
         _monitor.join(self, trainer.loop)
 
-    def on_validation_batch_end(self, trainer: "Trainer", module: "XModule", *args: Any) -> None:
+    def on_validation_batch_end(self, trainer: "TrainerView", module: "XModule", *args: Any) -> None:
         _monitor.beat(self)
 
-    def on_save_checkpoint(self, trainer: "Trainer", module: "XModule", checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: "TrainerView", module: "XModule", checkpoint: dict[str, Any]) -> None:
         _monitor.beat(self)
 
-    def on_validation_end(self, trainer: "Trainer", module: "XModule") -> None:
+    def on_validation_end(self, trainer: "TrainerView", module: "XModule") -> None:
         _monitor.beat(self)
 
-    def teardown(self, trainer: "Trainer", module: "XModule", stage: str) -> None:
+    def teardown(self, trainer: "TrainerView", module: "XModule", stage: str) -> None:
         _monitor.leave(self)
 
     # ---- the limit --------------------------------------------------------------------------
@@ -122,9 +122,9 @@ class _Monitor:
             taken = {slot for slot, _ in self._slots.values()}
             slot = next(i for i in range(hang_monitor.SLOTS) if i not in taken)
             counters = self._words[slot * hang_monitor.SLOT_WORDS:(slot + 1) * hang_monitor.SLOT_WORDS]
-            counters[0], counters[1] = loop.batches_done, 0
+            counters[1] = 0
             self._slots[id(owner)] = (slot, loop)
-            loop.progress = counters[0:1]
+            loop.report_progress(counters[0:1])  # the loop stores its batches there from now on
             self._send({"op": "join", "slot": slot, "timeout": owner.timeout, "exit_on_hang": owner.exit_on_hang,
                         "folder": getattr(owner, "_folder", None) or os.getcwd()})
 
@@ -134,7 +134,7 @@ class _Monitor:
             if entry is None:
                 return
             slot, loop = entry
-            loop.progress = None
+            loop.report_progress(None)
             if self._pid == os.getpid():
                 self._send({"op": "leave", "slot": slot})
                 if not self._slots:

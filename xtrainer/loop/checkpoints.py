@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import random
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -27,17 +27,15 @@ from xtrainer.checkpoint.format import CheckpointError
 from xtrainer.launch import interrupts
 from xtrainer.loop.optimizers import keeping_foreach, step_schedulers
 from xtrainer.loop.results import epoch_results_of_replica
+from xtrainer.trainer_view import TrainerView
 
 try:
     import numpy as _numpy
 except ImportError:  # NumPy is optional; its generator is saved when it is installed
     _numpy = None
 
-if TYPE_CHECKING:
-    from xtrainer.trainer import Trainer
 
-
-def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
+def build_checkpoint(trainer: "TrainerView") -> dict[str, Any]:
     """The checkpoint of a running fit (tensors still on the device), before the hooks add to it."""
     from xtrainer import __version__
 
@@ -52,8 +50,8 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
         "loops": {**trainer.loop.state_dict(),
                   "callback_metrics": {name: float(value) for name, value in trainer.callback_metrics.items()}},
         "rng_states": rng_states(strategy),
-        "epoch_results": per_replica(strategy, trainer._train_results.state_dict(strategy.runtime.to_cpu)),
-        "data_state": per_replica(strategy, trainer._train_data_state()),
+        "epoch_results": per_replica(strategy, trainer.run.train_results.state_dict(strategy.runtime.to_cpu)),
+        "data_state": per_replica(strategy, trainer.run.train_data_state()),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "hyper_parameters": ckpt_format.plain_hparams(trainer.module.hparams),
         "hparams_name": trainer.module._hparams_name,
@@ -63,7 +61,7 @@ def build_checkpoint(trainer: "Trainer") -> dict[str, Any]:
     }
 
 
-def save(trainer: "Trainer", path: str, weights_only: bool = False) -> None:
+def save(trainer: "TrainerView", path: str, weights_only: bool = False) -> None:
     """``Trainer.save_checkpoint`` during a fit: every replica calls it."""
     bad = trainer.nonfinite_step()
     if bad is not None:
@@ -83,10 +81,10 @@ def save(trainer: "Trainer", path: str, weights_only: bool = False) -> None:
         # A save that computes anything on the device (gathering shards, say) compiles graphs of
         # its own; those are not the training step's, and XlaHealth does not count them as
         # recompilations.
-        trainer.checkpoint_compilations += trainer.strategy.runtime.device_counters()["compiles"] - compiles
+        trainer.run.checkpoint_compilations += trainer.strategy.runtime.device_counters()["compiles"] - compiles
 
 
-def save_fitted(trainer: "Trainer", model: Any, path: str) -> None:
+def save_fitted(trainer: "TrainerView", model: Any, path: str) -> None:
     """``Trainer.save_checkpoint`` after a fit, in the calling process: the fitted weights."""
     checkpoint = fitted_checkpoint(trainer, model)
     writer = trainer.strategy.collectives if trainer.strategy.launcher.runs_in_caller else _Alone()
@@ -106,13 +104,13 @@ class _Alone:
         return apply_to_collection(data, torch.Tensor, lambda tensor: tensor.cpu())  # host tensors already: no sync
 
 
-def stop_on_signal(trainer: "Trainer", signum: int) -> None:
+def stop_on_signal(trainer: "TrainerView", signum: int) -> None:
     """Stopped by a signal: ``on_exception``, a checkpoint (every replica), then raise
     ``TrainingInterrupted`` with one line saying where the checkpoint is."""
     from xtrainer.callbacks import ModelCheckpoint
 
     name = signal.Signals(signum).name
-    trainer._call_on_exception(interrupts.TrainingInterrupted(f"Stopped by {name}.", signum))
+    trainer.run.call_on_exception(interrupts.TrainingInterrupted(f"Stopped by {name}.", signum))
     saver = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)
     if saver is not None:
         path = saver.save_now(trainer)
@@ -132,7 +130,19 @@ def stop_on_signal(trainer: "Trainer", signum: int) -> None:
     raise interrupts.TrainingInterrupted(message, signum, path)
 
 
-def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str, stage: str = "fit") -> str | None:
+def resolve_once(trainer: "TrainerView", ckpt_path: str | os.PathLike | None, stage: str = "fit") -> str | None:
+    """``resolve_ckpt_path`` of a stage's ``ckpt_path`` (None: a fresh start), or the answer
+    ``Trainer.resolve_ckpt_path`` gave for the same ``ckpt_path`` before, used once."""
+    if ckpt_path is None:
+        return None
+    run = trainer.run
+    if run.resolved_ckpt is not None and run.resolved_ckpt[0] == ckpt_path:
+        resolved, run.resolved_ckpt = run.resolved_ckpt[1], None
+        return resolved
+    return resolve_ckpt_path(trainer, ckpt_io.fs.local(os.fspath(ckpt_path)), stage)
+
+
+def resolve_ckpt_path(trainer: "TrainerView", ckpt_path: str, stage: str = "fit") -> str | None:
     """The checkpoint ``ckpt_path`` (a path, ``"best"`` or ``"last"``) means for this run, checked
     completely, announced in one line; None for a fresh start (``"last"`` with none yet), or, for
     an evaluation after a fit that this Trainer took past every checkpoint, the module as it is."""
@@ -151,7 +161,7 @@ def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str, stage: str = "fit") ->
     planned = next((lg.version_dir for lg in trainer.loggers if getattr(lg, "version_dir", None)), None)
     if planned:  # a version given by name (version="baseline") is not among the version_* siblings
         extra.append(ckpt_io.default_dirpath(planned))
-    runs_root = trainer._runs_root
+    runs_root = trainer.runs_root
     search = resume.lineage_dirs(os.path.join(runs_root, "version_0"), extra)
     strategy = trainer.strategy
     header = resume.resolve(ckpt_path, search, strategy.checkpoint_layout, strategy.name,
@@ -167,7 +177,7 @@ def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str, stage: str = "fit") ->
                        "one.")
         return None
     print(f"xtrainer: resuming from {header.describe()}", flush=True)
-    trainer._resumed_by_path = ckpt_path != "last"  # a file the user named (or "best"): never pruned
+    trainer.run.resumed_by_path = ckpt_path != "last"  # a file the user named (or "best"): never pruned
     return header.path
 
 
@@ -177,7 +187,7 @@ def keep_weights_only(checkpoint: dict[str, Any]) -> None:
     checkpoint.pop("rng_states", None)
 
 
-def fitted_checkpoint(trainer: "Trainer", model: Any) -> dict[str, Any]:
+def fitted_checkpoint(trainer: "TrainerView", model: Any) -> dict[str, Any]:
     """A weights-only checkpoint of a module after its fit (on the host; the replicas are gone)."""
     from xtrainer import __version__
 
@@ -195,13 +205,13 @@ def fitted_checkpoint(trainer: "Trainer", model: Any) -> dict[str, Any]:
     return checkpoint
 
 
-def restore_datamodule(trainer: "Trainer", checkpoint: dict[str, Any]) -> None:
+def restore_datamodule(trainer: "TrainerView", checkpoint: dict[str, Any]) -> None:
     """The data module's state, before its loader hooks are asked for loaders (as in Lightning)."""
     if trainer.datamodule is not None and "datamodule" in checkpoint:
         trainer.datamodule.load_state_dict(checkpoint["datamodule"])
 
 
-def restore_module(trainer: "Trainer", checkpoint: dict[str, Any], path: str, stage: str) -> None:
+def restore_module(trainer: "TrainerView", checkpoint: dict[str, Any], path: str, stage: str) -> None:
     """What Lightning restores before the optimizers are made, after the data module's state
     (``restore_datamodule``): the module's ``on_load_checkpoint`` (first, so that it can change
     what is loaded: rename the keys of a layer that moved, or unfreeze what
@@ -225,7 +235,7 @@ def restore_module(trainer: "Trainer", checkpoint: dict[str, Any], path: str, st
             cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
 
 
-def restore_training(trainer: "Trainer", checkpoint: dict[str, Any], path: str) -> None:
+def restore_training(trainer: "TrainerView", checkpoint: dict[str, Any], path: str) -> None:
     """A fit's state once its optimizers are made: theirs, the schedulers', the loop's position,
     the generators, and inside an epoch its accumulated values and data order."""
     strategy = trainer.strategy
@@ -245,17 +255,17 @@ def restore_training(trainer: "Trainer", checkpoint: dict[str, Any], path: str) 
     set_rng_states(checkpoint.get("rng_states"), trainer.strategy)
     metrics = loops.get("callback_metrics") or {}
     trainer.callback_metrics.update(metrics)
-    if loops.get("epoch_schedulers_due") and loops["epoch_finished"] and trainer._optim.automatic:
+    if loops.get("epoch_schedulers_due") and loops["epoch_finished"] and trainer.run.optim.automatic:
         # Saved at the epoch's end, before its schedulers stepped: they step now, as they did then.
         step_schedulers(trainer.lr_scheduler_configs, "epoch", loops["epoch"] + 1, metrics)
     if not loops["epoch_finished"]:  # inside an epoch: its accumulated values and its data order go on
         rank, size = trainer.global_rank, trainer.world_size
         saved = epoch_results_of_replica(checkpoint.get("epoch_results"), rank, size)
-        trainer._train_results.load_state_dict(saved, trainer.strategy.device)
-        trainer._restored_data_state = of_this_replica(checkpoint.get("data_state"), rank, size)
+        trainer.run.train_results.load_state_dict(saved, trainer.strategy.device)
+        trainer.run.restored_data_state = of_this_replica(checkpoint.get("data_state"), rank, size)
 
 
-def warn_if_the_epoch_continues_differently(trainer: "Trainer", checkpoint: dict[str, Any]) -> None:
+def warn_if_the_epoch_continues_differently(trainer: "TrainerView", checkpoint: dict[str, Any]) -> None:
     """Resuming inside an epoch: a warning when the rest of the epoch is not the batches the saved
     run would have trained on (the data's layout, ``DeviceData.layout``, differs, or is not known
     while the world size changed). The same global batch over another number of replicas is the
@@ -263,7 +273,7 @@ def warn_if_the_epoch_continues_differently(trainer: "Trainer", checkpoint: dict
     saved_size = checkpoint.get("world_size", trainer.world_size)
     states = checkpoint.get("data_state")
     saved = states[0].get("layout") if isinstance(states, list) and states and isinstance(states[0], dict) else None
-    data = trainer._train_data
+    data = trainer.run.train_data
     now = data.layout() if hasattr(data, "layout") else None
     if saved is not None and saved == now:
         return

@@ -4,24 +4,23 @@ results table ``validate``/``test`` print. Run by the Trainer in each replica.""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from xtrainer.loop.publishing import end_epoch
 from xtrainer.loop.results import Results
+from xtrainer.trainer_view import TrainerView
 
-if TYPE_CHECKING:
-    from xtrainer.trainer import Trainer
 
 _HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
 
 
-def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_fit: bool = False) -> Any:
+def run(trainer: "TrainerView", stage: str, datas: list, cap: int | None = None, in_fit: bool = False) -> Any:
     """One pass over every loader of ``stage``: metrics per loader, or the predictions.
     ``in_fit``: a fit's validation, no longer pending once its batches have run (a checkpoint
     written in its end hooks resumes after it)."""
-    if not in_fit and not any(trainer._num_batches(data, stage) for data in datas):
+    if not in_fit and not any(trainer.run.num_batches(data, stage) for data in datas):
         # No loader has a batch to give (limit_*_batches=0): nothing runs, no hook either, as in Lightning.
         return None if stage == "predict" else []
     hook = _HOOK_STAGE[stage]
@@ -30,47 +29,47 @@ def run(trainer: "Trainer", stage: str, datas: list, cap: int | None = None, in_
     if in_fit:
         module.on_validation_model_zero_grad()
     getattr(module, f"on_{hook}_model_eval")()  # Lightning's: the model in eval mode
-    results = trainer._results = Results(stage, default_on_step=False)
+    results = trainer.run.results = Results(stage, default_on_step=False)
     predictions: list[list[Any]] = []
     if stage == "predict":  # each loader's batches' sample indices, as drawn (prediction writers' batch_indices)
-        trainer._predict_batch_indices = []
-    trainer._call(f"on_{hook}_start")
-    trainer._call(f"on_{hook}_epoch_start")
+        trainer.run.predict_batch_indices = []
+    trainer.run.call(f"on_{hook}_start")
+    trainer.run.call(f"on_{hook}_epoch_start")
     with torch.no_grad():
         for dl_idx, data in enumerate(datas):
             data.set_epoch(trainer.loop.current_epoch, trainer.loop.seed)
             extra = (dl_idx,) if len(datas) > 1 else ()
             results.suffix = f"/dataloader_idx_{dl_idx}" if len(datas) > 1 else ""
             results.loader = dl_idx
-            limit = trainer._num_batches(data, stage)
+            limit = trainer.run.num_batches(data, stage)
             limit = limit if cap is None else min(cap, limit)
             outputs_of_loader: list[Any] = []
             seen = data.note_batch_indices() if stage == "predict" else None
             if stage == "predict":
-                trainer._predict_batch_indices.append([])
+                trainer.run.predict_batch_indices.append([])
             for batch_idx, batch in enumerate(data):
                 if batch_idx >= limit:
                     break
                 if seen is not None:
-                    trainer._predict_batch_indices[dl_idx].append(seen.seen[batch_idx])
-                if trainer._transfer is not None:
-                    batch = trainer._transfer(batch, dl_idx)
+                    trainer.run.predict_batch_indices[dl_idx].append(seen.seen[batch_idx])
+                if trainer.run.transfer is not None:
+                    batch = trainer.run.transfer(batch, dl_idx)
                 results.begin_batch(batch)  # values logged from here to the batch's end hooks are the batch's
-                trainer._call(f"on_{hook}_batch_start", batch, batch_idx, *extra)
+                trainer.run.call(f"on_{hook}_batch_start", batch, batch_idx, *extra)
                 outputs = wrapped(stage, batch, batch_idx, *extra)
                 if stage == "predict":
                     # host sync: predictions are returned on the host, batch by batch
                     outputs = trainer.strategy.runtime.to_cpu(outputs)
                     outputs_of_loader.append(outputs)
                 trainer.strategy.runtime.sync()  # the graph cut: one execution per evaluation batch
-                trainer._call(f"on_{hook}_batch_end", outputs, batch, batch_idx, *extra)
+                trainer.run.call(f"on_{hook}_batch_end", outputs, batch, batch_idx, *extra)
                 results.in_step = False
             predictions.append(outputs_of_loader)
     results.suffix = ""
     if in_fit:
         trainer.loop.validation_pending = False
     metrics = end_epoch(trainer, stage, f"on_{hook}_epoch_end")
-    trainer._call(f"on_{hook}_end")
+    trainer.run.call(f"on_{hook}_end")
     if was_training and stage != "predict":
         getattr(module, f"on_{hook}_model_train")()  # back in training mode, as the fit left it
     elif was_training:
@@ -96,24 +95,24 @@ def _logged_in(results: Results, key: str, loader: int) -> bool:
     return loaders is None or loader in loaders
 
 
-def validate_during_fit(trainer: "Trainer", val: list) -> None:
+def validate_during_fit(trainer: "TrainerView", val: list) -> None:
     """A validation inside ``fit``; the training results are put back afterwards. None at all
     (no hooks either) where no loader has a batch to give (``limit_val_batches=0``), as in Lightning."""
-    if not any(trainer._num_val_batches):
+    if not any(trainer.run.num_val_batches):
         trainer.loop.validation_pending = False
         return
-    train_results = trainer._results
+    train_results = trainer.run.results
     run(trainer, "validate", val, in_fit=True)
-    trainer._results = train_results
+    trainer.run.results = train_results
 
 
-def sanity_check(trainer: "Trainer", val: list) -> None:
+def sanity_check(trainer: "TrainerView", val: list) -> None:
     """Lightning's sanity check: the first ``num_sanity_val_steps`` batches of each validation
     loader, before training, to fail early on a broken ``validation_step``. Nothing it logs is
     kept, callbacks see ``trainer.sanity_checking``, and the random generators are left as they
     were, so a run with the check trains exactly as one without."""
-    train_results = trainer._results
-    trainer.sanity_checking = True
+    train_results = trainer.run.results
+    trainer.run.sanity_checking = True
     steps = trainer.num_sanity_val_steps
     try:
         with trainer.strategy.runtime.rng_state_kept(), torch.random.fork_rng(devices=[]):
@@ -123,8 +122,8 @@ def sanity_check(trainer: "Trainer", val: list) -> None:
             for cb in trainer.callbacks:
                 cb.on_sanity_check_end(trainer, trainer.module)
     finally:
-        trainer.sanity_checking = False
-        trainer._results = train_results
+        trainer.run.sanity_checking = False
+        trainer.run.results = train_results
     trainer.callback_metrics.clear()
     trainer.logged_metrics.clear()
     trainer.progress_bar_metrics.clear()

@@ -1,6 +1,6 @@
 """The fit loop and the training step, in the order they run.
 
-``run`` is the epoch loop: epochs, the batches of each, validation where it is due, stops (a
+``run_epochs`` is the epoch loop: epochs, the batches of each, validation where it is due, stops (a
 signal, ``should_stop``, ``max_time``, the platform's preemption notice) and the epoch ends.
 ``training_step`` is one batch: forward, backward, the optimizer step with clipping, the periodic
 read of logged values and the graph cut. Everything device or distribution specific is the
@@ -15,7 +15,7 @@ import math
 import signal
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -26,15 +26,14 @@ from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop.hooks import BatchHooks
 from xtrainer.loop.publishing import LOSS_KEY, end_epoch
 from xtrainer.loop.steps import training_loss
-
-if TYPE_CHECKING:
-    from xtrainer.trainer import Trainer
+from xtrainer.trainer_view import TrainerView
 
 
-def run(trainer: "Trainer", train: Any, val: list) -> None:
+def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
     """Fit: the epochs from where ``trainer.loop`` stands to ``max_epochs``/``max_steps`` or a stop."""
-    loop = trainer.loop
-    trainer.num_training_batches = trainer._num_batches(train, "train")
+    loop, run = trainer.loop, trainer.run
+    run.train_data = train
+    run.count_training_batches()
     if trainer.num_training_batches == 0:
         if len(train) == 0:
             raise ValueError("The training dataloader is empty: it yields no batches (an empty dataset, or "
@@ -47,28 +46,28 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
                        f"log_every_n_steps={trainer.log_every_n_steps}: the loggers get the per-step values only every "
                        f"{trainer.log_every_n_steps} steps (and the epoch values at each epoch's end), as in Lightning. "
                        "Set a lower log_every_n_steps to see them within each epoch.")
-    trainer._publisher.start_fit(trainer)
-    trainer._started_at = time.monotonic()
+    run.publisher.start_fit(trainer)
+    run.started_at = time.monotonic()
     if trainer.enable_model_summary and trainer.is_global_zero:
         print_summary(trainer)
-    trainer._call("on_fit_start")
+    run.call("on_fit_start")
     if val and trainer.num_sanity_val_steps and trainer.limits["validate"] != 0:
         evaluation.sanity_check(trainer, val)
     if not loop.skip_batches:  # the first epoch starts here: what on_train_start logs is one of its values
-        trainer._results.reset_epoch()
-    trainer._call("on_train_start")
+        run.results.reset_epoch()
+    run.call("on_train_start")
     first_epoch, started = loop.current_epoch, False
     while not (stopping(trainer) or limits_reached(trainer)):
         skip, loop.skip_batches = loop.skip_batches, 0
         if not skip and started:  # a resumed epoch keeps the values it had accumulated
-            trainer._results.reset_epoch()
+            run.results.reset_epoch()
         started = True
-        train = trainer._train_data = loaders.reloaded(trainer, train, first_epoch)
+        train = run.train_data = loaders.reloaded(trainer, train, first_epoch)
         train.set_epoch(loop.current_epoch, loop.seed)
-        if skip and trainer._restored_data_state is not None:
-            train.load_state_dict(trainer._restored_data_state)  # the epoch's order, as it was drawn
-        trainer._restored_data_state = None
-        trainer._call("on_train_epoch_start")
+        if skip and run.restored_data_state is not None:
+            train.load_state_dict(run.restored_data_state)  # the epoch's order, as it was drawn
+        run.restored_data_state = None
+        run.call("on_train_epoch_start")
         loop.epoch_finished = False
         finished = True
         if loop.validation_pending:  # resumed between a batch and the validation it triggered
@@ -84,19 +83,22 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         counted = loop.current_epoch * trainer.num_training_batches \
             if validate_every is not None and trainer.check_val_every_n_epoch is None \
             and not math.isinf(trainer.num_training_batches) else 0
-        last, max_steps, publisher = trainer.num_training_batches, trainer.max_steps, trainer._publisher
+        last, max_steps, publisher = trainer.num_training_batches, trainer.max_steps, run.publisher
         # What can ask to stop after a batch besides a signal: the platform's notice, max_time.
         watch_stops = trainer.strategy.preempted is not None or trainer.max_time is not None
-        step = manual_training_step if not trainer._optim.automatic else training_step
-        table = trainer._hooks
+        step = manual_training_step if not run.optim.automatic else training_step
+        table = run.hooks
         progress = loop.progress
-        transfer = trainer._transfer
+        transfer = run.transfer
+        step_starts = trainer.strategy.step_starts
         for batch_idx, batch in batches:
+            if step_starts is not None:
+                step_starts()  # a fault-tolerant strategy's quorum of this step
             if transfer is not None:
                 batch = transfer(batch, 0)
-            is_last = trainer.is_last_batch = batch_idx + 1 >= last
-            hooks = table.batch(trainer, trainer._module, trainer.callbacks)
-            results = trainer._results
+            is_last = run.is_last_batch = batch_idx + 1 >= last
+            hooks = table.batch(trainer, run.module, trainer.callbacks)
+            results = run.results
             results.begin_batch(batch)  # values logged from here to the batch's end hooks are the step's
             start = hooks.on_train_batch_start
             if start is not None and start(batch, batch_idx) == -1:
@@ -144,10 +146,10 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
             # graph, which advances the XLA generator: kept as it was, since a run resumed from a
             # checkpoint written in the epoch-end hooks above does not make this exchange.
             with trainer.strategy.runtime.rng_state_kept():
-                trainer._publisher.publish(trainer, {})
+                run.publisher.publish(trainer, {})
         if loop.epoch_finished:
-            if trainer._optim.automatic:  # under manual optimization the module steps its schedulers
-                trainer._optim.step_schedulers(trainer, "epoch")
+            if run.optim.automatic:  # under manual optimization the module steps its schedulers
+                run.optim.step_schedulers(trainer, "epoch")
             loop.next_epoch()
     signum = stop_signal(trainer)
     if signum is not None and not limits_reached(trainer):
@@ -156,13 +158,13 @@ def run(trainer: "Trainer", train: Any, val: list) -> None:
         # with none of its batches trained, unless the fit really reached its end.
         loop.epoch_finished = False
         checkpoints.stop_on_signal(trainer, signum)
-    trainer._call("on_train_end")
-    trainer._call("on_fit_end")
-    trainer._optim.drop_gradients()  # the last step's, not moved to the host with the weights
-    trainer._publisher.end_fit(trainer)
+    run.call("on_train_end")
+    run.call("on_fit_end")
+    run.optim.drop_gradients()  # the last step's, not moved to the host with the weights
+    run.publisher.end_fit(trainer)
 
 
-def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHooks) -> None:
+def training_step(trainer: "TrainerView", batch: Any, batch_idx: int, hooks: BatchHooks) -> None:
     """One training batch under automatic optimization: forward, backward, every
     ``accumulate_grad_batches``-th batch the optimizer step (the strategy reduces and clips the
     gradients), the periodic read of logged values, and the graph cut."""
@@ -172,12 +174,12 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHo
     if steps:  # gradients are reduced as usual: no context to enter
         outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate, hooks)
     else:
-        with strategy.no_backward_sync(trainer._wrapped, enabled=True):
+        with strategy.no_backward_sync(trainer.run.wrapped, enabled=True):
             outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate, hooks)
     loop.stepped = steps
     read = False
     if steps:
-        trainer._optim.step(trainer, batch_idx, loss)  # clip, step, global_step, schedulers
+        trainer.run.optim.step(trainer, batch_idx, loss)  # clip, step, global_step, schedulers
         if loop.global_step % trainer.log_every_n_steps == 0:
             # Read once the step's graph is launched, as torch_xla's step closures run: the values
             # are this step's outputs, and reading them is the interval's one host sync.
@@ -185,27 +187,27 @@ def training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHo
             read = True
     strategy.runtime.sync()  # the graph cut: this micro-batch's work runs as one execution
     loop.batches_in_epoch = batch_idx + 1
-    plateau = steps and trainer._optim.plateau_per_step
+    plateau = steps and trainer.run.optim.plateau_per_step
     if hooks.on_train_batch_end is not None or plateau:
         batch_end(trainer, hooks.on_train_batch_end, read, outputs, batch, batch_idx, plateau)
 
 
-def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate: int, hooks: BatchHooks
+def forward_backward(trainer: "TrainerView", batch: Any, batch_idx: int, accumulate: int, hooks: BatchHooks
                      ) -> tuple[Any, torch.Tensor | None]:
     """The module's ``training_step`` (through the strategy's wrapper), the loss kept for the
     non-finite watch and the log, zero_grad where a window starts, and backward: the outputs for
     ``on_train_batch_end`` (Lightning's ``{"loss": ..., **other keys}``), and the loss (None for
     a batch it skipped)."""
-    outputs = trainer._wrapped("train", batch, batch_idx)  # forward: the module's training_step
+    outputs = trainer.run.wrapped("train", batch, batch_idx)  # forward: the module's training_step
     if outputs is None:
         return skipped_batch(trainer, batch_idx, accumulate, hooks)
     loss = outputs if type(outputs) is torch.Tensor and outputs.dim() == 0 and outputs.requires_grad \
         else training_loss(outputs)  # the checks and the message for anything else
     value = loss.detach()
-    watch = trainer._publisher.watch
+    watch = trainer.run.publisher.watch
     if watch is not None:
         watch.observe(value, trainer.loop.global_step)  # the non-finite check, on the device
-    results = trainer._results
+    results = trainer.run.results
     results.log_loss(LOSS_KEY, value)
     if accumulate > 1:
         loss = loss / accumulate
@@ -214,7 +216,7 @@ def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate:
     else:
         outputs = batch_end_outputs(outputs, value if accumulate == 1 else loss.detach())
     if accumulate == 1 or batch_idx % accumulate == 0:  # an accumulation window starts: Lightning's place
-        trainer._optim.zero_grad(trainer, batch_idx, hooks)
+        trainer.run.optim.zero_grad(trainer, batch_idx, hooks)
     if hooks.on_before_backward is not None:
         hooks.on_before_backward(loss)
     trainer.strategy.backward(loss)
@@ -223,7 +225,7 @@ def forward_backward(trainer: "Trainer", batch: Any, batch_idx: int, accumulate:
     return outputs, loss
 
 
-def skipped_batch(trainer: "Trainer", batch_idx: int, accumulate: int, hooks: BatchHooks) -> tuple[dict, None]:
+def skipped_batch(trainer: "TrainerView", batch_idx: int, accumulate: int, hooks: BatchHooks) -> tuple[dict, None]:
     """``training_step`` returned None: Lightning's skip. zero_grad still runs where a window
     starts; backward does not. The optimizer still steps (over no new gradients: plain SGD leaves
     the weights, optimizers with momentum or weight decay move them, as in Lightning), the step
@@ -236,7 +238,7 @@ def skipped_batch(trainer: "Trainer", batch_idx: int, accumulate: int, hooks: Ba
             "together: the others would wait for this one's gradients (Lightning does not skip with several "
             "devices either). Return a loss that changes nothing instead, e.g. `loss * 0`, or drop the batch in "
             "the dataset or its collate_fn.")
-    optim = trainer._optim
+    optim = trainer.run.optim
     if not optim.skipped:  # once per fit, not a warnings call on every skipped batch
         rank_zero_warn("training_step returned None: the batch is skipped (no backward), as in Lightning; the "
                        "optimizer still steps. If this was on purpose, ignore this warning (shown once).")
@@ -251,21 +253,21 @@ def skipped_batch(trainer: "Trainer", batch_idx: int, accumulate: int, hooks: Ba
     return {}, None
 
 
-def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: BatchHooks) -> None:
+def manual_training_step(trainer: "TrainerView", batch: Any, batch_idx: int, hooks: BatchHooks) -> None:
     """Manual optimization: ``training_step`` runs backward and steps the optimizers itself
     (``self.manual_backward``, ``self.optimizers()``); the graph is still cut once per call."""
     loop = trainer.loop
-    results = trainer._results
+    results = trainer.run.results
     before = loop.global_step
     outputs = trainer.model("train", batch, batch_idx)
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         loss = loss.detach().reshape(())
-        trainer._publisher.observe_loss(loss, loop.global_step)
+        trainer.run.publisher.observe_loss(loss, loop.global_step)
         results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
                     reduce_fx="mean", batch_size=None)
     loop.stepped = True  # the module stepped (or not) itself: any batch is a boundary
-    trainer._optim.forget_pending_clips()
+    trainer.run.optim.forget_pending_clips()
     read = loop.global_step // trainer.log_every_n_steps > before // trainer.log_every_n_steps
     if read:  # a logging step was crossed: read as in training_step
         trainer.strategy.runtime.add_step_closure(lambda: publish_step_values(trainer))
@@ -275,7 +277,7 @@ def manual_training_step(trainer: "Trainer", batch: Any, batch_idx: int, hooks: 
         batch_end(trainer, hooks.on_train_batch_end, read, manual_batch_end_outputs(outputs), batch, batch_idx)
 
 
-def batch_end(trainer: "Trainer", hook: Any, read: bool, outputs: Any, batch: Any, batch_idx: int,
+def batch_end(trainer: "TrainerView", hook: Any, read: bool, outputs: Any, batch: Any, batch_idx: int,
               plateau: bool = False) -> None:
     """``on_train_batch_end``, after the schedulers stepped per step that monitor a metric
     (``plateau``: a ``ReduceLROnPlateau``, which Lightning steps once the step's values are
@@ -283,11 +285,11 @@ def batch_end(trainer: "Trainer", hook: Any, read: bool, outputs: Any, batch: An
     have yet first (``Publisher.preview``): this step's where ``read`` did not (not a logging
     step), and those the hooks logged. The hooks and schedulers see this step's values, as in
     Lightning, and nothing is read where none of them asks."""
-    publisher = trainer._publisher
+    publisher = trainer.run.publisher
     publisher.open_step_preview(trainer, read)
     try:
         if plateau:
-            trainer._optim.step_schedulers(trainer, "step", batch_idx, plateau=True)
+            trainer.run.optim.step_schedulers(trainer, "step", batch_idx, plateau=True)
         if hook is not None:
             hook(outputs, batch, batch_idx)
     finally:
@@ -314,69 +316,69 @@ def manual_batch_end_outputs(outputs: Any) -> dict[str, Any]:
     return outputs
 
 
-def publish_step_values(trainer: "Trainer") -> None:
+def publish_step_values(trainer: "TrainerView") -> None:
     """The logging step's read of the per-step values (a host sync, once per interval)."""
     strategy = trainer.strategy
-    trainer._publisher.publish(trainer, trainer._results.step_tensors(strategy.collectives.reduce, trainer.world_size),
+    trainer.run.publisher.publish(trainer, trainer.run.results.step_tensors(strategy.collectives.reduce, trainer.world_size),
                                check_loss=True, logging_step=True)
 
 
 # ---- when to stop, when to validate ----------------------------------------------------------
-def note_stop_requests(trainer: "Trainer") -> None:
+def note_stop_requests(trainer: "TrainerView") -> None:
     """After a batch (where one of them can ask): a signal, the platform's preemption notice or
     ``max_time`` asks to stop, as ``should_stop`` does (every replica stops at one step)."""
     asked = interrupts.requested() is not None
     preempted = trainer.strategy.preempted
     if not asked and preempted is not None and preempted(trainer.loop.global_step):
         interrupts.request(signal.SIGTERM)  # the preemption notice: every process stops at this step
-        trainer._publisher.stop_agreed = asked = True
-        trainer._publisher.stop_signal = signal.SIGTERM
+        trainer.run.publisher.stop_agreed = asked = True
+        trainer.run.publisher.stop_signal = signal.SIGTERM
     if asked:
         trainer.should_stop = True
-    elif trainer.max_time is not None and time.monotonic() - trainer._started_at >= trainer.max_time:
+    elif trainer.max_time is not None and time.monotonic() - trainer.run.started_at >= trainer.max_time:
         trainer.should_stop = True  # host clock, no device sync; replicas agree as for any stop
 
 
-def stopping(trainer: "Trainer") -> bool:
+def stopping(trainer: "TrainerView") -> bool:
     """Whether ``should_stop`` ends the fit. With several replicas, one replica's request is shared
     at the next logging step that agrees (``Publisher``) or epoch end, and all stop
     together; stopping on one alone would leave the others waiting in a collective. Before
     ``min_epochs``/``min_steps`` only a signal stops the fit."""
-    publisher = trainer._publisher
+    publisher = trainer.run.publisher
     asked = publisher.stop_agreed if publisher.several else trainer.should_stop
     if asked and stop_signal(trainer) is None and not minimum_done(trainer):
         return False
     return asked
 
 
-def stop_signal(trainer: "Trainer") -> int | None:
+def stop_signal(trainer: "TrainerView") -> int | None:
     """The signal the fit stops on, if one asked: with several replicas, the one their stop vote
     agreed on (a signal to one replica becomes every replica's, ``interrupts.adopt``), never this
     replica's own request before the vote has carried it, so that every replica takes the same
     path (the signal's checkpoint, or the epoch's end and its collectives); alone, this process's."""
-    publisher = trainer._publisher
+    publisher = trainer.run.publisher
     return publisher.stop_signal if publisher.several else interrupts.requested()
 
 
-def minimum_done(trainer: "Trainer") -> bool:
+def minimum_done(trainer: "TrainerView") -> bool:
     loop = trainer.loop
     return ((trainer.min_epochs is None or loop.current_epoch >= trainer.min_epochs)
             and (trainer.min_steps is None or loop.global_step >= trainer.min_steps))
 
 
-def limits_reached(trainer: "Trainer") -> bool:
+def limits_reached(trainer: "TrainerView") -> bool:
     """Whether the fit has run as far as ``max_steps``/``max_epochs`` let it."""
     loop = trainer.loop
     return ((trainer.max_steps != -1 and loop.global_step >= trainer.max_steps)
             or (trainer.max_epochs != -1 and loop.current_epoch >= trainer.max_epochs))
 
 
-def validation_epoch(trainer: "Trainer") -> bool:
+def validation_epoch(trainer: "TrainerView") -> bool:
     every = trainer.check_val_every_n_epoch
     return every is None or (trainer.loop.current_epoch + 1) % every == 0
 
 
-def validation_every(trainer: "Trainer") -> int | None:
+def validation_every(trainer: "TrainerView") -> int | None:
     """Every how many batches of this epoch validation runs (None: not inside this epoch)."""
     if not validation_epoch(trainer):
         return None
@@ -392,7 +394,7 @@ def validation_every(trainer: "Trainer") -> int | None:
     return interval
 
 
-def check_validation_interval(trainer: "Trainer") -> None:
+def check_validation_interval(trainer: "TrainerView") -> None:
     """A number of batches between validations that no epoch reaches is refused, as in Lightning."""
     interval, n = trainer.val_check_interval, trainer.num_training_batches
     if not isinstance(interval, float) and trainer.check_val_every_n_epoch is not None and interval > n:
@@ -401,7 +403,7 @@ def check_validation_interval(trainer: "Trainer") -> None:
                          "count the batches across epochs, or limit_val_batches=0 to turn validation off.")
 
 
-def print_summary(trainer: "Trainer") -> None:
+def print_summary(trainer: "TrainerView") -> None:
     """The model summary at a fit's start (rank 0), unless a ``ModelSummary`` callback prints its own."""
     from xtrainer.callbacks import ModelSummary
 

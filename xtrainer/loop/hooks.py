@@ -16,13 +16,11 @@ replaced) during a batch is called from the next batch on.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from xtrainer.callbacks.base import Callback
 from xtrainer.module import XModule
-
-if TYPE_CHECKING:
-    from xtrainer.trainer import Trainer
+from xtrainer.trainer_view import TrainerView
 
 
 class BatchHooks(NamedTuple):
@@ -63,7 +61,7 @@ class HookTable:
                                               if fn is not None))
         return entry
 
-    def batch(self, trainer: "Trainer", module: XModule, callbacks: list[Any]) -> BatchHooks:
+    def batch(self, trainer: "TrainerView", module: XModule, callbacks: list[Any]) -> BatchHooks:
         """The hooks of a training batch, for ``module`` and ``callbacks``: built again only when
         they are not those the table was built for."""
         hooks = self._batch
@@ -80,7 +78,7 @@ class HookTable:
         return (module is not self.module or callbacks is not self.callbacks
                 or list(map(id, callbacks)) != self.members)
 
-    def _caller(self, trainer: "Trainer", hook: str, module: XModule, callbacks: list[Any]
+    def _caller(self, trainer: "TrainerView", hook: str, module: XModule, callbacks: list[Any]
                 ) -> Callable[..., Any] | None:
         own, overriding = self.entry(hook, module, callbacks)
         if own is None and not overriding:

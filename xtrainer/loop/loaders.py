@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from xtrainer.config import arguments
 from xtrainer.datamodule import LOADER_HOOKS, XDataModule
 from xtrainer.module import XModule
 from xtrainer.strategies.data import sequential_dataloader, shuffled_dataloader
 from xtrainer.utilities.combined_loader import CombinedLoader, flatten
+from xtrainer.trainer_view import TrainerView
 
-if TYPE_CHECKING:
-    from xtrainer.trainer import Trainer
 
 _LIMIT_NAMES = {"validate": "val"}  # limit_val_batches
 
 
-def prepare(trainer: "Trainer", stage: str, model: XModule, datamodule: XDataModule | None, given: bool) -> None:
+def prepare(trainer: "TrainerView", stage: str, model: XModule, datamodule: XDataModule | None, given: bool) -> None:
     """In the calling process, before any replica starts: the module's extra callbacks, then
     ``prepare_data`` (module, then data module) and the data module's ``setup(stage)``."""
     if datamodule is not None and not isinstance(datamodule, XDataModule):
@@ -40,12 +39,12 @@ def prepare(trainer: "Trainer", stage: str, model: XModule, datamodule: XDataMod
         datamodule.setup(stage)
 
 
-def teardown(trainer: "Trainer", stage: str) -> None:
+def teardown(trainer: "TrainerView", stage: str) -> None:
     if trainer.datamodule is not None:
         trainer.datamodule.teardown(stage)
 
 
-def for_fit(trainer: "Trainer", model: XModule, train_dataloaders: Any, val_dataloaders: Any
+def for_fit(trainer: "TrainerView", model: XModule, train_dataloaders: Any, val_dataloaders: Any
             ) -> dict[str, list | None]:
     """In the calling process: the loaders given to ``fit``, checked; ``None`` for a stage whose
     loaders come from a hook, which every replica calls after the module's ``setup(stage)``
@@ -60,7 +59,7 @@ def for_fit(trainer: "Trainer", model: XModule, train_dataloaders: Any, val_data
     return {"train": train or None, "validate": val or None}
 
 
-def for_stage(trainer: "Trainer", model: XModule, stage: str, dataloaders: Any) -> dict[str, list | None]:
+def for_stage(trainer: "TrainerView", model: XModule, stage: str, dataloaders: Any) -> dict[str, list | None]:
     """In the calling process: the loaders given to ``validate``/``test``/``predict``, or ``None``
     for the hook's (called in every replica after ``setup``)."""
     loaders = evaluation_sources(dataloaders, f"{stage}(dataloaders=...)")
@@ -70,14 +69,14 @@ def for_stage(trainer: "Trainer", model: XModule, stage: str, dataloaders: Any) 
     return {stage: loaders or None}
 
 
-def in_replica(trainer: "Trainer", model: XModule, sources: dict[str, list | None]) -> dict[str, list]:
+def in_replica(trainer: "TrainerView", model: XModule, sources: dict[str, list | None]) -> dict[str, list]:
     """In a replica, after ``setup(stage)``: every stage's loaders, the hooks asked for those the
     caller did not get (Lightning's order: ``prepare_data``, ``setup``, then the loader hooks)."""
     found: dict[str, list] = {}
     for stage, given in sources.items():  # "train" first in a fit
         if given is not None:
             found[stage] = list(given)
-            trainer._loader_hooks.pop(stage, None)  # not reloaded from a hook of an earlier run
+            trainer.run.loader_hooks.pop(stage, None)  # not reloaded from a hook of an earlier run
         elif stage == "validate" and "train" in sources and not _validates(model):
             found[stage] = []  # a fit without validation_step does not ask for validation data
         else:
@@ -89,7 +88,7 @@ def in_replica(trainer: "Trainer", model: XModule, sources: dict[str, list | Non
     return found
 
 
-def training_order(trainer: "Trainer", loader: Any) -> Any:
+def training_order(trainer: "TrainerView", loader: Any) -> Any:
     """The training loader in Lightning's order: in order for ``overfit_batches``; shuffled on
     several replicas with ``use_distributed_sampler`` (Lightning's ``DistributedSampler`` of a
     training loader shuffles, with the run's seed and the epoch, even where the loader was built
@@ -143,7 +142,7 @@ def each_loader(source: Any, change: Any) -> Any:
     return change(source)
 
 
-def _check_found(trainer: "Trainer", model: XModule, stage: str, found: list) -> None:
+def _check_found(trainer: "TrainerView", model: XModule, stage: str, found: list) -> None:
     what = "fit() got no training data" if stage == "train" else f"{stage}() got no data"
     if not found:
         owner = _hook_owner(trainer, model, stage)
@@ -155,7 +154,7 @@ def _validates(model: XModule) -> bool:
     return type(model).validation_step is not XModule.validation_step
 
 
-def _hook_owner(trainer: "Trainer", model: XModule, stage: str) -> Any:
+def _hook_owner(trainer: "TrainerView", model: XModule, stage: str) -> Any:
     """Who answers ``stage``'s loader hook: the data module if it defines it, else the module
     (None when neither does)."""
     hook = LOADER_HOOKS[stage]
@@ -165,28 +164,29 @@ def _hook_owner(trainer: "Trainer", model: XModule, stage: str) -> Any:
     return None
 
 
-def from_hooks(trainer: "Trainer", model: XModule, stage: str) -> list:
+def from_hooks(trainer: "TrainerView", model: XModule, stage: str) -> list:
     """The loaders the data module's hook for ``stage`` returns, else the module's own."""
     owner = _hook_owner(trainer, model, stage)
     if owner is None:
         return []
-    trainer._loader_hooks[stage] = owner
+    trainer.run.loader_hooks[stage] = owner
     where = f"{type(owner).__name__}.{LOADER_HOOKS[stage]}()"
     returned = _call_hook(owner, LOADER_HOOKS[stage])
     return training_source(returned, where) if stage == "train" else evaluation_sources(returned, where)
 
 
-def reloaded(trainer: "Trainer", train: Any, first_epoch: int) -> Any:
+def reloaded(trainer: "TrainerView", train: Any, first_epoch: int) -> Any:
     """``reload_dataloaders_every_n_epochs``: the training loader from its hook again (in a replica)."""
-    every, owner = trainer.reload_dataloaders_every_n_epochs, trainer._loader_hooks.get("train")
+    every, owner = trainer.reload_dataloaders_every_n_epochs, trainer.run.loader_hooks.get("train")
     if not every or owner is None or trainer.current_epoch == first_epoch or trainer.current_epoch % every:
         return train
     loader = training_source(_call_hook(owner, LOADER_HOOKS["train"]), f"{type(owner).__name__}.train_dataloader()")
     if len(loader) != 1:
         raise ValueError(f"{type(owner).__name__}.train_dataloader() returned no loader on reload.")
-    data = trainer._device_data(training_order(trainer, loader[0]))
-    trainer.num_training_batches = num_batches(data, trainer.limits["train"], "train")
-    return data
+    run = trainer.run
+    run.train_data = run.device_data(training_order(trainer, loader[0]))
+    run.count_training_batches()
+    return run.train_data
 
 
 def num_batches(data: Any, limit: int | float, stage: str) -> float:

@@ -14,10 +14,10 @@ from xtrainer.loop.optimizers import (SchedulerConfig, StrategyOptimizer, parse_
                                      step_schedulers)
 from xtrainer.module import XModule
 from xtrainer.stepping import clear_gradients
+from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:
     from xtrainer.loop.hooks import BatchHooks
-    from xtrainer.trainer import Trainer
 
 
 class Optimization:
@@ -34,7 +34,7 @@ class Optimization:
         self.skipped = 0  # batches whose training_step returned None (Lightning's skip)
         self.plateau_per_step = False
 
-    def setup(self, trainer: "Trainer") -> None:
+    def setup(self, trainer: "TrainerView") -> None:
         """``configure_optimizers()`` against the wrapped parameters, parsed and checked."""
         module, strategy = trainer.module, trainer.strategy
         self.automatic = module.automatic_optimization
@@ -65,7 +65,7 @@ class Optimization:
                 raise ValueError(f"accumulate_grad_batches with manual optimization ({name}.automatic_optimization "
                                  "is False): step the optimizers every N batches in training_step instead.")
         self.manual_optimizers = [
-            StrategyOptimizer(opt, strategy, lambda opt=opt: trainer._call("on_before_optimizer_step", opt),
+            StrategyOptimizer(opt, strategy, lambda opt=opt: trainer.run.call("on_before_optimizer_step", opt),
                               lambda: self._manual_stepped(trainer))
             for opt in self.optimizers]
         self._clips_itself = type(module).configure_gradient_clipping is not XModule.configure_gradient_clipping
@@ -74,7 +74,7 @@ class Optimization:
         self._custom_step = (type(module).optimizer_step is not XModule.optimizer_step
                              or type(module).optimizer_zero_grad is not XModule.optimizer_zero_grad)
 
-    def prepare_resume(self, trainer: "Trainer", checkpoint: dict[str, Any]) -> None:
+    def prepare_resume(self, trainer: "TrainerView", checkpoint: dict[str, Any]) -> None:
         """Before the optimizer states of ``checkpoint`` are loaded: a callback that added
         parameter groups during the saved fit (``BaseFinetuning``) rebuilds them from its saved
         state, so that each optimizer has the saved number of groups again."""
@@ -86,7 +86,7 @@ class Optimization:
                 rebuild(trainer, trainer.module)
 
     # ---- automatic optimization --------------------------------------------------------------
-    def zero_grad(self, trainer: "Trainer", batch_idx: int, hooks: "BatchHooks") -> None:
+    def zero_grad(self, trainer: "TrainerView", batch_idx: int, hooks: "BatchHooks") -> None:
         """``on_before_zero_grad`` and zero_grad (the module's ``optimizer_zero_grad`` if it
         overrides it), where Lightning runs them: after ``training_step`` and before backward, on
         the first micro-batch of each accumulation window. The gradients of a step stay until
@@ -108,7 +108,7 @@ class Optimization:
             for optimizer in self.optimizers:
                 clear_gradients(optimizer)
 
-    def step(self, trainer: "Trainer", batch_idx: int, loss: torch.Tensor) -> None:
+    def step(self, trainer: "TrainerView", batch_idx: int, loss: torch.Tensor) -> None:
         """The optimizer step (reduce, clip, step: the strategy's), the step count and the
         schedulers stepped per step; the module's ``optimizer_step`` if it overrides it."""
         optimizer = self.optimizers[0]
@@ -119,13 +119,13 @@ class Optimization:
         else:
             trainer.strategy.optimizer_step(optimizer, before_step)
         trainer.loop.global_step += 1
-        if trainer._publisher.counts_steps:
-            trainer._publisher.stepped()
+        if trainer.run.publisher.counts_steps:
+            trainer.run.publisher.stepped()
         if self.schedulers:  # those that monitor a metric step once the step's values can be read (fit.batch_end)
             self.step_schedulers(trainer, "step", batch_idx, plateau=False)
 
-    def _before_step(self, trainer: "Trainer") -> None:
-        trainer._call("on_before_optimizer_step", self.optimizers[0])
+    def _before_step(self, trainer: "TrainerView") -> None:
+        trainer.run.call("on_before_optimizer_step", self.optimizers[0])
         if self._clips_itself:  # Lightning's hook, with the Trainer's settings
             trainer.module.configure_gradient_clipping(self.optimizers[0], trainer.gradient_clip_val,
                                                        trainer.gradient_clip_algorithm)
@@ -133,7 +133,7 @@ class Optimization:
             trainer.strategy.clip_gradients(trainer.model, self.optimizers[0], trainer.gradient_clip_val,
                                             trainer.gradient_clip_algorithm)
 
-    def step_schedulers(self, trainer: "Trainer", interval: str, batch_idx: int = 0,
+    def step_schedulers(self, trainer: "TrainerView", interval: str, batch_idx: int = 0,
                         plateau: bool | None = None) -> None:
         """The schedulers of ``interval`` whose ``frequency`` divides the count, as Lightning
         counts: per step, the batches of this epoch so far (``batch_idx + 1``, not
@@ -144,32 +144,32 @@ class Optimization:
 
         def metrics() -> Any:  # asked for only where a scheduler that monitors a metric steps
             if plateau:  # in a batch's end, where every replica steps it: sync_dist values reduced first
-                trainer._publisher.preview_synced(trainer)
+                trainer.run.publisher.preview_synced(trainer)
             return trainer.callback_metrics
 
         step_schedulers(self.schedulers, interval, count, metrics, module.lr_scheduler_step if own else None, plateau)
 
     # ---- manual optimization -----------------------------------------------------------------
-    def _manual_stepped(self, trainer: "Trainer") -> None:
+    def _manual_stepped(self, trainer: "TrainerView") -> None:
         """A manual ``opt.step()``: Lightning counts every optimizer step in ``global_step``."""
         trainer.loop.global_step += 1
-        trainer._publisher.stepped()
+        trainer.run.publisher.stepped()
 
     def forget_pending_clips(self) -> None:
         """After a manual ``training_step``: a clip asked for an optimizer that did not step lapses."""
         for wrapper in self.manual_optimizers:
             wrapper.pending_clip = None
 
-    def manual_backward(self, trainer: "Trainer", loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    def manual_backward(self, trainer: "TrainerView", loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``XModule.manual_backward``: the backward hooks around the strategy's backward."""
         if self.automatic:
             raise RuntimeError("manual_backward() is for manual optimization: set self.automatic_optimization = "
                                "False in the module's __init__ (with automatic optimization, return the loss).")
-        trainer._call("on_before_backward", loss)
+        trainer.run.call("on_before_backward", loss)
         trainer.strategy.manual_backward(trainer.model, loss, *args, **kwargs)
-        trainer._call("on_after_backward")
+        trainer.run.call("on_after_backward")
 
-    def clip_gradients_of(self, trainer: "Trainer", optimizer: Any, value: float | None,
+    def clip_gradients_of(self, trainer: "TrainerView", optimizer: Any, value: float | None,
                           algorithm: str | None) -> None:
         """``XModule.clip_gradients``: clip ``optimizer``'s gradients once they are reduced, just
         before it steps (right away where the strategy reduced them in backward already, and under

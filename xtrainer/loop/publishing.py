@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -41,9 +41,8 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from xtrainer.launch import interrupts
 from xtrainer.loop.metric_values import as_tensor
 from xtrainer.loop.results import to_floats
+from xtrainer.trainer_view import TrainerView
 
-if TYPE_CHECKING:
-    from xtrainer.trainer import Trainer
 
 #: The loop's own entry for the step's training loss (what ``training_step`` returned): read with
 #: the logged values for the progress bar, never published as a metric, so that a value the
@@ -55,7 +54,7 @@ _STOP_KEY = "xtrainer/should_stop"
 _NEXT_KEY = "xtrainer/next_agreement_step"
 
 
-def stop_vote(trainer: "Trainer") -> int:
+def stop_vote(trainer: "TrainerView") -> int:
     """This replica's stop vote: twice the number of the signal that asked this process to stop
     (0: none), plus 1 where ``should_stop`` is set. The largest over the replicas (one reduction,
     the one the read makes anyway) says whether any replica asked to stop (more than 0), and the
@@ -254,7 +253,7 @@ class Publisher:
         self._voted: tuple[float, int] | None = None
 
     # ---- a fit's beginning and end ---------------------------------------------------------
-    def start_fit(self, trainer: "Trainer") -> None:
+    def start_fit(self, trainer: "TrainerView") -> None:
         watch = InGraphWatch if trainer.strategy.runtime.lazy else DeferredWatch
         self.watch = watch(trainer.strategy.device, trainer.global_step) if self.detect_nonfinite != "off" else None
         self.counts_steps = self.watch is not None and self.watch.counts_steps
@@ -270,14 +269,14 @@ class Publisher:
                     logger.log_run_settings(trainer.run_settings())
                 logger.log_hyperparams(trainer.hyperparameters())
 
-    def end_fit(self, trainer: "Trainer") -> None:
+    def end_fit(self, trainer: "TrainerView") -> None:
         if trainer.is_global_zero and trainer.module._log_hyperparams:
-            hidden = trainer._results.hidden_from_loggers()
+            hidden = trainer.run.results.hidden_from_loggers()
             final = {k: v for k, v in trainer.callback_metrics.items() if k not in hidden}
             for logger in trainer.loggers:
                 logger.log_hyperparams(trainer.hyperparameters(), final)
 
-    def close(self, trainer: "Trainer", failed: bool = False) -> None:
+    def close(self, trainer: "TrainerView", failed: bool = False) -> None:
         """Flush what was logged; at the end of every run, also one that failed."""
         for logger in trainer.loggers:
             logger.finalize("failed" if failed else "success")
@@ -293,7 +292,7 @@ class Publisher:
             self.watch.stepped()
 
     # ---- reading and handing out -------------------------------------------------------------
-    def publish(self, trainer: "Trainer", tensors: dict[str, torch.Tensor], check_loss: bool = False,
+    def publish(self, trainer: "TrainerView", tensors: dict[str, torch.Tensor], check_loss: bool = False,
                 logging_step: bool = False, not_logged: set[str] = frozenset(), local: bool = False
                 ) -> dict[str, float]:
         """Read ``tensors`` (and what rides along) in one transfer; hand the values out (those
@@ -337,18 +336,18 @@ class Publisher:
         loop_loss = values.pop(LOSS_KEY, None)
         if loop_loss is not None:
             self.loop_loss = loop_loss
-        prog = trainer._results.prog_bar_names()
+        prog = trainer.run.results.prog_bar_names()
         trainer.progress_bar_metrics.update({k: v for k, v in values.items() if k in prog})
         public = values
         stored = {k: as_tensor(v) for k, v in public.items()}  # one CPU tensor per value, for both dicts
-        trainer.callback_metrics.update({**stored, **trainer._results.plain_names(stored)})
+        trainer.callback_metrics.update({**stored, **trainer.run.results.plain_names(stored)})
         logged = {k: v for k, v in public.items() if k not in not_logged} if not_logged else public
         trainer.logged_metrics.update({k: stored[k] for k in logged})
         if (logged or logging_step) and trainer.state != "predict" and not trainer.sanity_checking:
             self._hand_out(trainer, dict(logged))  # a logging step also where the module logged nothing
         return public
 
-    def preview(self, trainer: "Trainer") -> None:
+    def preview(self, trainer: "TrainerView") -> None:
         """``trainer.callback_metrics`` read in the module's own epoch-end hook, which runs before
         the epoch's values are published: they are read first, as Lightning computes them when
         read, so that the hook sees this epoch's values (not the last epoch's, or none). Once
@@ -371,14 +370,14 @@ class Publisher:
         values = to_floats(tensors, trainer.strategy.runtime.to_cpu) if tensors else {}  # host sync: the hook asked for the values
         _into_callback_metrics(trainer, values)
 
-    def open_step_preview(self, trainer: "Trainer", read: bool) -> None:
+    def open_step_preview(self, trainer: "TrainerView", read: bool) -> None:
         """Before a training batch's end hooks: what ``callback_metrics`` holds of each per-step
         value (``read``: all of them, read at this logging step; else none of this step's)."""
         self.previewing = STEP_VALUES
-        self._previewed = {name: entry.last for name, entry in trainer._results.entries.items()
+        self._previewed = {name: entry.last for name, entry in trainer.run.results.entries.items()
                            if entry.on_step} if read else {}
 
-    def _preview_step(self, trainer: "Trainer", synced: bool = False) -> None:
+    def _preview_step(self, trainer: "TrainerView", synced: bool = False) -> None:
         """``callback_metrics`` read in a training batch's end hooks: the per-step values logged
         since ``callback_metrics`` last got them (this step's, or logged in these hooks) are read
         first, as Lightning computes them when read; nothing where there are none. Each
@@ -386,7 +385,7 @@ class Publisher:
         logged with ``sync_dist`` by several replicas keeps its last value reduced across them
         (a read's), not this replica's own. ``synced``: those values alone, reduced across the
         replicas, where every replica asks at once (``preview_synced``)."""
-        results, previewed = trainer._results, self._previewed
+        results, previewed = trainer.run.results, self._previewed
         several = trainer.world_size > 1
         new = [name for name, entry in results.entries.items()
                if entry.on_step and entry.last is not None and previewed.get(name) is not entry.last
@@ -403,7 +402,7 @@ class Publisher:
             previewed[name] = results.entries[name].last
         _into_callback_metrics(trainer, values)
 
-    def preview_synced(self, trainer: "Trainer") -> None:
+    def preview_synced(self, trainer: "TrainerView") -> None:
         """In a training batch's end hooks, called by every replica at once (a ``ModelCheckpoint``
         about to save, which is collective anyway): the per-step values logged with ``sync_dist``
         that ``callback_metrics`` does not have yet, reduced across the replicas and read (one
@@ -411,7 +410,7 @@ class Publisher:
         if self.previewing == STEP_VALUES and trainer.world_size > 1:
             self._preview_step(trainer, synced=True)
 
-    def settle_vote(self, trainer: "Trainer") -> None:
+    def settle_vote(self, trainer: "TrainerView") -> None:
         """Finish the agreement a logging step started: stop with the others if any replica
         asked to, report a non-finite loss any of them saw."""
         finish, self._vote, self.vote_due = self._vote, None, -1
@@ -427,7 +426,7 @@ class Publisher:
         if first is not None:
             self._report_nonfinite(trainer, self.watch.first_step(values))
 
-    def _take_vote(self, trainer: "Trainer", vote: float) -> None:
+    def _take_vote(self, trainer: "TrainerView", vote: float) -> None:
         """The replicas' agreed stop vote (the largest ``stop_vote``): stop, on the signal it
         carries, if any, taken as this process's own request."""
         vote = int(vote)
@@ -439,7 +438,7 @@ class Publisher:
             self.stop_signal = max(self.stop_signal or 0, signum)
         trainer.should_stop = self.stop_agreed = True
 
-    def _propose(self, trainer: "Trainer", seconds: float) -> int:
+    def _propose(self, trainer: "TrainerView", seconds: float) -> int:
         """The global step this replica proposes for the next agreement: ``seconds`` on, at the
         pace of the steps since the last one (by the host clock; its logging steps read the
         device, so that pace is the device's). Without a pace yet, the next logging step."""
@@ -450,7 +449,7 @@ class Publisher:
         ahead = seconds / ((now - last[0]) / (step - last[1]))
         return step + max(1, math.ceil(ahead)) if ahead < NonFiniteWatch.NEVER else NonFiniteWatch.NEVER
 
-    def _hand_out(self, trainer: "Trainer", logged: dict[str, float]) -> None:
+    def _hand_out(self, trainer: "TrainerView", logged: dict[str, float]) -> None:
         """The values read to the callbacks' ``on_metrics`` (which may add their own, as
         ``LearningRateMonitor`` does), then to the loggers. Where the module logged nothing, the
         loggers get only what the callbacks added (nothing at all: no row), as in Lightning."""
@@ -469,7 +468,7 @@ class Publisher:
         if not logged:
             return
         if trainer.is_global_zero and trainer.loggers:
-            hidden = trainer._results.hidden_from_loggers()
+            hidden = trainer.run.results.hidden_from_loggers()
             for_loggers = {k: v for k, v in logged.items() if k not in hidden} if hidden else logged
             # The run's own figures: what the callbacks added that is no metric (throughput,
             # compilations, the automatic learning rates); a LearningRateMonitor's rates are
@@ -481,7 +480,7 @@ class Publisher:
                                    trainer.global_step)
 
     # ---- non-finite losses -------------------------------------------------------------------
-    def _report_nonfinite(self, trainer: "Trainer", first: float) -> None:
+    def _report_nonfinite(self, trainer: "TrainerView", first: float) -> None:
         if first >= NonFiniteWatch.NEVER or self.watch.reported:
             return
         message = (f"The training loss became NaN or infinite at global step {int(first)} (epoch "
@@ -495,7 +494,7 @@ class Publisher:
             "Lower the learning rate, set gradient_clip_val, or check the data; detect_nonfinite='warn' "
             "goes on instead.")
 
-    def nonfinite_step(self, trainer: "Trainer") -> int | None:
+    def nonfinite_step(self, trainer: "TrainerView") -> int | None:
         """The global step whose training loss was first NaN or infinite, if the weights have been
         updated since (None: all good so far, or ``detect_nonfinite="off"``). Reads one number
         from every replica: a host sync, made only before a checkpoint is written (which syncs
@@ -512,12 +511,11 @@ class Publisher:
         return self._first_bad if self._first_bad < trainer.global_step else None
 
 
-
-def _into_callback_metrics(trainer: "Trainer", values: dict[str, float]) -> None:
+def _into_callback_metrics(trainer: "TrainerView", values: dict[str, float]) -> None:
     """A preview's values into ``callback_metrics`` (the loop's own loss left out), with
     Lightning's plain names for values logged both per step and per epoch."""
     values.pop(LOSS_KEY, None)
-    trainer.callback_metrics.update({**values, **trainer._results.plain_names(values)})
+    trainer.callback_metrics.update({**values, **trainer.run.results.plain_names(values)})
 
 
 def _on_device(value: Any) -> bool:
@@ -525,11 +523,11 @@ def _on_device(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
-def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
+def end_epoch(trainer: "TrainerView", stage: str, hook: str) -> dict[str, float]:
     """An epoch's end: the module's hook (it may still log; if it reads ``callback_metrics``,
     the epoch's values are read first, see ``Publisher.preview``), then every epoch value read to
     the host (one host sync), then the callbacks' hook, which sees the new ``callback_metrics``."""
-    publisher = trainer._publisher
+    publisher = trainer.run.publisher
     publisher.previewing = stage
     try:
         getattr(trainer.module, hook)()
@@ -537,9 +535,9 @@ def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
         publisher.previewing = None
     tensors = epoch_tensors(trainer, stage)
     # The latest per-step values ride along for callback_metrics; the loggers got them at their logging steps.
-    step_names = set(trainer._results.step_tensors_names()) if stage == "train" else set()
+    step_names = set(trainer.run.results.step_tensors_names()) if stage == "train" else set()
     metrics = publisher.publish(trainer, tensors, check_loss=stage == "train", not_logged=step_names)
-    results = trainer._results
+    results = trainer.run.results
     before = {name: (entry.total, entry.last, entry.metric) for name, entry in results.entries.items()}
     for cb in trainer.callbacks:
         getattr(cb, hook)(trainer, trainer.module)
@@ -549,21 +547,21 @@ def end_epoch(trainer: "Trainer", stage: str, hook: str) -> dict[str, float]:
               if name not in before or any(a is not b for a, b in zip(before[name], (entry.total, entry.last,
                                                                                     entry.metric)))}
     # Each replica's own values, with no collective: a callback may log on rank 0 alone.
-    if logged and results is trainer._results:
+    if logged and results is trainer.run.results:
         late = results.epoch_tensors(trainer.strategy.collectives.reduce, 1, only=logged,
                                      metrics=trainer.world_size == 1)
         metrics = {**metrics, **publisher.publish(trainer, late, local=True)}
     return metrics
 
 
-def epoch_tensors(trainer: "Trainer", stage: str, reset: bool = True, local: bool = False
+def epoch_tensors(trainer: "TrainerView", stage: str, reset: bool = True, local: bool = False
                   ) -> dict[str, torch.Tensor]:
     """The epoch's values on the device (each replica's combined where ``sync_dist`` asks),
     with the latest per-step values at a training epoch's end; metrics logged by object are
     reset after their ``compute`` unless ``reset`` is False. ``local``: this replica's own
     values, with no collective (metric objects, which would sync, left out)."""
     collectives = trainer.strategy.collectives
-    results = trainer._results
+    results = trainer.run.results
     world_size = 1 if local else trainer.world_size  # one replica reduces nothing
     tensors = results.epoch_tensors(collectives.reduce, world_size, collectives.all_gather_tensors, reset,
                                     metrics=not local)

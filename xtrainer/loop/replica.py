@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import sys
-import traceback
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
@@ -20,35 +18,35 @@ from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop import fit as fit_loop
 from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.results import Results
+from xtrainer.loop.run import run_cleanup
 from xtrainer.loop.steps import StepDispatcher, batch_transfer
 from xtrainer.module import XModule
 from xtrainer.strategies.data import padded_samples
-
-if TYPE_CHECKING:
-    from xtrainer.trainer import Trainer
+from xtrainer.trainer_view import TrainerView
 
 
-def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, list | None], ckpt_path: str | None
+def run_stage(trainer: "TrainerView", stage: str, module: "XModule", sources: dict[str, list | None], ckpt_path: str | None
         ) -> dict[str, Any]:
     """One replica's run of ``stage``: its environment, the module's setup, its data on the device,
     the optimizers, a checkpoint to continue from, then the fit loop or an evaluation, and the
     teardown, also when it fails. What it returns travels to the calling process."""
+    run = trainer.run
     compile_cache.activate(trainer)  # goodput: before this process's first compilation
     trainer.strategy.setup_environment()
-    trainer._replica_ready = True
+    run.replica_ready = True
     if trainer.world_size > 1:
         # On several hosts each calling process claimed a folder and drew a seed of its own (under
         # torchrun only rank 0 claimed one: launch/stages.py); rank 0's are the run's, and a folder
         # claimed for nothing is given back.
-        own = trainer._log_dir
+        own = trainer.log_dir_claimed
         ours = trainer.log_dir if trainer.is_global_zero else own
         trainer.log_dir, trainer.loop.seed = trainer.strategy.collectives.broadcast((ours, trainer.loop.seed))
         if own is not None and own != trainer.log_dir:
             remove_if_empty(own)
     trainer.strategy.runtime.seed_replica(trainer.loop.seed, trainer.global_rank, trainer.strategy.launcher.runs_in_caller)
-    trainer.state, trainer.should_stop, trainer._publisher.stop_agreed = stage, False, False
+    run.state, trainer.should_stop, run.publisher.stop_agreed = stage, False, False
     module.trainer = trainer
-    trainer._module = module
+    run.module = module
     in_process, error = trainer.strategy.launcher.runs_in_caller, None
     background_writes = trainer.settings.async_checkpointing
     ckpt_background.stage_starts(background_writes)  # goodput: background checkpoint writes, during this run only
@@ -67,31 +65,36 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         # Lightning's order: setup(stage), then the loader hooks (the module may build its
         # datasets in setup), in every replica.
         sources = loaders.in_replica(trainer, module, sources)
-        trainer._wrapped = trainer.strategy.setup_module(StepDispatcher(module, trainer.precision))
-        trainer._transfer = batch_transfer(module, trainer.datamodule, trainer.strategy.device)
+        run.wrapped = trainer.strategy.setup_module(StepDispatcher(module, trainer.precision))
+        run.transfer = batch_transfer(module, trainer.datamodule, trainer.strategy.device)
         trainer.strategy.use_module_hooks(module.backward if type(module).backward is not XModule.backward else None,
-                                          moves_batches=trainer._transfer is not None)
-        data = trainer._stage_data = {name: [trainer._device_data(dl) for dl in dls] for name, dls in sources.items()}
+                                          moves_batches=run.transfer is not None)
+        data = run.stage_data = {name: [run.device_data(dl) for dl in dls] for name, dls in sources.items()}
         warn_padded_evaluation(trainer, data)
         if stage == "fit":
-            trainer._train_results = trainer._results = Results("train", default_on_step=True)
-            trainer._train_data, trainer._restored_data_state = data["train"][0], None
-            trainer.num_training_batches = trainer._num_batches(data["train"][0], "train")
-            trainer._num_val_batches = [trainer._num_batches(d, "validate") for d in data["validate"]]
+            run.train_results = run.results = Results("train", default_on_step=True)
+            run.train_data, run.restored_data_state = data["train"][0], None
+            run.count_training_batches()
+            run.num_val_batches = [run.num_batches(d, "validate") for d in data["validate"]]
+        if stage == "fit":  # a fault-tolerant strategy's live peers: a state of theirs to heal from
+            live = trainer.strategy.join_live_peers(lambda: checkpoints.build_checkpoint(trainer), checkpoint)
+            if live is not None:
+                checkpoint, ckpt_path = live, "a live peer's state"
+                checkpoints.restore_datamodule(trainer, checkpoint)
         # Lightning's order: the checkpoint's module and callback states, then the optimizers
         # (configure_optimizers sees what on_load_checkpoint did), then theirs and the loop's.
         if checkpoint is not None:
             checkpoints.restore_module(trainer, checkpoint, ckpt_path, stage)
         if stage == "fit":
-            trainer._optim = Optimization()
-            trainer._optim.setup(trainer)
+            run.optim = Optimization()
+            run.optim.setup(trainer)
             if checkpoint is not None:
-                trainer._optim.prepare_resume(trainer, checkpoint)  # parameter groups added during the saved fit
+                run.optim.prepare_resume(trainer, checkpoint)  # parameter groups added during the saved fit
                 checkpoints.restore_training(trainer, checkpoint, ckpt_path)
         # an explicit metric.compute() in a hook syncs in the graph, on every replica alike
         with metric_sync.synced_through(module, trainer.strategy.collectives.all_gather_tensors, trainer.world_size):
             if stage == "fit":
-                fit_loop.run(trainer, data["train"][0], data["validate"])
+                fit_loop.run_epochs(trainer, data["train"][0], data["validate"])
                 outputs = None
             else:
                 outputs = evaluation.run(trainer, stage, data[stage])
@@ -99,7 +102,7 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         result: dict[str, Any] = {"outputs": outputs}
         if not in_process:
             result.update(
-                state_dict=trainer.strategy.runtime.to_cpu(trainer.strategy.full_module_state_dict(trainer._wrapped)),  # host sync
+                state_dict=trainer.strategy.runtime.to_cpu(trainer.strategy.full_module_state_dict(run.wrapped)),  # host sync
                 loop=dataclasses.replace(trainer.loop), should_stop=trainer.should_stop,
                 callback_metrics=dict(trainer.callback_metrics), logged_metrics=dict(trainer.logged_metrics),
                 progress_bar_metrics=dict(trainer.progress_bar_metrics),
@@ -108,13 +111,13 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
     except BaseException as err:
         error = err
         if not isinstance(err, interrupts.TrainingInterrupted):  # that one called the hook already
-            trainer._call_on_exception(err)
+            run.call_on_exception(err)
         raise
     finally:
-        failed, wrapped = error is not None, trainer._wrapped
+        failed, wrapped = error is not None, run.wrapped
         steps = [("the checkpoint writes' wait", lambda: ckpt_background.drain(raise_errors=False)),
                  # flush what was logged, also when training failed
-                 ("closing the loggers", lambda: trainer._publisher.close(trainer, failed))]
+                 ("closing the loggers", lambda: run.publisher.close(trainer, failed))]
         if wrapped is not None:
             steps.append((f"{type(trainer.strategy).__name__}.teardown",
                           lambda: trainer.strategy.teardown(wrapped, failed)))
@@ -126,14 +129,14 @@ def run(trainer: "Trainer", stage: str, module: "XModule", sources: dict[str, li
         finally:
             ckpt_background.stage_ends(background_writes)  # a save after the stage is written before it returns
             ckpt_background.drain(raise_errors=False)  # one a teardown hook queued
-            trainer.state = "idle"
-            trainer._wrapped = trainer._module = None
+            run.state = "idle"
+            run.end_stage()
             trainer.strategy.use_module_hooks()
             if trainer.strategy.launcher.group_ends_with_stage:
-                trainer._replica_ready = False  # rank 0 ran here in a group now gone: the sizes are the plan's again
+                run.replica_ready = False  # rank 0 ran here in a group now gone: the sizes are the plan's again
 
 
-def warn_padded_evaluation(trainer: "Trainer", data: dict[str, list]) -> None:
+def warn_padded_evaluation(trainer: "TrainerView", data: dict[str, list]) -> None:
     """Say once per stage (rank 0) when the sampler put in an evaluation loader repeats samples
     to give every replica as many batches: the stage's values then count them twice."""
     for stage, datas in data.items():
@@ -148,29 +151,6 @@ def warn_padded_evaluation(trainer: "Trainer", data: dict[str, list]) -> None:
                                f"values, {stage} with devices=1 or a dataset whose size divides by "
                                f"{trainer.world_size}.")
                 break
-
-
-def run_cleanup(steps: list[tuple[str, Callable[[], Any]]], error: BaseException | None) -> None:
-    """Run every ``(name, step)`` of a clean-up, each also when one before it failed. When the
-    run failed with ``error``, that error stays the one raised: a step that fails too is told as
-    a note on it (and its traceback printed), as Lightning keeps the original error. Otherwise
-    the first step to fail is raised once every step ran (later failures as notes on it)."""
-    first: BaseException | None = None
-    for name, step in steps:
-        try:
-            step()
-        except Exception as step_err:  # noqa: BLE001 - reported below; the clean-up goes on
-            note = f"({name} failed too: {type(step_err).__name__}: {step_err})"
-            if error is not None:
-                error.add_note(note)
-                print(f"xtrainer: while the run was ending with {type(error).__name__}, {name} failed:\n"
-                      + "".join(traceback.format_exception(step_err)), file=sys.stderr, flush=True)
-            elif first is None:
-                first = step_err
-            else:
-                first.add_note(note)
-    if first is not None:
-        raise first
 
 
 def remove_if_empty(path: str) -> None:

@@ -63,6 +63,25 @@ class LoopState:
         self.epoch_schedulers_due = False
         self.stepped = True
 
+    def draw_seed(self, seed: int) -> None:
+        """The run's seed, drawn where the stage starts (the calling process), so that every
+        replica agrees: it seeds the samplers' shuffling (with the epoch) and each replica's
+        device generator (with its rank); a resumed fit takes the checkpoint's instead."""
+        self.seed = seed
+
+    def adopt(self, other: "LoopState") -> None:
+        """Where rank 0's fit stands (``other``, brought home from its process), kept in this
+        object (the watchdog's view of the progress stays this process's)."""
+        self.__dict__.update({**other.__dict__, "progress": self.progress})
+
+    def report_progress(self, view: Any) -> None:
+        """From now on, store ``batches_done`` in ``view`` after each batch (a one-element view of
+        memory shared with the hang watchdog's monitor process; None: no longer). The watchdog
+        asks for it (``launch/watchdog.py``); the loop writes it."""
+        if view is not None:
+            view[0] = self.batches_done
+        self.progress = view
+
     def next_epoch(self) -> None:
         """An epoch ended with its every batch trained and its schedulers stepped."""
         self.epoch_schedulers_due = False
