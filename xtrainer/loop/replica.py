@@ -76,11 +76,6 @@ def run_stage(trainer: "TrainerView", stage: str, module: "XModule", sources: di
             run.train_data, run.restored_data_state = data["train"][0], None
             run.count_training_batches()
             run.num_val_batches = [run.num_batches(d, "validate") for d in data["validate"]]
-        if stage == "fit":  # a fault-tolerant strategy's live peers: a state of theirs to heal from
-            live = trainer.strategy.join_live_peers(lambda: checkpoints.build_checkpoint(trainer), checkpoint)
-            if live is not None:
-                checkpoint, ckpt_path = live, "a live peer's state"
-                checkpoints.restore_datamodule(trainer, checkpoint)
         # Lightning's order: the checkpoint's module and callback states, then the optimizers
         # (configure_optimizers sees what on_load_checkpoint did), then theirs and the loop's.
         if checkpoint is not None:
