@@ -60,3 +60,46 @@ def test_python_dash_m_runs_the_command(module):
     done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=subprocess_timeout(120))
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"xtrainer {xtrainer.__version__}")
+
+
+def _contributing_rows() -> list[list[str]]:
+    """The paths each row of ``docs/contributing.md``'s table of owners names in its first column
+    (relative to ``xtrainer/``; a folder ends with ``/``)."""
+    text = open(os.path.join(ROOT, "docs", "contributing.md"), encoding="utf-8").read()
+    table = text[text.index("Where each concern lives"):]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    return [re.findall(r"`([^`]+)`", row.split(" | ")[0]) for row in rows]
+
+
+def _only_reexports(path: str) -> bool:
+    """Whether a package's ``__init__.py`` defines nothing but its lazy names (``__getattr__``,
+    ``__dir__``): its package's rows then speak for it."""
+    import ast
+
+    defined = [node.name for node in ast.parse(open(path, encoding="utf-8").read()).body
+               if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    return set(defined) <= {"__getattr__", "__dir__"}
+
+
+def test_every_module_has_a_row_in_the_contributing_guide():
+    """``docs/contributing.md`` says where each concern lives: every module under ``xtrainer/`` is
+    named by a row (a folder row covers its package; an ``__init__.py`` that only re-exports is
+    covered by any row of its package), and every path a row names exists."""
+    package = os.path.join(ROOT, "xtrainer")
+    modules = sorted(os.path.relpath(os.path.join(folder, f), package).replace(os.sep, "/")
+                     for folder, _, files in os.walk(package) for f in files if f.endswith(".py"))
+    assert "strategies/native_fsdp.py" in modules and "checkpoint/fs.py" in modules
+    named = [path for row in _contributing_rows() for path in row]
+    missing_paths = [path for path in named if not os.path.exists(os.path.join(package, path))]
+    assert not missing_paths, f"docs/contributing.md names what is not there: {missing_paths}"
+    files, folders = {p for p in named if p.endswith(".py")}, [p for p in named if p.endswith("/")]
+
+    def covered(module: str) -> bool:
+        if module in files or any(module.startswith(folder) for folder in folders):
+            return True
+        parent = module.rpartition("/")[0]
+        return (module.endswith("__init__.py") and parent != "" and _only_reexports(os.path.join(package, module))
+                and any(path.startswith(parent + "/") for path in named))
+
+    unnamed = [module for module in modules if not covered(module)]
+    assert not unnamed, f"add a row to docs/contributing.md's table for: {unnamed}"
