@@ -90,7 +90,10 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
         table = run.hooks
         progress = loop.progress
         transfer = run.transfer
+        step_starts = trainer.strategy.step_starts
         for batch_idx, batch in batches:
+            if step_starts is not None:
+                step_starts()  # a fault-tolerant strategy's quorum of this step
             if transfer is not None:
                 batch = transfer(batch, 0)
             is_last = run.is_last_batch = batch_idx + 1 >= last

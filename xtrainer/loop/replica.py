@@ -86,6 +86,13 @@ def run_stage(trainer: "TrainerView", stage: str, module: "XModule", sources: di
             if checkpoint is not None:
                 run.optim.prepare_resume(trainer, checkpoint)  # parameter groups added during the saved fit
                 checkpoints.restore_training(trainer, checkpoint, ckpt_path)
+            # a fault-tolerant strategy's live peers (the fit's state served to them from here on),
+            # and the state of one of them to heal from
+            live = trainer.strategy.join_live_peers(lambda: checkpoints.build_checkpoint(trainer), checkpoint)
+            if live is not None:
+                checkpoints.restore_datamodule(trainer, live)
+                checkpoints.restore_module(trainer, live, "a live peer's state", stage)
+                checkpoints.restore_training(trainer, live, "a live peer's state")
         # an explicit metric.compute() in a hook syncs in the graph, on every replica alike
         with metric_sync.synced_through(module, trainer.strategy.collectives.all_gather_tensors, trainer.world_size):
             if stage == "fit":

@@ -305,6 +305,22 @@ class Strategy(abc.ABC):
         the layout's form) into ``optimizer``."""
         optimizer.load_state_dict(state)
 
+    # ---- fault tolerance -------------------------------------------------------------------
+    #: Called by the fit loop before each training batch (its batch drawn, nothing of it run yet),
+    #: or None where the strategy needs no such call (the loop asks only then). ``native_ft``
+    #: takes the step's quorum there.
+    step_starts: Callable[[], None] | None = None
+
+    def join_live_peers(self, snapshot: Callable[[], dict[str, Any]],
+                        checkpoint: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Before a fit restores its state (every replica): a fault-tolerant strategy joins the
+        replica groups training already, and returns a live peer's checkpoint to continue from
+        where this group must heal (None: continue from ``checkpoint``, or from the start).
+        ``snapshot()`` builds this fit's checkpoint, served to a peer that heals from this one
+        later. Only ``native_ft`` has live peers."""
+        del snapshot, checkpoint
+        return None
+
     # ---- the end ---------------------------------------------------------------------------
     def teardown(self, wrapped: nn.Module, failed: bool = False) -> None:
         """Leave the user's module unwrapped, on the CPU, and release what setup took.
