@@ -54,5 +54,5 @@ def test_the_optimizer_state_reads_back_as_saved_whichever_planner_wrote_it(tmp_
     fresh.load_state_dict(read)
     assert fresh.param_groups[1]["weight_decay"] == 0.5 and fresh.param_groups[0]["lr"] == 0.1
 
-    with pytest.raises(CheckpointError, match=r"optimizer state for parameter 3, but the optimizer has 2 parameters"):
+    with pytest.raises(CheckpointError, match=r"holds optimizer state for parameter [23], but the optimizer has 2 parameters"):
         distributed.read_optimizer_state(part, params[:2], _plain_zeros, spmd=spmd)
