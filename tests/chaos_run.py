@@ -2,20 +2,30 @@
 another process of its job, with a fault at a chosen point::
 
     python chaos_run.py --strategy S --devices N --root ROOT --state DIR [--ckpt last] [--steps 12]
-        [--async] [--fault TERM|INT|KILL|USR1|HANG --target rank|launcher|all --rank R
-         --when step|validation|epoch_end|save|resume --at K]
+        [--async] [--compile] [--fault TERM|INT|KILL|USR1|HANG|HANGC|FULL --target rank|launcher|all --rank R
+         --when step|validation|epoch_end|save|resume|compile --at K] [--fill DIR] [--outside-kill]
 
 The fit is ``native_run``'s exact module (float64, SGD with momentum) on shuffled data with
 validation every 4 steps, a checkpoint every 2 steps and ``last``; 8 batches an epoch. ``--when``:
 ``step``: at the end of global step K; ``validation``: in the first validation batch after step K;
 ``epoch_end``: in the first epoch's ``on_train_epoch_end``; ``save``: in the middle of writing the
 checkpoint of step K (half its bytes written; in the background writer with ``--async``);
-``resume``: at the first step this run makes (a resumed run: right after resuming). ``HANG``: a
-sample of step K sleeps in ``__getitem__`` far past ``hang_timeout`` (``exit_on_hang=True``); where
-the loader runs in a thread of its own beside thread replicas, in whichever replica's loader
-fetches it.
+``resume``: at the first step this run makes (a resumed run: right after resuming); ``compile``:
+once K files are in the compilation cache beside the run (``--compile``: ``torch.compile`` under
+``native``, whose Inductor writes ``<root>/inductor_cache``; ``compilation_cache=True`` under
+``xla_native``, ``<root>/xla_cache``), that is while the first step compiles. ``HANG``: a sample
+of step K sleeps in ``__getitem__`` far past ``hang_timeout`` (``exit_on_hang=True``); where the
+loader runs in a thread of its own beside thread replicas, in whichever replica's loader fetches
+it. ``HANGC``: rank R sleeps alone at the end of step K, so that the other ranks wait for it in
+the next step's collective. ``FULL``: at the end of step K the filesystem of ``--fill DIR`` (a
+small tmpfs that holds the runs root) is filled up by another file, so that the next checkpoint
+meets a full disk.
 ``--target``: ``rank``: rank R's own process; ``launcher``: the process that started the job (the
-calling process, or torchrun); ``all``: every process of the job.
+calling process, or rank R's torchrun: one node of two); ``all``: every process of the job (the
+torchruns' pids are in ``launcher-N.pid``). A fault is sent once per job, also across torchrun's
+restarts (``fired`` is on disk). ``--outside-kill``: the job runs as PID 1 of a PID namespace,
+which no signal without a handler reaches from inside: a SIGKILL or SIGUSR1 of the launcher is
+asked of the harness (``kill-request``), which sends it from outside.
 
 Written under DIR (outside the runs root): ``main-R.pid`` (the process that runs this script, per
 torchrun rank), ``rank-R.pid`` (each rank's process), ``progress`` (rank 0's global step after each
@@ -73,25 +83,36 @@ class Faulty(Dataset):
             with _once:
                 self.fetched += 1
                 due = self.fetched > self.at * self.per_step
-            if due:
-                _fire_once(None)
+            if due and _fire_once(None):  # once per job: not again in a worker torchrun restarted
                 time.sleep(self.seconds)
         return self.data[i]
 
 
 def _fire_once(targets) -> bool:
-    """Marks the fault as sent (once per process); sends ``targets``' signal if given."""
+    """Marks the fault as sent (once per job: a worker torchrun restarted finds ``fired``); sends
+    ``targets``' signal if given."""
     global _fired
+    args = _args
     with _once:
-        if _fired:
+        if _fired or os.path.exists(os.path.join(args.state, "fired")):
+            _fired = True
             return False
         _fired = True
-    args = _args
-    _write(os.path.join(args.state, "fired"), str(time.time()))
+        _write(os.path.join(args.state, "fired"), str(time.time()))
     if targets is None:
+        return True
+    if args.fault == "FULL":
+        _fill(args.fill)
+        return True
+    if args.fault == "HANGC":
+        time.sleep(600)  # alone: the other ranks wait in the next collective
         return True
     signum = getattr(signal, f"SIG{args.fault}")
     me = os.getpid()
+    if args.outside_kill and args.fault in ("KILL", "USR1") and 1 in targets:
+        _write(os.path.join(args.state, "kill-request"), args.fault)  # the harness sends it from outside
+        time.sleep(60)
+        return True
     for pid in targets:
         if pid != me:
             try:
@@ -105,6 +126,34 @@ def _fire_once(targets) -> bool:
         while interrupts.requested() is None and time.monotonic() < deadline:
             time.sleep(0.01)
     return True
+
+
+def _fill(folder: str) -> None:
+    """Fills the filesystem of ``folder`` up, as another program's file would."""
+    fd = os.open(os.path.join(folder, "filler"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for size in (1 << 16, 4096, 512, 1):  # unbuffered: the last bytes too
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def _watch_cache(folder: str, count: int, targets) -> None:
+    """Sends the fault once ``count`` files are in ``folder`` (the compilation cache), from a
+    thread: the first step is compiling and writing them."""
+    def watch():
+        while not _fired:
+            found = sum(len(files) for _, _, files in os.walk(folder))
+            if found >= count:
+                _fire_once(targets)
+                return
+            time.sleep(0.005)
+
+    threading.Thread(target=watch, daemon=True, name="chaos-cache-watch").start()
 
 
 def _pids(state: str, prefix: str) -> list[int]:
@@ -132,10 +181,11 @@ class Chaos(Callback):
             return [os.getpid()]
         if args.target == "launcher":
             return [_launcher()]
-        return sorted(set(_pids(args.state, "rank-") + _pids(args.state, "main-") + [_launcher()]))
+        return sorted(set(_pids(args.state, "rank-") + _pids(args.state, "main-") + [_launcher()]
+                          + _pids(args.state, "launcher-")))
 
     def _here(self, trainer) -> bool:
-        who = self.args.rank if self.args.target == "rank" else 0
+        who = self.args.rank if self.args.target in ("rank", "launcher") else 0
         return trainer.global_rank == who
 
     def setup(self, trainer, module, stage):
@@ -145,6 +195,9 @@ class Chaos(Callback):
         _write(os.path.join(self.args.state, f"rank-{trainer.global_rank}.pid"), str(os.getpid()))
         if self.args.when == "save" and self.args.fault not in (None, "HANG"):
             self._during_save(trainer)
+        if self.args.when == "compile" and self.args.fault not in (None, "HANG") and self._here(trainer):
+            name = "xla_cache" if self.args.strategy.startswith("xla") else "inductor_cache"
+            _watch_cache(os.path.join(_local_root(self.args.root), name), self.args.at, self._targets(trainer))
 
     def on_train_start(self, trainer, module):
         _local.trainer = trainer
@@ -192,6 +245,10 @@ class Chaos(Callback):
                        os.path.join(self.args.state, "weights.pt"))
 
 
+def _local_root(root: str) -> str:
+    return os.path.abspath(root[len("file://"):] if root.startswith("file://") else root)
+
+
 def fit(args) -> Trainer:
     world = int(os.environ.get("WORLD_SIZE", "0")) or args.devices
     data = native_run.make_data()
@@ -201,12 +258,19 @@ def fit(args) -> Trainer:
     val = DataLoader(native_run.make_data(n=16, seed=1), batch_size=BATCH // world)
     callbacks = [ModelCheckpoint(every_n_train_steps=2, save_last=True, save_top_k=2), Chaos(args)]
     extra = {}
-    if args.fault == "HANG":
+    if args.fault in ("HANG", "HANGC"):
         extra = dict(hang_timeout=args.hang_timeout, exit_on_hang=True)
     torch.manual_seed(0)
     model = native_run.ExactNet()
     devices = 1 if "TORCHELASTIC_RUN_ID" in os.environ else args.devices
-    trainer = Trainer(strategy=args.strategy, devices=devices, max_steps=args.steps, default_root_dir=args.root,
+    strategy = args.strategy
+    if args.compile and strategy == "native":
+        from xtrainer.strategies import NativeSingle
+
+        strategy = NativeSingle(compile=True)
+    elif args.compile:
+        extra["compilation_cache"] = True  # the XLA CPU runtime writes it (and cannot load it)
+    trainer = Trainer(strategy=strategy, devices=devices, max_steps=args.steps, default_root_dir=args.root,
                       enable_progress_bar=False, enable_model_summary=False, logger=False, log_every_n_steps=2,
                       num_sanity_val_steps=0, val_check_interval=4, callbacks=callbacks,
                       async_checkpointing=args.async_, **extra)
@@ -227,12 +291,16 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--async", dest="async_", action="store_true")
-    parser.add_argument("--fault", choices=["TERM", "INT", "KILL", "USR1", "HANG"], default=None)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--fault", choices=["TERM", "INT", "KILL", "USR1", "HANG", "HANGC", "FULL"], default=None)
     parser.add_argument("--target", choices=["rank", "launcher", "all"], default="rank")
     parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--when", choices=["step", "validation", "epoch_end", "save", "resume"], default="step")
+    parser.add_argument("--when", choices=["step", "validation", "epoch_end", "save", "resume", "compile"],
+                        default="step")
     parser.add_argument("--at", type=int, default=3)
     parser.add_argument("--hang-timeout", type=float, default=8.0)
+    parser.add_argument("--fill", default=None, help="FULL: a folder on the small filesystem to fill")
+    parser.add_argument("--outside-kill", action="store_true", help="the job is PID 1 of a PID namespace")
     _args = args = parser.parse_args()
     rank = os.environ.get("RANK", "0")
     _write(os.path.join(args.state, f"main-{rank}.pid"), str(os.getpid()))

@@ -46,6 +46,12 @@ def test_scenarios_are_drawn_from_their_seed_and_index_alone():
     assert {(s.strategy, s.devices, s.launcher) for s in drawn} == set(chaos.CONFIGS)
     assert {s.when for s in drawn} == set(chaos.WHENS)
     assert {s.damage for s in drawn} == set(chaos.DAMAGE) and {s.root for s in drawn} == set(chaos.ROOTS)
+    assert {s.env for s in drawn} == set(chaos.ENVS)
+    for s in drawn:  # each row's own constraints
+        assert s.when != "compile" or (s.strategy, s.devices, s.launcher) in chaos.COMPILED
+        assert s.fault != "HANGC" or s.devices > 1
+        assert s.fault != "FULL" or (s.root == "absolute" and s.launcher != "restarts")
+        assert s.env != "pid1" or (s.launcher == "trainer" and s.target == "launcher" and s.fault in ("TERM", "KILL"))
 
 
 def test_the_published_check_fails_on_a_half_written_checkpoint_and_a_leftover_temporary_file(tmp_path):
