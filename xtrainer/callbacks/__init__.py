@@ -11,13 +11,14 @@ from xtrainer.callbacks.lightning_names import (MISSING, BasePredictionWriter, D
 from xtrainer.callbacks.lr_monitor import LearningRateMonitor
 from xtrainer.callbacks.profiler import XlaProfiler
 from xtrainer.callbacks.progress import ProgressBar
+from xtrainer.callbacks.weight_averaging import EMAWeightAveraging, WeightAveraging
 from xtrainer.loggers import TensorBoardLogger
 
 __all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "DeviceStatsMonitor",
-           "EarlyStopping", "GradientAccumulationScheduler", "LambdaCallback", "LearningRateMonitor",
+           "EMAWeightAveraging", "EarlyStopping", "GradientAccumulationScheduler", "LambdaCallback", "LearningRateMonitor",
            "MetricNotFoundError", "ModelCheckpoint", "ModelSummary", "ProgressBar", "RecompilationError",
-           "RichModelSummary", "RichProgressBar", "TQDMProgressBar", "TensorBoardLogger", "Timer", "XlaHealth",
-           "XlaProfiler"]
+           "RichModelSummary", "RichProgressBar", "TQDMProgressBar", "TensorBoardLogger", "Timer", "WeightAveraging",
+           "XlaHealth", "XlaProfiler"]
 
 
 def __getattr__(name: str) -> object:

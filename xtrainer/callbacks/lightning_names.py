@@ -249,7 +249,8 @@ class BasePredictionWriter(Callback):
 
 #: Lightning callbacks with no counterpart here, and what to do instead.
 MISSING = {
-    "StochasticWeightAveraging": "keep an averaged copy with torch.optim.swa_utils.AveragedModel in your module",
+    "StochasticWeightAveraging": ("use WeightAveraging (Lightning 2.6's successor; its default average is SWA's), or keep "
+                                  "an averaged copy with torch.optim.swa_utils.AveragedModel in your module"),
     "ModelPruning": "prune with torch.nn.utils.prune in configure_model or a callback of your own",
     "BatchSizeFinder": "choose the batch size yourself: every new batch size compiles new graphs on XLA",
     "LearningRateFinder": "run xtrainer.tuner.Tuner(trainer).lr_find(model) before fit",

@@ -1,0 +1,178 @@
+"""Lightning 2.6's newer API, as a Lightning project uses it: the weight averaging callbacks
+(``WeightAveraging``, ``EMAWeightAveraging``). Modules are written as a Lightning user writes
+them; only the import lines differ.
+"""
+
+import glob
+import os
+
+import pytest
+import torch
+from conftest import make_data
+from torch import nn
+from torch.utils.data import DataLoader
+
+from xtrainer import Trainer
+from xtrainer import XModule as LightningModule
+from xtrainer.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, WeightAveraging
+
+STRATEGIES = ["native", "xla_native"]
+
+
+def quiet(tmp_path, **kwargs):
+    return dict(default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False, enable_model_summary=False,
+                num_sanity_val_steps=0, **kwargs)
+
+
+# ---- WeightAveraging / EMAWeightAveraging ------------------------------------------------------
+
+class Averaged(LightningModule):
+    """Lightning's weight-averaging test model: a BatchNorm (buffers averaged too), an optimizer
+    over a submodule's parameters; validation notes the weights it runs with."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+        self.validated_with = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx == 0:
+            self.validated_with.append(self.layer[0].weight.detach().cpu().clone())
+        self.log("val_loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.layer.parameters(), lr=0.1)
+
+
+class Recorder(Callback):
+    """The module's state after every optimizer step (placed before the averaging callback)."""
+
+    def __init__(self):
+        self.after_step = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.after_step.append({k: v.detach().cpu().clone() for k, v in module.state_dict().items()})
+
+
+def ema_of(states, decay):
+    """The EMA of ``states`` as torch's ``get_ema_avg_fn`` computes it (the first one copied)."""
+    averages = [dict(states[0])]
+    for state in states[1:]:
+        averages.append({k: (decay * averages[-1][k] + (1 - decay) * v).to(v.dtype) for k, v in state.items()})
+    return averages
+
+
+def assert_states(actual, expected, exact):
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        a, e = actual[name].cpu(), expected[name].cpu()
+        assert torch.equal(a, e) if exact else torch.allclose(a.double(), e.double(), atol=1e-6), name
+
+
+def _fit(tmp_path, strategy, callbacks, devices=1, max_epochs=3, ckpt_path=None, name="a"):
+    model = Averaged()
+    trainer = Trainer(strategy=strategy, devices=devices, max_epochs=max_epochs, callbacks=callbacks,
+                      **quiet(tmp_path / name))
+    trainer.fit(model, DataLoader(make_data(32), batch_size=8 // devices),
+                DataLoader(make_data(16, seed=1), batch_size=8), ckpt_path=ckpt_path)
+    return model
+
+
+def _saved(tmp_path, name, epoch):
+    (path,) = glob.glob(str(tmp_path / name / "**" / f"epoch={epoch}-*.ckpt"), recursive=True)
+    return path
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ema_weight_averaging_validates_and_ends_with_the_average_and_resumes_bitwise(tmp_path, strategy):
+    """EMAWeightAveraging updates after every optimizer step, validation runs on the average, the
+    fit ends with the average in the module, training itself is untouched, a checkpoint holds
+    the average as state_dict (current_model_state: the module's own), and a fit resumed from
+    it ends bitwise where the uninterrupted one did."""
+    exact = strategy == "native"  # the XLA compiler may fuse the EMA's multiply-add
+    recorder = Recorder()
+    ema = EMAWeightAveraging(decay=0.5)
+    model = _fit(tmp_path, strategy, [recorder, ema, ModelCheckpoint(save_top_k=-1)])
+    expected = ema_of(recorder.after_step, 0.5)
+    assert len(expected) == 12 and ema._average_model.count == 12
+    assert_states(model.state_dict(), expected[-1], exact)  # the average, copied in at the end
+    for epoch, weight in enumerate(model.validated_with):  # validation after each epoch's 4 steps
+        assert_states({"w": weight}, {"w": expected[4 * epoch + 3]["layer.0.weight"]}, exact)
+
+    plain = Recorder()
+    _fit(tmp_path, strategy, [plain], name="plain")  # the same training without averaging
+    for with_averaging, without in zip(recorder.after_step, plain.after_step, strict=True):
+        assert_states(with_averaging, without, exact=True)
+
+    saved = torch.load(_saved(tmp_path, "a", 0), weights_only=True)
+    assert_states(saved["state_dict"], expected[3], exact)
+    assert_states(saved["current_model_state"], recorder.after_step[3], exact=True)
+    assert int(saved["averaging_state"]["n_averaged"]) == 4
+    assert saved["callbacks"]["EMAWeightAveraging"] == {"latest_update_step": 4}
+    loaded = Averaged.load_from_checkpoint(_saved(tmp_path, "a", 0))  # Lightning's: the averaged weights
+    assert_states(loaded.state_dict(), expected[3], exact)
+
+    resumed_ema = EMAWeightAveraging(decay=0.5)
+    resumed = _fit(tmp_path, strategy, [resumed_ema], ckpt_path=_saved(tmp_path, "a", 0), name="resumed")
+    assert_states(resumed.state_dict(), {k: v.cpu() for k, v in model.state_dict().items()}, exact=True)
+    assert_states(resumed_ema._average_model.state_dict(), ema._average_model.state_dict(), exact=True)
+
+
+class EveryOtherEpoch(WeightAveraging):
+    """Lightning's SWA pattern: an equally weighted average, updated after chosen epochs only."""
+
+    def should_update(self, step_idx=None, epoch_idx=None):
+        return epoch_idx in (0, 2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_weight_averaging_updates_when_should_update_says(tmp_path, strategy):
+    recorder = Recorder()
+    swa = EveryOtherEpoch(use_buffers=False)
+    model = _fit(tmp_path, strategy, [recorder, swa], max_epochs=3)
+    after_epoch = [recorder.after_step[3], recorder.after_step[11]]  # the SWA of the ends of epochs 0 and 2
+    expected = {k: v + (after_epoch[1][k] - v) / 2 for k, v in after_epoch[0].items() if "running" not in k
+                and "num_batches" not in k}
+    final = model.state_dict()
+    assert_states({k: final[k] for k in expected}, expected, exact=False)  # torch's SWA runs as a lerp
+    assert torch.equal(final["layer.1.running_mean"], recorder.after_step[11]["layer.1.running_mean"])  # copied
+    assert swa._average_model.count == 2
+
+
+def test_ema_should_update_follows_lightnings_rules():
+    ema = EMAWeightAveraging(update_every_n_steps=3, update_starting_at_step=6, update_starting_at_epoch=2)
+    assert [s for s in range(12) if ema.should_update(step_idx=s)] == [6, 9]
+    assert [e for e in range(4) if ema.should_update(epoch_idx=e)] == [2, 3]
+    assert not EMAWeightAveraging().should_update(epoch_idx=5)
+    assert WeightAveraging().should_update(step_idx=0) and not WeightAveraging().should_update(epoch_idx=0)
+    from xtrainer.callbacks.weight_averaging import EMAWeightAveraging as FromModule
+
+    assert FromModule is EMAWeightAveraging
+
+
+def test_weight_averaging_under_a_sharding_strategy_says_what_to_use(tmp_path):
+    with pytest.raises(ValueError, match="keeps a whole copy of the module.*xla_fsdp.*use an unsharded strategy"):
+        _fit(tmp_path, "xla_fsdp", [EMAWeightAveraging()], max_epochs=1)
+
+
+@pytest.mark.multi_device
+@pytest.mark.parametrize("strategy", ["native_ddp"])
+def test_ema_weight_averaging_at_two_processes_resumes_bitwise(tmp_path, strategy):
+    """Under DDP every rank averages its (equal) weights; rank 0's validation runs on the average,
+    and a fit resumed from a checkpoint ends bitwise where the uninterrupted one did."""
+    recorder, ema = Recorder(), EMAWeightAveraging(decay=0.5)
+    model = _fit(tmp_path, strategy, [recorder, ema, ModelCheckpoint(save_top_k=-1)], devices=2, max_epochs=2)
+    expected = ema_of(recorder.after_step, 0.5)  # rank 0's steps: 4 global batches of 8 per epoch
+    assert len(expected) == 8
+    assert_states(model.state_dict(), expected[-1], exact=True)
+    assert_states({"w": model.validated_with[0]}, {"w": expected[3]["layer.0.weight"]}, exact=True)
+    resumed = _fit(tmp_path, strategy, [EMAWeightAveraging(decay=0.5)], devices=2, max_epochs=2,
+                   ckpt_path=_saved(tmp_path, "a", 0), name="resumed")
+    assert_states(resumed.state_dict(), model.state_dict(), exact=True)
+
