@@ -1,6 +1,7 @@
 """Lightning 2.6's newer API, as a Lightning project uses it: the weight averaging callbacks
-(``WeightAveraging``, ``EMAWeightAveraging``). Modules are written as a Lightning user writes
-them; only the import lines differ.
+(``WeightAveraging``, ``EMAWeightAveraging``), and under ``xla_fsdp`` an optimizer built from a
+submodule's parameters. Modules are written as a Lightning user writes them; only the import
+lines differ.
 """
 
 import glob
@@ -175,4 +176,53 @@ def test_ema_weight_averaging_at_two_processes_resumes_bitwise(tmp_path, strateg
     resumed = _fit(tmp_path, strategy, [EMAWeightAveraging(decay=0.5)], devices=2, max_epochs=2,
                    ckpt_path=_saved(tmp_path, "a", 0), name="resumed")
     assert_states(resumed.state_dict(), model.state_dict(), exact=True)
+
+
+# ---- xla_fsdp: an optimizer over a submodule's parameters -----------------------------------------
+
+class BugReport(LightningModule):
+    """Lightning's bug-report template: the optimizer is built from ``self.layer.parameters()``
+    (here with a feature layer in front that the optimizer leaves out)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Linear(8, 8)
+        self.layer = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(torch.relu(self.features(x))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.layer.parameters(), lr=0.1)
+
+
+def _fit_bug_report(tmp_path, strategy, devices, **strategy_kwargs):
+    from xtrainer.strategies import XlaFSDP
+
+    model = BugReport()
+    chosen = XlaFSDP(**strategy_kwargs) if strategy == "xla_fsdp" else strategy
+    Trainer(strategy=chosen, devices=devices, max_epochs=2, enable_checkpointing=False,
+            **quiet(tmp_path / strategy)).fit(model, DataLoader(make_data(32), batch_size=8))
+    return model
+
+
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multi_device)])
+def test_xla_fsdp_maps_an_optimizer_over_a_submodules_parameters_to_its_shards(tmp_path, devices):
+    """The optimizer trains the layer it was given, through the layer's shards, and nothing else:
+    the same weights as the same fit under xla_native (to the last bits the reduction allows)."""
+    initial = BugReport().state_dict()
+    sharded = _fit_bug_report(tmp_path, "xla_fsdp", devices)
+    plain = _fit_bug_report(tmp_path, "xla_native", devices)
+    trained = sharded.state_dict()
+    assert torch.equal(trained["features.weight"], initial["features.weight"])  # not in the optimizer
+    assert not torch.equal(trained["layer.weight"], initial["layer.weight"])
+    for name, tensor in plain.state_dict().items():
+        assert torch.allclose(trained[name], tensor, atol=1e-6), name
+
+
+def test_xla_fsdp_with_flattened_parameters_says_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="flatten_parameters=True.*leave flatten_parameters at False"):
+        _fit_bug_report(tmp_path, "xla_fsdp", 1, flatten_parameters=True)
 

@@ -239,13 +239,15 @@ def test_configure_model_builds_and_wraps_blocks(tmp_path):
         assert torch.allclose(model(x), eager(x), atol=1e-6)
 
 
-def test_fsdp_optimizer_must_use_the_sharded_parameters(tmp_path):
-    class Wrong(Regressor):
+def test_fsdp_optimizer_over_a_submodule_needs_unflattened_parameters(tmp_path):
+    """A submodule's parameters map to their shards (tests/test_lightning_port4.py); flattened
+    into one shard per unit, they cannot."""
+    class Submodule(Regressor):
         def configure_optimizers(self):
             return torch.optim.SGD(self.net.parameters(), lr=0.1)
 
-    with pytest.raises(ValueError, match="xla_fsdp does not train: .* only self.parameters\\(\\)"):
-        fit(tmp_path, XlaFSDP(), model=Wrong())
+    with pytest.raises(ValueError, match="flatten_parameters=True .* leave flatten_parameters at False"):
+        fit(tmp_path, XlaFSDP(flatten_parameters=True), model=Submodule())
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -129,24 +129,30 @@ class XlaFSDP(ParallelStrategy):
             "place), xla_ddp or xla_native.")
 
     def _configure_sharded(self, module: nn.Module, configure: Callable[[], Any]) -> Any:
+        """``configure_optimizers`` with ``self.parameters()`` giving the shards, and a
+        submodule's parameters (``self.layer.parameters()``, ``named_parameters()``) the full
+        parameters FSDP took out of the module: each optimizer's are then mapped to their shards
+        (torch_xla keeps the shard of each full parameter as its ``_sharded_param``). With
+        ``flatten_parameters=True`` a unit's parameters share one flat shard, so only whole units
+        can be mapped."""
         user_module = self.unwrap(module).module
         user_module.parameters = module.parameters  # instance attribute shadows the method
-        message = ("Under xla_fsdp the optimizer must be built from self.parameters() inside "
-                   "configure_optimizers(): those are the sharded parameters. Parameters taken from "
-                   "submodules (or named_parameters()) refer to the unsharded originals, which FSDP removed.")
+        flattened = bool(self.fsdp_kwargs.get("flatten_parameters", False))
+        message = ("Under xla_fsdp with flatten_parameters=True a unit's parameters are flattened into one shard, so "
+                   "an optimizer cannot take a submodule's own: leave flatten_parameters at False (the default), make "
+                   "that submodule a unit of its own (auto_wrap_policy), or optimize all of self.parameters.")
         try:
-            config = configure()
+            with _full_parameters_in_place(user_module):
+                config = configure()
         except ValueError as err:
-            if "empty parameter list" in str(err):
+            if flattened and "empty parameter list" in str(err):
                 raise ValueError(message) from err
             raise
         finally:
             del user_module.parameters
         sharded = {id(p) for p in module.parameters()}
         for optimizer in _optimizers_in(config):
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            if not params or any(id(p) not in sharded for p in params):
-                raise ValueError(message)
+            _map_to_shards(optimizer, sharded, message if flattened else None)
         return config
 
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
@@ -245,6 +251,49 @@ def _checkpoint_status_per_thread() -> None:
     itself; one process per device (a TPU host) behaves as before."""
     with _CHECKPOINT_STATUS_LOCK:
         _xla.set_checkpoint_status(_CHECKPOINT_STATUS)
+
+
+@contextlib.contextmanager
+def _full_parameters_in_place(root: nn.Module) -> Iterator[None]:
+    """The full parameters FSDP took out of ``root``'s modules (keeping each as a plain
+    attribute with its shard as ``_sharded_param``) put back into their modules' parameters for
+    the duration, so that ``submodule.parameters()`` yields them."""
+    added = []
+    for m in root.modules():
+        for name, value in list(vars(m).items()):
+            if isinstance(value, nn.Parameter) and hasattr(value, "_sharded_param") and name not in m._parameters:
+                m._parameters[name] = value
+                added.append((m, name))
+    try:
+        yield
+    finally:
+        for m, name in added:
+            m._parameters.pop(name, None)
+
+
+def _map_to_shards(optimizer: torch.optim.Optimizer, sharded: set[int], flattened: str | None) -> None:
+    """Replace, in place, each full parameter of ``optimizer``'s groups by its shard (before any
+    step: the optimizer has no state yet, and schedulers keep pointing at the same optimizer)."""
+    if not optimizer.param_groups or not any(group["params"] for group in optimizer.param_groups):
+        raise ValueError(flattened or "Under xla_fsdp the optimizer got no parameters.")
+    for group in optimizer.param_groups:
+        mapped: list[torch.Tensor] = []
+        for p in group["params"]:
+            shard = p if id(p) in sharded else getattr(p, "_sharded_param", None)
+            if shard is None or id(shard) not in sharded:
+                raise ValueError(flattened or "Under xla_fsdp an optimizer holds a parameter that is not the module's "
+                                 f"(shape {tuple(p.shape)}): build it from the module's parameters inside "
+                                 "configure_optimizers().")
+            if all(shard is not q for q in mapped):
+                mapped.append(shard)
+        group["params"] = mapped
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        ids = {id(p) for p in group["params"]}
+        if ids & seen:  # a unit's shards and its own layers' parameters, named in two groups
+            raise ValueError("Under xla_fsdp two parameter groups of an optimizer hold the same parameter (a unit's "
+                             "shard and a parameter of its layers): name each parameter in one group only.")
+        seen |= ids
 
 
 def _is_shard(name: str) -> bool:
