@@ -15,7 +15,8 @@ def test_trainer_module_and_loaders_pickle_for_spawned_replicas(tmp_path):
     model = Regressor()
     trainer2, model2, loader2 = pickle.loads(pickle.dumps((trainer, model, make_loader())))
     assert type(trainer2.strategy).__name__ == "XlaFSDP" and len(loader2) == 8
-    assert [type(cb).__name__ for cb in trainer2.callbacks] == ["XlaHealth", "Goodput", "HangWatchdog", "ProgressBar", "ModelCheckpoint"]
+    assert [type(cb).__name__ for cb in trainer2.callbacks] == ["ModelSummary", "XlaHealth", "Goodput", "HangWatchdog",
+                                                                "ProgressBar", "ModelCheckpoint"]
 
 
 class WithGenerator(Regressor):

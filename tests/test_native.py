@@ -376,7 +376,7 @@ def test_the_native_loader_moves_every_tensor_and_every_object_with_a_to_method_
 
 @pytest.mark.parametrize("fold_after", [1024, 3], ids=["read", "folded-between-reads"])
 def test_a_nan_loss_is_reported_with_its_step_without_a_host_sync_per_step(tmp_path, monkeypatch, fold_after):
-    from xtrainer.loop.publishing import DeferredWatch
+    from xtrainer.loop.nonfinite import DeferredWatch
 
     monkeypatch.setattr(DeferredWatch, "FOLD_AFTER", fold_after)
     # Batches of 2, two per optimizer step: sample 21 is in batch 10, so in global step 5; the
@@ -397,7 +397,7 @@ def test_the_deferred_watch_tells_a_nan_or_infinite_loss_from_finite_losses_whos
     losses is not a non-finite loss, and a NaN or an infinity is found at its own step. On the
     CPU each loss is checked as it comes, and none is kept (``device``: the device's path, run
     on CPU tensors)."""
-    from xtrainer.loop.publishing import DeferredWatch
+    from xtrainer.loop.nonfinite import DeferredWatch
     from xtrainer.loop.results import to_floats
 
     def first_bad(losses, dtype=torch.float32):

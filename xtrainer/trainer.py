@@ -671,4 +671,4 @@ class Trainer:
         """The global step whose training loss was first NaN or infinite, if the weights have been
         updated since (None: all good so far, or ``detect_nonfinite="off"``). A host sync: for
         deciding whether a checkpoint may be written, which syncs anyway."""
-        return self.run.publisher.nonfinite_step(self)
+        return self.run.nonfinite.nonfinite_step(self)

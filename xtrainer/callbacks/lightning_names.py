@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 class ModelSummary(Callback):
     """Prints the module's summary (Lightning's table) on rank 0 when a fit starts, to
-    ``max_depth`` levels of submodules; the Trainer's own summary (``enable_model_summary``) is
-    not printed besides it."""
+    ``max_depth`` levels of submodules. The Trainer adds one (``max_depth=1``) where
+    ``enable_model_summary`` is set and none is given, as Lightning does."""
 
     def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
         self.max_depth, self.summarize_kwargs = max_depth, summarize_kwargs

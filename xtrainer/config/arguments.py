@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
 from xtrainer._lazy_xla import xla as _xla
-from xtrainer.callbacks import ModelCheckpoint, ProgressBar, XlaHealth
+from xtrainer.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.config.settings import TrainerSettings, seconds  # noqa: F401  (the Trainer reads arguments.seconds)
 from xtrainer.goodput import Goodput
@@ -62,6 +62,8 @@ def with_defaults(settings: TrainerSettings, given: list[Any]) -> list[Callback]
             raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}.")
         check_hook_names(cb, CALLBACK_HOOKS, Callback)
     has = lambda kind: any(isinstance(cb, kind) for cb in found)  # noqa: E731
+    if settings.enable_model_summary and not has(ModelSummary):
+        found.append(ModelSummary())  # printed on rank 0 as the fit starts, as Lightning's default one
     if settings.enable_checkpointing and not has(ModelCheckpoint):
         found.append(ModelCheckpoint())
     if not settings.enable_checkpointing and has(ModelCheckpoint):

@@ -107,11 +107,9 @@ class _Alone:
 def stop_on_signal(trainer: "TrainerView", signum: int) -> None:
     """Stopped by a signal: ``on_exception``, a checkpoint (every replica), then raise
     ``TrainingInterrupted`` with one line saying where the checkpoint is."""
-    from xtrainer.callbacks import ModelCheckpoint
-
     name = signal.Signals(signum).name
     trainer.run.call_on_exception(interrupts.TrainingInterrupted(f"Stopped by {name}.", signum))
-    saver = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)
+    saver = trainer.checkpoint_callback  # the first ModelCheckpoint writes it where it writes its own
     if saver is not None:
         path = saver.save_now(trainer)
     elif trainer.nonfinite_step() is None:
@@ -146,8 +144,6 @@ def resolve_ckpt_path(trainer: "TrainerView", ckpt_path: str, stage: str = "fit"
     """The checkpoint ``ckpt_path`` (a path, ``"best"`` or ``"last"``) means for this run, checked
     completely, announced in one line; None for a fresh start (``"last"`` with none yet), or, for
     an evaluation after a fit that this Trainer took past every checkpoint, the module as it is."""
-    from xtrainer.callbacks import ModelCheckpoint
-
     if ckpt_path == "best":
         best = getattr(trainer.checkpoint_callback, "best_model_path", "")
         if not best:
@@ -157,7 +153,7 @@ def resolve_ckpt_path(trainer: "TrainerView", ckpt_path: str, stage: str = "fit"
         ckpt_path = best
     if ckpt_path != "last" and not ckpt_io.fs.exists(ckpt_path):
         raise ckpt_io.CheckpointNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (or pass ckpt_path='last').")
-    extra = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    extra = [cb.dirpath for cb in trainer.checkpoint_callbacks if cb.dirpath]
     planned = next((lg.version_dir for lg in trainer.loggers if getattr(lg, "version_dir", None)), None)
     if planned:  # a version given by name (version="baseline") is not among the version_* siblings
         extra.append(ckpt_io.default_dirpath(planned))

@@ -46,10 +46,9 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
                        f"log_every_n_steps={trainer.log_every_n_steps}: the loggers get the per-step values only every "
                        f"{trainer.log_every_n_steps} steps (and the epoch values at each epoch's end), as in Lightning. "
                        "Set a lower log_every_n_steps to see them within each epoch.")
+    run.nonfinite.start_fit(trainer)
     run.publisher.start_fit(trainer)
     run.started_at = time.monotonic()
-    if trainer.enable_model_summary and trainer.is_global_zero:
-        print_summary(trainer)
     run.call("on_fit_start")
     if val and trainer.num_sanity_val_steps and trainer.limits["validate"] != 0:
         evaluation.sanity_check(trainer, val)
@@ -204,7 +203,7 @@ def forward_backward(trainer: "TrainerView", batch: Any, batch_idx: int, accumul
     loss = outputs if type(outputs) is torch.Tensor and outputs.dim() == 0 and outputs.requires_grad \
         else training_loss(outputs)  # the checks and the message for anything else
     value = loss.detach()
-    watch = trainer.run.publisher.watch
+    watch = trainer.run.nonfinite.watch
     if watch is not None:
         watch.observe(value, trainer.loop.global_step)  # the non-finite check, on the device
     results = trainer.run.results
@@ -263,7 +262,7 @@ def manual_training_step(trainer: "TrainerView", batch: Any, batch_idx: int, hoo
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         loss = loss.detach().reshape(())
-        trainer.run.publisher.observe_loss(loss, loop.global_step)
+        trainer.run.nonfinite.observe(loss, loop.global_step)
         results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
                     reduce_fx="mean", batch_size=None)
     loop.stepped = True  # the module stepped (or not) itself: any batch is a boundary
@@ -401,18 +400,3 @@ def check_validation_interval(trainer: "TrainerView") -> None:
         raise ValueError(f"val_check_interval={interval} is more than the {n} training batches of an epoch, so "
                          "validation would never run. Give at most that many, set check_val_every_n_epoch=None to "
                          "count the batches across epochs, or limit_val_batches=0 to turn validation off.")
-
-
-def print_summary(trainer: "TrainerView") -> None:
-    """The model summary at a fit's start (rank 0), unless a ``ModelSummary`` callback prints its own."""
-    from xtrainer.callbacks import ModelSummary
-
-    if any(isinstance(cb, ModelSummary) for cb in trainer.callbacks):
-        return  # that callback prints it, to its own depth
-    try:
-        from xtrainer.summary import summarize
-    except ImportError:
-        return
-
-    print(summarize(trainer.module, world_size=trainer.world_size,
-                    sharded=trainer.strategy.shards_parameters), flush=True)

@@ -119,8 +119,8 @@ class Optimization:
         else:
             trainer.strategy.optimizer_step(optimizer, before_step)
         trainer.loop.global_step += 1
-        if trainer.run.publisher.counts_steps:
-            trainer.run.publisher.stepped()
+        if trainer.run.nonfinite.counts_steps:
+            trainer.run.nonfinite.stepped()
         if self.schedulers:  # those that monitor a metric step once the step's values can be read (fit.batch_end)
             self.step_schedulers(trainer, "step", batch_idx, plateau=False)
 
@@ -153,7 +153,7 @@ class Optimization:
     def _manual_stepped(self, trainer: "TrainerView") -> None:
         """A manual ``opt.step()``: Lightning counts every optimizer step in ``global_step``."""
         trainer.loop.global_step += 1
-        trainer.run.publisher.stepped()
+        trainer.run.nonfinite.stepped()
 
     def forget_pending_clips(self) -> None:
         """After a manual ``training_step``: a clip asked for an optimizer that did not step lapses."""

@@ -24,6 +24,7 @@ from torch import nn
 from xtrainer.launch.interrupts import TrainingInterrupted
 from xtrainer.loop.hooks import HookTable
 from xtrainer.loop.loaders import num_batches
+from xtrainer.loop.nonfinite import NonFinite
 from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.publishing import Publisher
 from xtrainer.loop.results import Results
@@ -41,7 +42,8 @@ class Run:
     (``loop.steps.batch_transfer``), where the module or data module overrides them.
     ``optim``: the optimizers and how they step. ``results``: where ``self.log`` puts values now
     (``train_results`` during training, an evaluation's during it). ``publisher``: reads them to
-    the host and hands them out. ``hooks``: who overrides which hook (``call``). ``stage_data``:
+    the host and hands them out. ``nonfinite``: the watch for a NaN or infinite training loss
+    (``detect_nonfinite``). ``hooks``: who overrides which hook (``call``). ``stage_data``:
     the stage's loaders, as the strategy delivers them; ``train_data``: the fit's training data;
     ``restored_data_state``: the data order a resumed epoch continues (set by ``restore``, taken
     by the loop at the epoch's start). ``num_training_batches``: the batches of a training epoch
@@ -57,7 +59,8 @@ class Run:
 
     def __init__(self, trainer: TrainerView, detect_nonfinite: str) -> None:
         self.trainer = trainer
-        self.publisher = Publisher(detect_nonfinite)
+        self.publisher = Publisher()
+        self.nonfinite = NonFinite(detect_nonfinite)
         self.hooks = HookTable()
         self.module: XModule | None = None
         self.last_module: XModule | None = None
