@@ -240,6 +240,18 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
             return self._trainer.strategy.device
         return torch.device("cpu")
 
+    #: The mesh the strategy runs over while a stage runs (``ModelParallelStrategy``'s), else None.
+    _device_mesh: Any = None
+
+    @property
+    def device_mesh(self) -> Any:
+        """The 2-D ``DeviceMesh`` (``("data_parallel", "tensor_parallel")``) that
+        ``ModelParallelStrategy`` runs over, to parallelize the module with in ``configure_model()``
+        (``parallelize_module(..., self.device_mesh["tensor_parallel"])``, ``fully_shard(...,
+        mesh=self.device_mesh["data_parallel"])``), as in Lightning; None under other strategies
+        and outside a stage."""
+        return self._device_mesh
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the module's floating-point parameters (Lightning's ``self.dtype``), or

@@ -15,6 +15,7 @@ from xtrainer.strategies.xla_spmd import XlaFSDPv2, XlaSPMD
 from xtrainer.strategies.native import NativeSingle
 from xtrainer.strategies.native_ddp import NativeDDP
 from xtrainer.strategies.native_fsdp import NativeFSDP
+from xtrainer.strategies.model_parallel import ModelParallelStrategy
 from xtrainer.strategies.process_group import under_torchrun
 from xtrainer.suggest import did_you_mean
 
@@ -28,6 +29,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     NativeSingle.name: NativeSingle,
     NativeDDP.name: NativeDDP,
     NativeFSDP.name: NativeFSDP,
+    ModelParallelStrategy.name: ModelParallelStrategy,
 }
 
 
@@ -94,4 +96,4 @@ def known_name(name: Any) -> bool:
                                       or name == "auto" or name in _LIGHTNING_DDP_OPTIONS)
 
 
-__all__ = ["LIGHTNING_NAMES", "known_name", "lightning_name", "STRATEGIES", "NativeDDP", "NativeFSDP", "NativeSingle", "ParallelStrategy", "Strategy", "XlaDDP", "XlaFSDP", "XlaFSDPv2", "XlaNative", "XlaSPMD", "resolve_strategy"]
+__all__ = ["LIGHTNING_NAMES", "known_name", "lightning_name", "ModelParallelStrategy", "STRATEGIES", "NativeDDP", "NativeFSDP", "NativeSingle", "ParallelStrategy", "Strategy", "XlaDDP", "XlaFSDP", "XlaFSDPv2", "XlaNative", "XlaSPMD", "resolve_strategy"]

@@ -32,24 +32,26 @@ def squares(tensor: torch.Tensor) -> torch.Tensor:
 def gradient_norm(grads: list[torch.Tensor], shards: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of the whole gradient, on the device: ``grads`` as the parameters hold them,
     ``shards`` their local parts. A sharded gradient's squares are summed over its shards (one
-    all-reduce for all of them); a replicated one's (a whole tensor, or a DTensor with a
-    ``Replicate`` placement) count once."""
-    sharded, whole, group = [], [], None
+    all-reduce for all of those sharded over one process group: ``fully_shard``'s, or a tensor-
+    parallel layer's); a replicated one's (a whole tensor, or a DTensor with a ``Replicate``
+    placement) count once."""
+    sharded: dict[Any, list[torch.Tensor]] = {}  # by the group their shards are split over
+    whole = []
     for grad, shard in zip(grads, shards):
         if not is_dtensor(grad):
             whole.append(squares(grad))
-        elif grad.device_mesh.ndim == 1 and grad.placements[0].is_shard():  # fully_shard's
-            sharded.append(squares(shard))
-            group = grad.device_mesh.get_group()
-        else:  # not fully_shard's over one mesh dimension: gathered whole (every process calls this)
+        elif grad.device_mesh.ndim == 1 and grad.placements[0].is_shard():  # over one mesh dimension
+            sharded.setdefault(grad.device_mesh.get_group(), []).append(squares(shard))
+        else:  # over several mesh dimensions, or replicated: gathered whole (every process calls this)
             whole.append(squares(grad.full_tensor()))
     dtype = torch.promote_types(torch.float32, shards[0].dtype)
-    for part in sharded + whole:
+    for part in [p for parts in sharded.values() for p in parts] + whole:
         dtype = torch.promote_types(dtype, part.dtype)
     total = torch.zeros((), dtype=dtype, device=shards[0].device)
-    if sharded:
-        total = torch.stack([part.to(dtype) for part in sharded]).sum()
-        dist.all_reduce(total, group=group)  # a collective on the device, no host sync
+    for i, (group, parts) in enumerate(sharded.items()):  # in the order of the parameters: alike on every process
+        part = torch.stack([p.to(dtype) for p in parts]).sum()
+        dist.all_reduce(part, group=group)  # a collective on the device, no host sync
+        total = part if i == 0 else total + part
     if whole:
         total = total + torch.stack([part.to(dtype) for part in whole]).sum()
     return total.sqrt()
