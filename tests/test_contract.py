@@ -48,7 +48,24 @@ def test_every_module_hook_is_a_callback_hook_and_misspelt_hooks_are_warned_of(t
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_every_registered_strategy_fits_saves_and_validates_from_its_checkpoint(tmp_path, name):
+def test_every_registered_strategy_fits_saves_and_validates_from_its_checkpoint(tmp_path, name, monkeypatch):
+    if name == "native_ft":  # one replica group under a real lighthouse
+        pytest.importorskip("torchft")
+        from ft_lighthouse import Lighthouse
+
+        lighthouse = Lighthouse()
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse.address)
+        monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+        monkeypatch.setenv("NUM_REPLICA_GROUPS", "1")
+        try:
+            _fit_save_validate(tmp_path, name)
+        finally:
+            lighthouse.stop()
+        return
+    _fit_save_validate(tmp_path, name)
+
+
+def _fit_save_validate(tmp_path, name):
     trainer = Trainer(strategy=name, max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
                       logger=False)
     model = Regressor()

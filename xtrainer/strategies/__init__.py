@@ -16,6 +16,7 @@ from xtrainer.strategies.native import NativeSingle
 from xtrainer.strategies.native_ddp import NativeDDP
 from xtrainer.strategies.native_fsdp import NativeFSDP
 from xtrainer.strategies.model_parallel import ModelParallelStrategy
+from xtrainer.strategies.native_ft import NativeFaultTolerant
 from xtrainer.strategies.process_group import under_torchrun
 from xtrainer.suggest import did_you_mean
 
@@ -30,6 +31,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     NativeDDP.name: NativeDDP,
     NativeFSDP.name: NativeFSDP,
     ModelParallelStrategy.name: ModelParallelStrategy,
+    NativeFaultTolerant.name: NativeFaultTolerant,
 }
 
 
