@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from xtrainer import goodput
+from xtrainer import clusters, goodput
 from xtrainer.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from xtrainer.callbacks.base import Callback
 from xtrainer.checkpoint import fs
@@ -179,9 +179,13 @@ class Trainer:
             known = [p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self", "unexpected")]
             raise TypeError(f"Trainer() got an unexpected argument {name!r}.{did_you_mean(name, known)} "
                             "docs/lightning.md ('Coming from Lightning') lists every argument.")
+        environment, plugins = clusters.from_plugins(plugins)
         settings, callbacks, logger = arguments.resolve(
             {name: value for name, value in locals().items() if name in TrainerSettings.names()},
-            callbacks, logger, plugins, model_registry)
+            callbacks, logger, plugins or None, model_registry)
+        #: The scheduler's environment this process runs in (``SLURMEnvironment`` under ``srun``),
+        #: or None: its ranks are torch's variables before the strategy is configured.
+        self.cluster_environment = clusters.prepare(environment, settings.devices, settings.num_nodes)
         self.strategy = resolve_strategy(strategy, settings.accelerator, settings.devices)
         self.precision = Precision(settings.precision)
         self.strategy.configure(settings.accelerator, settings.devices, settings.num_nodes, self.precision)

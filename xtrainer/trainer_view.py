@@ -47,6 +47,7 @@ class TrainerView(Protocol):
     reload_dataloaders_every_n_epochs: int
     use_distributed_sampler: bool
     num_nodes: int
+    cluster_environment: Any
 
     # ---- where a run is (Lightning's; written by the loop) ----------------------------------
     loop: Any

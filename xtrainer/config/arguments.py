@@ -27,8 +27,9 @@ def resolve(values: dict[str, Any], callbacks: Any, logger: Any, plugins: Any, m
         raise ValueError("model_registry=...: Lightning's model registry upload has no counterpart here; "
                          "checkpoints are written under the run folder (or a ModelCheckpoint's dirpath).")
     if plugins is not None:
-        raise ValueError("plugins=...: Lightning's plugins (precision, environment, checkpoint IO) have no "
-                         "counterpart here; precision= and the strategy's arguments cover what XLA needs.")
+        raise ValueError("plugins=...: Lightning's plugins (precision, checkpoint IO) have no counterpart here, but "
+                         "its cluster environment (xtrainer.plugins.environments.SLURMEnvironment); precision= and the "
+                         "strategy's arguments cover the rest.")
     settings = TrainerSettings(**values).check()  # the strategy checks the accelerator (Strategy.configure)
     callbacks = as_list(callbacks)
     if settings.barebones:  # Lightning's meaning: nothing that costs time beyond the loop itself

@@ -16,6 +16,10 @@ replicas' stop vote carries the signal's number, and each replica that learns of
 as its own request (``adopt``), so that every replica stops on the same path, writes the one
 checkpoint with the others and exits with the same code.
 
+A cluster's requeue signal (SLURM's SIGUSR1 under auto-requeue, ``clusters/slurm.py``) asks for
+the same stop where the stage adds it (``graceful(also=...)``); the fit's ``TrainingInterrupted``
+then carries it, and the cluster decides what follows (the requeue).
+
 A calling process forwards the signal to the replicas' process it started; that process runs in a
 process group of its own (so a terminal's Ctrl-C reaches it once, through the caller) and ends
 within a second when its caller dies, SIGKILL included (Linux's parent-death signal, and a
@@ -41,6 +45,9 @@ import time
 from typing import Iterator
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: The signals beyond SIGTERM and SIGINT that stop a run gracefully (``graceful(also=...)``), as
+#: the processes a run starts inherit them: ``10`` (SIGUSR1) for SLURM's requeue signal.
+STOP_SIGNALS_VAR = "XTRAINER_STOP_SIGNALS"
 _requested: int | None = None
 _adopted = False  # _requested came from another replica (``adopt``), not to this process
 #: A SIGINT this soon after this process's first is the same Ctrl-C, delivered again: a terminal
@@ -119,23 +126,35 @@ def _handle(signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def graceful(announce: bool = True) -> Iterator[None]:
+def graceful(announce: bool = True, also: tuple[int, ...] = ()) -> Iterator[None]:
     """While a run lasts: SIGTERM and SIGINT request a graceful stop (main thread only; elsewhere,
     a notebook's worker thread say, signals keep their handlers). ``announce``: say so on stderr
-    (a replicas' process leaves that to its caller)."""
+    (a replicas' process leaves that to its caller). ``also``: more signals that request it (a
+    cluster's requeue signal, ``clusters/``), handled as SIGTERM is, and forwarded as they are: the
+    replicas' processes started meanwhile handle them too (they inherit ``STOP_SIGNALS_VAR``)."""
     global _requested, _adopted, _announce, _first_sigint_at
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
+    inherited = tuple(int(n) for n in os.environ.get(STOP_SIGNALS_VAR, "").split(",") if n.isdigit())
+    handled = tuple(dict.fromkeys((*_SIGNALS, *inherited, *also)))
+    previous = {signum: signal.getsignal(signum) for signum in handled}
+    before = os.environ.get(STOP_SIGNALS_VAR)
+    extra = [str(int(signum)) for signum in handled if signum not in _SIGNALS]
+    if extra:
+        os.environ[STOP_SIGNALS_VAR] = ",".join(extra)
     _requested, _adopted, _announce, _first_sigint_at = None, False, announce, None
-    for signum in _SIGNALS:
+    for signum in handled:
         signal.signal(signum, _handle)
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if extra and before is None:
+            os.environ.pop(STOP_SIGNALS_VAR, None)
+        elif extra:
+            os.environ[STOP_SIGNALS_VAR] = before
 
 
 @contextlib.contextmanager

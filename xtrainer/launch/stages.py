@@ -34,15 +34,32 @@ def fit(trainer: TrainerView, model: XModule, train_dataloaders: Any, val_datalo
     loaders.prepare(trainer, "fit", model, datamodule,
                     given=train_dataloaders is not None or val_dataloaders is not None)
     error = None
+    cluster = trainer.cluster_environment
     try:
         sources = loaders.for_fit(trainer, model, train_dataloaders, val_dataloaders)
-        with interrupts.graceful():  # SIGTERM/SIGINT: finish the step, write a checkpoint, raise
-            run(trainer, "fit", model, sources, ckpt_path)
+        if cluster is not None:
+            ckpt_path = _cluster_ckpt_path(trainer, cluster.fit_ckpt_path(ckpt_path), ckpt_path)
+        # SIGTERM/SIGINT (and a cluster's requeue signal): finish the step, write a checkpoint, raise
+        with interrupts.graceful(also=cluster.stop_signals() if cluster is not None else ()):
+            try:
+                run(trainer, "fit", model, sources, ckpt_path)
+            except interrupts.TrainingInterrupted as stop:
+                if cluster is not None:
+                    cluster.stopped(stop.signal)  # the checkpoint is written: SLURM's requeue, say
+                raise
     except BaseException as err:
         error = err
         raise
     finally:  # a data module's teardown that fails too does not hide the fit's error
         run_cleanup([("the data module's teardown", lambda: loaders.teardown(trainer, "fit"))], error)
+
+
+def _cluster_ckpt_path(trainer: TrainerView, wanted: Any, given: Any) -> Any:
+    """The checkpoint a fit of a restarted cluster job starts from: ``wanted`` (``"last"`` of a
+    requeued SLURM job), unless the run has no checkpoint yet and the user gave one (``given``)."""
+    if wanted == "last" and given not in (None, "last") and trainer.resolve_ckpt_path("last") is None:
+        return given
+    return wanted
 
 
 def evaluate(trainer: TrainerView, stage: str, model: XModule, dataloaders: Any, ckpt_path: Any, verbose: bool,
