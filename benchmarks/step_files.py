@@ -2,6 +2,7 @@
 
     python benchmarks/step_files.py                 # native strategy, the Trainer's defaults
     python benchmarks/step_files.py --strategy xla_native -v
+    python benchmarks/step_files.py --bare          # no default callbacks: the loop's own files
 
 Runs a tiny fit (a linear regressor, 8 batches, default callbacks) under ``sys.setprofile`` and
 takes one steady-state batch (the 6th): from the end of the batch before (the graph cut
@@ -25,7 +26,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def trace(strategy: str, batch: int = 6) -> tuple[set[str], set[str], list[str]]:
+def trace(strategy: str, batch: int = 6, bare: bool = False) -> tuple[set[str], set[str], list[str]]:
     """``(per_batch_files, entry_to_cut_files, functions)`` of the ``batch``-th training batch."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -87,8 +88,10 @@ def trace(strategy: str, batch: int = 6) -> tuple[set[str], set[str], list[str]]
                 state["on"] = True
 
     with tempfile.TemporaryDirectory() as root:
+        off = dict(enable_checkpointing=False, enable_progress_bar=False, enable_xla_health=False,
+                   enable_goodput=False, hang_timeout=None, enable_model_summary=False, logger=False) if bare else {}
         trainer = Trainer(strategy=strategy, max_epochs=1, default_root_dir=root, log_every_n_steps=1000,
-                          limit_train_batches=8, enable_progress_bar=True)
+                          limit_train_batches=8, **off)
         sys.setprofile(profile)
         try:
             trainer.fit(Regressor(), DataLoader(data, batch_size=8))
@@ -100,10 +103,11 @@ def trace(strategy: str, batch: int = 6) -> tuple[set[str], set[str], list[str]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="native")
+    parser.add_argument("--bare", action="store_true", help="without the default callbacks")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args()
-    per_batch, entry, functions = trace(args.strategy)
-    print(f"{args.strategy}: entry to cut {len(entry)} files, per batch {len(per_batch)} files "
+    per_batch, entry, functions = trace(args.strategy, bare=args.bare)
+    print(f"{args.strategy}{' (no default callbacks)' if args.bare else ''}: entry to cut {len(entry)} files, per batch {len(per_batch)} files "
           f"({len(functions)} functions per batch)")
     if args.verbose:
         print("  per batch: " + ", ".join(sorted(per_batch)))

@@ -228,7 +228,7 @@ class Goodput(Callback):
     def _save(self) -> None:
         if not self._write or (self.record["status"] == "failed" and self.record["last_step"] == 0
                                and self.record["resumed_from_step"] is None):
-            return  # failed before training anything: the run leaves no folder behind (launch/stages.py)
+            return  # failed before training anything: the run leaves no folder behind (loop/stages.py)
         record = dict(self.record, seconds=dict(self.record["seconds"]), updated_at=time.time())
         if record["status"] == "running":  # the clock so far, as a killed run would leave it
             open_phase = time.time() - self._since

@@ -20,10 +20,10 @@ from xtrainer.config import arguments
 from xtrainer.config.redaction import redact
 from xtrainer.config.settings import TrainerSettings
 from xtrainer.datamodule import XDataModule
-from xtrainer.launch import interrupts, stages
+from xtrainer.launch import interrupts
 from xtrainer.loggers import Logger, TensorBoardLogger, claim_run_folder, move_run_folder, run_folder_root
 from xtrainer.loggers.run_folder import planned_run_folder
-from xtrainer.loop import checkpoints
+from xtrainer.loop import checkpoints, stages
 from xtrainer.loop.checkpoints import seed_everything
 from xtrainer.loop.metric_values import MetricValues
 from xtrainer.loop.optimizers import SchedulerConfig

@@ -70,7 +70,7 @@ def run_stage(stage: str, config: "RunConfig") -> tuple[Any, Any]:
 
 
 def claims_run_folder() -> bool:
-    from xtrainer.launch.stages import claims_run_folder
+    from xtrainer.loop.stages import claims_run_folder
 
     return claims_run_folder()
 

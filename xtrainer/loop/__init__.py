@@ -2,7 +2,9 @@
 
 - ``run.py``: ``Run``, what one replica's run owns (the wrapped module, the optimizers, the
   logged results, the data); the ``Trainer`` is a façade over it and ``LoopState``.
-- ``replica.py``: one replica's run of a stage, from its environment to its teardown.
+- ``stages.py``: a stage, both halves: in the calling process (its data, the run folder, the
+  replicas through the strategy's launcher, rank 0's results brought home) and in each replica
+  (from its environment to its teardown).
 - ``fit.py``: the epoch loop and the training step, in the order they run.
 - ``state.py``: ``LoopState``, where a fit is (step, epoch, batches in the epoch...); only the
   loop writes it.

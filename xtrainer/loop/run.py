@@ -9,7 +9,7 @@ callbacks see the Trainer, whose Lightning properties (``model``, ``optimizers``
 
 Each replica works on its own copy (the launcher pickles or copies the Trainer with its Run);
 what cannot travel (the module, the wrapped module, the optimizers, the hook table) is left
-behind and set again by the replica (``loop/replica.py``).
+behind and set again by the replica (``loop/stages.py``: ``run_stage``).
 """
 
 from __future__ import annotations
