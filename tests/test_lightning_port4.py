@@ -1,11 +1,13 @@
 """Lightning 2.6's newer API, as a Lightning project uses it: the weight averaging callbacks
-(``WeightAveraging``, ``EMAWeightAveraging``), and under ``xla_fsdp`` an optimizer built from a
-submodule's parameters. Modules are written as a Lightning user writes them; only the import
-lines differ.
+(``WeightAveraging``, ``EMAWeightAveraging``), a time-based ``val_check_interval``, and under
+``xla_fsdp`` an optimizer built from a submodule's parameters and ``BaseFinetuning``. Modules are
+written as a Lightning user writes them; only the import lines differ.
 """
 
+import datetime
 import glob
 import os
+import time
 
 import pytest
 import torch
@@ -226,3 +228,117 @@ def test_xla_fsdp_with_flattened_parameters_says_what_to_do(tmp_path):
     with pytest.raises(ValueError, match="flatten_parameters=True.*leave flatten_parameters at False"):
         _fit_bug_report(tmp_path, "xla_fsdp", 1, flatten_parameters=True)
 
+
+# ---- a time-based val_check_interval ---------------------------------------------------------------
+
+class SlowData(torch.utils.data.Dataset):
+    """Each sample takes ``delay`` seconds to load, so that training time passes at a known pace."""
+
+    def __init__(self, n, delay):
+        self.data, self.delay = make_data(n), delay
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        time.sleep(self.delay)
+        return self.data[index]
+
+
+class TimedValidation(LightningModule):
+    """Notes when each training batch ended and when each validation ran (rank 1 a little later
+    after each batch than rank 0, so that their clocks disagree near the interval's end)."""
+
+    def __init__(self, folder):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(8, 1)
+        self.folder = folder
+
+    def _note(self, what):
+        with open(os.path.join(self.folder, f"events-{self.global_rank}.txt"), "a") as f:
+            f.write(f"{what} {self.global_step} {time.monotonic()}\n")
+
+    def on_train_start(self):
+        self._note("start")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self._note("batch")
+        if self.global_rank == 1:
+            time.sleep(0.03)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def on_validation_start(self):
+        self._note("validation")
+
+    def on_validation_end(self):
+        self._note("validated")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _events(folder, rank):
+    with open(os.path.join(folder, f"events-{rank}.txt")) as f:
+        return [(what, int(step), float(at)) for what, step, at in (line.split() for line in f)]
+
+
+def _check_timed_validations(events, seconds, slack):
+    """Each validation ran after the first batch that ended ``seconds`` or more after training
+    began or the last validation ended; returns the steps it ran at."""
+    since, steps, batch_ends = None, [], []
+    for what, step, at in events:
+        if what in ("start", "validated"):
+            since, batch_ends = at, []
+        elif what == "batch":
+            batch_ends.append(at - since)
+        elif what == "validation":
+            assert batch_ends and batch_ends[-1] >= seconds - slack, (step, batch_ends)
+            assert len(batch_ends) == 1 or batch_ends[-2] < seconds + slack, (step, batch_ends)
+            steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize("strategy, interval", [("native", datetime.timedelta(seconds=1)),
+                                                ("xla_native", "00:00:00:01")])
+def test_a_time_based_val_check_interval_validates_when_the_time_has_passed(tmp_path, strategy, interval):
+    """Lightning 2.6's time-based val_check_interval: validation after the first batch that ends
+    once the interval has passed since training began or the last validation ended, and not at
+    every epoch's end (3 epochs of about 0.8 s here)."""
+    model = TimedValidation(str(tmp_path))
+    trainer = Trainer(strategy=strategy, max_epochs=3, val_check_interval=interval, enable_checkpointing=False,
+                      **quiet(tmp_path))
+    assert trainer.val_check_interval == interval
+    trainer.fit(model, DataLoader(SlowData(16, 0.05), batch_size=2), DataLoader(make_data(8), batch_size=4))
+    steps = _check_timed_validations(_events(tmp_path, 0), 1.0, 0.05)
+    assert 1 <= len(steps) <= 4, steps  # by time (3 epochs of about 0.8 s), not per epoch
+
+
+@pytest.mark.multi_device
+def test_a_time_based_val_check_interval_is_agreed_by_the_ranks(tmp_path):
+    """At 2 processes every rank validates after the same batches, which the ranks agree on at
+    their logging steps (each rank's clock rides in the vote they take there anyway), although
+    rank 1's clock runs behind rank 0's after each batch."""
+    model = TimedValidation(str(tmp_path))
+    trainer = Trainer(strategy="native_ddp", devices=2, max_epochs=3, val_check_interval={"seconds": 1},
+                      log_every_n_steps=1, enable_checkpointing=False, **quiet(tmp_path))
+    trainer.fit(model, DataLoader(SlowData(48, 0.05), batch_size=2), DataLoader(make_data(8), batch_size=2))
+    ranks = [[(step, what) for what, step, _ in _events(tmp_path, rank) if what.startswith("valid")]
+             for rank in (0, 1)]
+    assert ranks[0] == ranks[1] and len(ranks[0]) >= 2, ranks
+    # the vote comes at the next agreement (every agreement_seconds=0.5 at most), settled a batch later
+    _check_timed_validations(_events(tmp_path, 0), 1.0, 1.0)
+
+
+def test_a_time_based_val_check_interval_that_does_not_parse_says_what_to_give(tmp_path):
+    with pytest.raises(ValueError, match="val_check_interval='1:00': give 'DD:HH:MM:SS'"):
+        Trainer(val_check_interval="1:00", **quiet(tmp_path))
+    with pytest.raises(ValueError, match="val_check_interval=.*a dict takes timedelta's fields"):
+        Trainer(val_check_interval={"minute": 1}, **quiet(tmp_path))

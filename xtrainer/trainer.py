@@ -80,8 +80,11 @@ class Trainer:
         max_steps: stop after this many optimizer steps (-1: no limit).
         limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches: batches
             per epoch: a fraction of the loader (float) or a count (int).
-        val_check_interval: validate every this fraction of an epoch (float) or this many training
-            batches (int).
+        val_check_interval: validate every this fraction of an epoch (float), this many training
+            batches (int), or, as in Lightning 2.6, once this much training time has passed since
+            the last validation (``"DD:HH:MM:SS"``, a ``datetime.timedelta`` or a dict of its
+            fields, such as ``{"minutes": 5}``); with several replicas, after the first logging
+            step at which they agree that it has.
         check_val_every_n_epoch: validate in every n-th epoch only (None: in every epoch).
         log_every_n_steps: read logged values back to the host every n optimizer steps.
         accumulate_grad_batches: micro-batches per optimizer step.
@@ -133,7 +136,7 @@ class Trainer:
         limit_val_batches: int | float = 1.0,
         limit_test_batches: int | float = 1.0,
         limit_predict_batches: int | float = 1.0,
-        val_check_interval: int | float = 1.0,
+        val_check_interval: int | float | str | datetime.timedelta | dict[str, int] = 1.0,
         check_val_every_n_epoch: int | None = 1,
         log_every_n_steps: int = 50,
         accumulate_grad_batches: int = 1,

@@ -22,7 +22,8 @@ class TrainerSettings:
     limit_val_batches: Union[int, float] = 1.0
     limit_test_batches: Union[int, float] = 1.0
     limit_predict_batches: Union[int, float] = 1.0
-    val_check_interval: Union[int, float] = 1.0
+    # a fraction of an epoch (float), a number of batches (int), or a time ('DD:HH:MM:SS', a timedelta, a dict)
+    val_check_interval: Any = 1.0
     check_val_every_n_epoch: Optional[int] = 1
     log_every_n_steps: int = 50
     accumulate_grad_batches: int = 1
@@ -77,9 +78,12 @@ class TrainerSettings:
         _check_positive("log_every_n_steps", self.log_every_n_steps)
         _check_positive("accumulate_grad_batches", self.accumulate_grad_batches)
         _check_positive("check_val_every_n_epoch", self.check_val_every_n_epoch, allow_none=True)
-        for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
-                     "val_check_interval"):
+        for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
             _check_limit(name, getattr(self, name))
+        if is_time(self.val_check_interval):
+            seconds(self.val_check_interval, "val_check_interval")  # refuses a malformed one
+        else:
+            _check_limit("val_check_interval", self.val_check_interval)
         if self.detect_nonfinite not in ("raise", "warn", "off"):
             raise ValueError(f"detect_nonfinite={self.detect_nonfinite!r}: use 'raise', 'warn' or 'off'.")
         if self.gradient_clip_algorithm not in ("norm", "value"):
@@ -177,9 +181,14 @@ def _check_limit(name: str, value: Any) -> None:
         raise ValueError("val_check_interval must be positive.")
 
 
-def seconds(max_time: Any) -> float | None:
-    """``max_time`` (or ``Timer``'s ``duration``) as seconds: ``"DD:HH:MM:SS"``, a ``timedelta``, or a
-    dict of its fields."""
+def is_time(value: Any) -> bool:
+    """Whether ``val_check_interval`` is a time (Lightning 2.6's forms), not batches."""
+    return isinstance(value, (str, dict, datetime.timedelta))
+
+
+def seconds(max_time: Any, name: str = "max_time") -> float | None:
+    """``max_time`` (or ``Timer``'s ``duration``, or a time-based ``val_check_interval``: ``name``)
+    as seconds: ``"DD:HH:MM:SS"``, a ``timedelta``, or a dict of its fields."""
     if max_time is None:
         return None
     if isinstance(max_time, datetime.timedelta):
@@ -188,12 +197,12 @@ def seconds(max_time: Any) -> float | None:
         try:
             return datetime.timedelta(**max_time).total_seconds()
         except TypeError:
-            raise ValueError(f"max_time={max_time!r}: a dict takes timedelta's fields (days, hours, minutes, "
+            raise ValueError(f"{name}={max_time!r}: a dict takes timedelta's fields (days, hours, minutes, "
                              "seconds).") from None
     if isinstance(max_time, str):
         parts = max_time.split(":")
         if len(parts) == 4 and all(p.strip().isdigit() for p in parts):
             days, hours, minutes, secs = (int(p) for p in parts)
             return datetime.timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
-    raise ValueError(f"max_time={max_time!r}: give 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a timedelta or a dict "
+    raise ValueError(f"{name}={max_time!r}: give 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a timedelta or a dict "
                      "such as {'hours': 12}.")

@@ -22,6 +22,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from xtrainer.launch import interrupts
 from xtrainer.loop import loaders
+from xtrainer.config.settings import is_time, seconds
 from xtrainer.loop import checkpoints, evaluation
 from xtrainer.loop.hooks import BatchHooks
 from xtrainer.loop.publishing import LOSS_KEY, end_epoch
@@ -55,6 +56,8 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
     if not loop.skip_batches:  # the first epoch starts here: what on_train_start logs is one of its values
         run.results.reset_epoch()
     run.call("on_train_start")
+    clock = ValidationClock.of(trainer) if val else None  # a time-based val_check_interval, from here on
+    run.publisher.validation_due = clock.due if clock is not None else None
     first_epoch, started = loop.current_epoch, False
     while not (stopping(trainer) or limits_reached(trainer)):
         skip, loop.skip_batches = loop.skip_batches, 0
@@ -70,13 +73,14 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
         loop.epoch_finished = False
         finished = True
         if loop.validation_pending:  # resumed between a batch and the validation it triggered
-            evaluation.validate_during_fit(trainer, val)
+            validate(trainer, val, clock)
         # Resuming inside an epoch starts at the next unseen batch (skipped by index, not loaded).
         # An epoch whose every batch was trained (saved on its last batch) is not iterated at all:
         # the original run never drained its loader either, and draining torch_xla's device loader
         # cuts the graph, which advances the XLA generator.
         batches = train.resume_at(skip) if skip < trainer.num_training_batches else ()
         validate_every = validation_every(trainer) if val else None
+        timed = clock is not None and validation_epoch(trainer)  # validated when the time has come
         # check_val_every_n_epoch=None: every validate_every batches counted across epochs, as Lightning
         # counts them (the epochs before this one, when an epoch's length is known)
         counted = loop.current_epoch * trainer.num_training_batches \
@@ -111,9 +115,11 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
                 progress[0] = loop.batches_done  # what the hang watchdog's monitor process reads
             if loop.batches_done == publisher.vote_due:  # the replicas' agreement started a batch ago
                 publisher.settle_vote(trainer)
+            if timed and not loop.validation_pending:
+                loop.validation_pending = clock.come(publisher)
             validated = loop.validation_pending
             if validated:
-                evaluation.validate_during_fit(trainer, val)
+                validate(trainer, val, clock)
             if watch_stops or interrupts.requested() is not None:
                 note_stop_requests(trainer)
             if is_last:
@@ -123,10 +129,10 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
             asked = trainer.should_stop or publisher.stop_agreed  # stopping() can say yes only then
             stops = asked and stopping(trainer) and loop.stepped
             if stops or (max_steps != -1 and loop.global_step >= max_steps):
-                if stops and validate_every is not None and not validated and stop_signal(trainer) is None:
+                if stops and (validate_every is not None or timed) and not validated and stop_signal(trainer) is None:
                     # Asked to stop (not by a signal): validate at this batch first, as Lightning does,
                     # so that the stop's monitored checkpoint and final metrics see this step.
-                    evaluation.validate_during_fit(trainer, val)
+                    validate(trainer, val, clock)
                 finished = False
                 break
         signum = stop_signal(trainer)
@@ -134,7 +140,7 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
             checkpoints.stop_on_signal(trainer, signum)  # the epoch is cut short: no epoch-end hooks
         if val and finished and math.isinf(trainer.num_training_batches) and validation_epoch(trainer) \
                 and validate_every is None:  # a loader without a length, validated per epoch: when it runs out
-            evaluation.validate_during_fit(trainer, val)
+            validate(trainer, val, clock)
         loop.epoch_finished = finished
         # A checkpoint written in the epoch-end hooks precedes the epoch's scheduler step: a run
         # resumed from it takes that step first, as this one does next.
@@ -378,11 +384,14 @@ def validation_epoch(trainer: "TrainerView") -> bool:
 
 
 def validation_every(trainer: "TrainerView") -> int | None:
-    """Every how many batches of this epoch validation runs (None: not inside this epoch)."""
+    """Every how many batches of this epoch validation runs (None: not inside this epoch, or
+    when its time has come: a time-based ``val_check_interval``, ``ValidationClock``)."""
     if not validation_epoch(trainer):
         return None
     n = trainer.num_training_batches
     interval = trainer.val_check_interval
+    if is_time(interval):
+        return None
     if isinstance(interval, float):
         if math.isinf(n):
             if interval != 1.0:
@@ -393,10 +402,54 @@ def validation_every(trainer: "TrainerView") -> int | None:
     return interval
 
 
+def validate(trainer: "TrainerView", val: list, clock: "ValidationClock | None") -> None:
+    """A validation inside the fit; a time-based interval counts from its end, as in Lightning."""
+    evaluation.validate_during_fit(trainer, val)
+    if clock is not None:
+        clock.validated(trainer.run.publisher)
+
+
+class ValidationClock:
+    """A time-based ``val_check_interval`` (``"DD:HH:MM:SS"``, a ``timedelta``, a dict), as in
+    Lightning 2.6: validation runs after the first batch that ends once ``seconds`` of the host's
+    clock have passed since the fit's training began or the last validation ended (in an epoch
+    that validates, ``check_val_every_n_epoch``), not at every epoch's end.
+
+    One replica reads its clock after every batch (no device sync). Several replicas must agree,
+    or they would part ways at a batch where one clock says yes and another no: each one's clock
+    rides in the stop vote the replicas exchange anyway (``Publisher``: at logging steps, their
+    agreements, and epoch ends; no extra host sync), and validation runs, on every replica, after
+    the batch where the vote that carried a yes is taken (``Publisher.take_validation``)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.since = time.monotonic()
+
+    @classmethod
+    def of(cls, trainer: "TrainerView") -> "ValidationClock | None":
+        interval = trainer.val_check_interval
+        return cls(seconds(interval, "val_check_interval")) if is_time(interval) else None
+
+    def due(self) -> bool:
+        """This replica's clock: the interval has passed (host clock only)."""
+        return time.monotonic() - self.since >= self.seconds
+
+    def come(self, publisher: Any) -> bool:
+        """Whether to validate after this batch: the agreed vote with several replicas (taken at
+        the same batch by all), else this replica's clock."""
+        return publisher.take_validation() if publisher.several else self.due()
+
+    def validated(self, publisher: Any) -> None:
+        """A validation ended: the interval counts again from now, and a yes voted before or
+        during it is spent."""
+        self.since = time.monotonic()
+        publisher.take_validation()
+
+
 def check_validation_interval(trainer: "TrainerView") -> None:
     """A number of batches between validations that no epoch reaches is refused, as in Lightning."""
     interval, n = trainer.val_check_interval, trainer.num_training_batches
-    if not isinstance(interval, float) and trainer.check_val_every_n_epoch is not None and interval > n:
+    if not isinstance(interval, float) and not is_time(interval) and trainer.check_val_every_n_epoch is not None and interval > n:
         raise ValueError(f"val_check_interval={interval} is more than the {n} training batches of an epoch, so "
                          "validation would never run. Give at most that many, set check_val_every_n_epoch=None to "
                          "count the batches across epochs, or limit_val_batches=0 to turn validation off.")

@@ -6,7 +6,9 @@ batched transfer (the interval's one host sync), together with two numbers that 
 
 - whether any replica asked to stop (``trainer.should_stop``), and the signal that asked, if one
   did (the largest signal number: ``stop_vote``): all replicas then stop together, at the same
-  step, since stopping one alone would leave the others waiting in a collective. A signal that
+  step, since stopping one alone would leave the others waiting in a collective. The vote also
+  carries whether a replica's clock says that a time-based ``val_check_interval`` has passed
+  (``fit.ValidationClock``), so that all of them validate after the same batch. A signal that
   reached one replica only (one host's launcher) becomes every replica's own request
   (``interrupts.adopt``), so that all of them take the signal's path: one checkpoint written
   together, and the exit with 128 + the signal;
@@ -55,11 +57,16 @@ _NEXT_KEY = "xtrainer/next_agreement_step"
 
 
 def stop_vote(trainer: "TrainerView") -> int:
-    """This replica's stop vote: twice the number of the signal that asked this process to stop
-    (0: none), plus 1 where ``should_stop`` is set. The largest over the replicas (one reduction,
-    the one the read makes anyway) says whether any replica asked to stop (more than 0), and the
-    largest signal number among those that asked (half of it, rounded down)."""
-    return 2 * (interrupts.requested() or 0) + (1 if trainer.should_stop else 0)
+    """This replica's stop vote: four times the number of the signal that asked this process to
+    stop (0: none), plus 2 where ``should_stop`` is set, plus 1 where its clock says a time-based
+    validation is due (``Publisher.validation_due``). The largest over the replicas (one
+    reduction, the one the read makes anyway) says whether any replica asked to stop (2 or more),
+    the largest signal number among those that asked (a quarter of it, rounded down), and, where
+    none asked, whether any replica's validation is due (1). A stop outranks the validation bit
+    without losing it: a stop that no signal asked for validates first anyway."""
+    publisher = trainer.run.publisher
+    due = publisher.validation_due is not None and publisher.validation_due()
+    return 4 * (interrupts.requested() or 0) + (2 if trainer.should_stop else 0) + (1 if due else 0)
 
 
 def automatic_lr_names(optimizers: list[Any]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -91,6 +98,10 @@ class Publisher:
         # request not yet voted on, so that all of them take the same path.
         self.stop_signal: int | None = None
         self.several = False  # the fit has more than one replica (set at its start)
+        # A time-based val_check_interval (fit.ValidationClock): this replica's clock, which the
+        # stop vote carries, and whether a vote the replicas took said that one was due.
+        self.validation_due: Callable[[], bool] | None = None
+        self.validation_agreed = False
         self.loop_loss: float | None = None  # the latest read of the step's training loss (LOSS_KEY)
         # The replicas' agreement started at a logging step: what finishes it, and the count of
         # batches done after which the loop settles it (-1: none under way).
@@ -107,6 +118,7 @@ class Publisher:
         self._next_vote, self._voted = 0, None
         self.stop_signal = None
         self.several = trainer.world_size > 1
+        self.validation_due, self.validation_agreed = None, False
         self.loop_loss = None
         if trainer.is_global_zero and trainer.module._log_hyperparams:
             for logger in trainer.loggers:
@@ -262,13 +274,21 @@ class Publisher:
         if first is not None:
             trainer.run.nonfinite.report(trainer, trainer.run.nonfinite.watch.first_step(values))
 
+    def take_validation(self) -> bool:
+        """Whether a vote the replicas took since the last call said a time-based validation was
+        due (then spent)."""
+        agreed, self.validation_agreed = self.validation_agreed, False
+        return agreed
+
     def _take_vote(self, trainer: "TrainerView", vote: float) -> None:
         """The replicas' agreed stop vote (the largest ``stop_vote``): stop, on the signal it
-        carries, if any, taken as this process's own request."""
+        carries, if any, taken as this process's own request; note a validation that is due."""
         vote = int(vote)
-        if vote <= 0:
+        if vote % 2:
+            self.validation_agreed = True
+        if vote < 2:
             return
-        signum = vote // 2
+        signum = vote // 4
         if signum:
             interrupts.adopt(signum)  # a no-op where this process has the signal already
             self.stop_signal = max(self.stop_signal or 0, signum)
