@@ -105,13 +105,15 @@ class Layout(Callback):
 
 
 def fit(strategy, devices: int, root: str, dp: int = 1, ckpt_path=None, model=None, callbacks=()):
-    """A fit of ``STEPS`` steps on ``devices`` processes, ``dp`` of them splitting the global batch."""
+    """A fit of ``STEPS`` steps of two micro-batches each, clipped by value, on ``devices``
+    processes, ``dp`` of them splitting each global batch."""
     seed_everything(7)
     model = model or TensorParallelModule(batch_size=GLOBAL_BATCH // dp)
     trainer = Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS, default_root_dir=root,
                       enable_progress_bar=False, enable_model_summary=False, logger=False, num_sanity_val_steps=0,
-                      limit_val_batches=1, callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=-1),
-                                                      *callbacks])
+                      limit_val_batches=1, accumulate_grad_batches=2, gradient_clip_val=1 / 4,
+                      gradient_clip_algorithm="value",  # two micro-batches a step, clipped: both exact
+                      callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=-1), *callbacks])
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer, model
 
@@ -127,11 +129,23 @@ def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> N
             (name, (a[name] - b[name]).abs().max().item())
 
 
+class LargestGradient(Callback):
+    """The largest gradient element before each step's clipping."""
+
+    def __init__(self) -> None:
+        self.largest = 0.0
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.largest = max([self.largest] + [p.grad.abs().max().item() for p in module.parameters()])
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """One process under ``native`` (configure_model does nothing there): the reference."""
-    trainer, model = fit("native", 1, str(tmp_path_factory.mktemp("one")))
+    grads = LargestGradient()
+    trainer, model = fit("native", 1, str(tmp_path_factory.mktemp("one")), callbacks=[grads])
     assert trainer.global_step == STEPS and model.meshes == []
+    assert grads.largest > 1 / 4  # the clipping changes the steps
     return _weights(model)
 
 
