@@ -298,6 +298,18 @@ def _tiny_class() -> type:
             torch.manual_seed(0)
             self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
 
+        def configure_model(self) -> None:
+            """Under a strategy with a device mesh (``model_parallel``): the first two layers split
+            over its tensor-parallel dimension, the MLP sharded over its data-parallel one."""
+            mesh = self.device_mesh
+            if mesh is None:
+                return
+            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(self.net, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            fully_shard(self.net, mesh=mesh["data_parallel"])
+
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             x, y = batch
             loss = nn.functional.cross_entropy(self.net(x), y)
