@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--epochs", type=int, default=1, help="max_epochs (-1: as many as max_steps takes)")
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die-delay", type=float, default=0.3)
     parser.add_argument("--slow", type=float, default=0.02)
@@ -108,7 +109,7 @@ def main() -> None:
                                    quorum_timeout_seconds=args.quorum_timeout, connect_timeout_seconds=5.0,
                                    compile=args.compile)
     module = Noted(args.out, args.group, args.die_at, args.die_delay, args.slow)
-    trainer = Trainer(strategy=strategy, max_steps=args.max_steps, max_epochs=1,
+    trainer = Trainer(strategy=strategy, max_steps=args.max_steps, max_epochs=args.epochs,
                       default_root_dir=os.path.join(args.out, f"group{args.group}"), enable_progress_bar=False,
                       logger=False, enable_checkpointing=bool(args.ckpt_every), enable_model_summary=False,
                       num_sanity_val_steps=0, compilation_cache=args.cache == "on",
