@@ -41,9 +41,16 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w1 = nn.Linear(4, 8).double()
         self.w2 = nn.Linear(8, 4).double()
-        with torch.no_grad():
-            for i, p in enumerate(self.parameters()):  # multiples of 1/8: a step adds a few bits, no more
-                p.copy_((torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape) % 5 - 2 + i) / 8)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Multiples of 1/8 (a step adds a few bits, no more), into whole or sharded parameters."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for i, p in enumerate(self.parameters()):
+            value = (torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape) % 5 - 2 + i) / 8
+            p.copy_(distribute_tensor(value, p.device_mesh, p.placements) if isinstance(p, DTensor) else value)
 
     def forward(self, x):
         return self.w2(torch.relu(self.w1(x))).sum(dim=1, keepdim=True)
@@ -210,6 +217,24 @@ def test_a_whole_file_checkpoint_of_tensor_parallel_resumes_data_parallel(tmp_pa
     assert os.path.isfile(saved)
     _, model = fit(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2, str(tmp_path / "b"), dp=2,
                    ckpt_path=saved)
+    _assert_bitwise(_weights(model), one_process)
+
+
+class BuiltOnTheMetaDevice(TensorParallelModule):
+    """Lightning's example: built under ``trainer.init_module(empty_init=True)``, its weights set
+    once training starts."""
+
+    def on_train_start(self):
+        self.model.init_weights()
+
+
+def test_a_module_built_on_the_meta_device_gets_memory_after_configure_model(tmp_path, one_process):
+    trainer = Trainer(strategy=ModelParallelStrategy(), devices=1, accelerator="cpu")
+    with trainer.init_module(empty_init=True):
+        model = BuiltOnTheMetaDevice()
+    assert model.model.w1.weight.is_meta
+    _, model = fit(ModelParallelStrategy(), 1, str(tmp_path), model=model)
+    assert model.meshes == [((1, 1), ("data_parallel", "tensor_parallel"))]
     _assert_bitwise(_weights(model), one_process)
 
 

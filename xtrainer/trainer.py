@@ -562,6 +562,14 @@ class Trainer:
     def lr_scheduler_configs(self) -> list[SchedulerConfig]:
         return list(self.run.optim.schedulers)
 
+    def init_module(self, empty_init: bool | None = None) -> Any:
+        """A context to build the module in, as Lightning's: the strategy's
+        (``Strategy.tensor_init_context``). Under ``model_parallel``, ``empty_init=True`` builds
+        the layers on the meta device, given memory and ``reset_parameters()`` once
+        ``configure_model()`` has parallelized them; elsewhere the module is built on the host as
+        usual (the strategy moves it to the device when a stage starts)."""
+        return self.strategy.tensor_init_context(empty_init)
+
     # ---- entry points (calling process) ------------------------------------------------------
     def fit(self, model: XModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
             datamodule: XDataModule | None = None, ckpt_path: str | os.PathLike | None = None,

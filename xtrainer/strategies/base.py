@@ -157,7 +157,18 @@ class Strategy(abc.ABC):
         """
         with self._replica_random_state():
             module.module.configure_model()
+            self._materialize(module.module)
         return self.precision.convert_module(module).to(self.device)
+
+    def tensor_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """Where ``Trainer.init_module(empty_init)`` builds a module (in the calling process): as
+        it is, on the host; the strategy moves it to the device when a stage sets it up."""
+        del empty_init
+        return contextlib.nullcontext()
+
+    def _materialize(self, module: nn.Module) -> None:
+        """After ``configure_model()``, in the replica's random state: give tensors that were
+        built without memory (on the meta device) theirs; nothing by default."""
 
     @contextlib.contextmanager
     def _replica_random_state(self) -> Iterator[None]:

@@ -181,6 +181,35 @@ class ModelParallelStrategy(NativeFSDP):
     def _wrap(self, module: nn.Module) -> nn.Module:
         return module  # the module parallelized itself in configure_model()
 
+    def tensor_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """``Trainer.init_module(empty_init=True)``: layers built on the meta device (no memory),
+        given memory on the device and their ``reset_parameters()`` after ``configure_model()``
+        has parallelized them, each process its own shards (Lightning's way, from torchtitan)."""
+        return torch.device("meta") if empty_init else contextlib.nullcontext()
+
+    def _materialize(self, module: nn.Module) -> None:
+        """Tensors on the meta device (``init_module(empty_init=True)``) given memory on the device
+        (each process its shards), then every layer that holds tensors reset
+        (``reset_parameters()``); layers that cannot be are named in a warning, as in Lightning."""
+        if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            return
+        module.to_empty(device=self.device)
+        unset = set()
+        for layer in module.modules():
+            if next(iter([*layer.parameters(recurse=False), *layer.buffers(recurse=False)]), None) is None:
+                continue
+            reset = getattr(layer, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            else:
+                unset.add(type(layer).__name__)
+        if unset:
+            from lightning_utilities.core.rank_zero import rank_zero_warn
+
+            rank_zero_warn(f"{type(module).__name__}: the layers built on the meta device (init_module(empty_init=True)) "
+                           f"have memory but no values where they have no reset_parameters(): {', '.join(sorted(unset))}; "
+                           "set them in a hook (on_train_start), or load a checkpoint.")
+
     def _check_parallelized(self, user: nn.Module) -> None:
         """Refuse a module that does not use the mesh where it must: with several tensor-parallel
         processes, no parameter split over ``tensor_parallel`` (each would compute the whole
