@@ -32,7 +32,11 @@ from xtrainer.trainer_view import TrainerView
 if TYPE_CHECKING:
     from xtrainer.module import XModule
 
-_FOREACH_DEVICES = ("cpu", "cuda")  # where torch's SWA average runs as one foreach op
+try:  # where torch's AveragedModel runs its SWA average as one foreach op (as it decides)
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices as _foreach_devices
+except ImportError:  # pragma: no cover - older or newer torch
+    def _foreach_devices() -> list[str]:
+        return ["cuda"]
 
 
 class AveragedModule(AveragedModel):
@@ -84,7 +88,7 @@ class AveragedModule(AveragedModel):
                 n = self.n_averaged.to(device)
                 if self.multi_avg_fn is not None:
                     self.multi_avg_fn(mine_list, theirs_list, n)
-                elif device.type in _FOREACH_DEVICES:
+                elif device.type in _foreach_devices():
                     get_swa_multi_avg_fn()(mine_list, theirs_list, n)
                 else:
                     swa = get_swa_avg_fn()
