@@ -159,6 +159,30 @@ def test_ema_should_update_follows_lightnings_rules():
     assert FromModule is EMAWeightAveraging
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"use_buffers": False}, {"avg_fn": "ema"}])
+def test_the_averaged_copy_updates_as_torchs_averaged_model(kwargs):
+    """The copy keeps its count on the host (no read of the device per update) and otherwise
+    computes what torch's AveragedModel does, to the bit."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
+
+    from xtrainer.callbacks.weight_averaging import AveragedModule, EMAAverage
+
+    model = Averaged()
+    ours = AveragedModule(model, None, use_buffers=kwargs.get("use_buffers", True),
+                          avg_fn=EMAAverage(0.9) if kwargs.get("avg_fn") else None)
+    torchs = AveragedModel(model, use_buffers=kwargs.get("use_buffers", True),
+                           avg_fn=get_ema_avg_fn(0.9) if kwargs.get("avg_fn") else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in DataLoader(make_data(32), batch_size=8):
+        nn.functional.mse_loss(model.layer(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ours.update_parameters(model)
+        torchs.update_parameters(model)
+    assert ours.count == 4
+    assert_states(ours.state_dict(), torchs.state_dict(), exact=True)
+
+
 def test_weight_averaging_under_a_sharding_strategy_says_what_to_use(tmp_path):
     with pytest.raises(ValueError, match="keeps a whole copy of the module.*xla_fsdp.*use an unsharded strategy"):
         _fit(tmp_path, "xla_fsdp", [EMAWeightAveraging()], max_epochs=1)
