@@ -64,21 +64,49 @@ _COMPILED_FIT = textwrap.dedent("""
 """)
 
 
-def test_torch_compile_with_a_relative_default_root_dir_compiles_and_caches_under_it(tmp_path):
-    """``default_root_dir="runs"`` (as examples/digits.yaml writes it) with ``compile=True``: the
-    first forward compiles (Inductor compiles from a folder of its own, where a relative cache
-    folder failed: ``g++ runs/inductor_cache/...cpp: No such file or directory``), and the cache
-    lies under the run's own ``runs/``, named by its absolute path."""
-    work = tmp_path / "work"
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory):
+    """``_COMPILED_FIT`` run once in a folder of its own: (the folder, the finished process)."""
+    work = tmp_path_factory.mktemp("compiled") / "work"
     work.mkdir()
     (work / "fit.py").write_text(_COMPILED_FIT)
     done = subprocess.run([sys.executable, "fit.py"], cwd=work, env=_env(), capture_output=True, text=True,
                           timeout=subprocess_timeout(600))
+    return work, done
+
+
+def test_torch_compile_with_a_relative_default_root_dir_compiles_and_caches_under_it(compiled_run):
+    """``default_root_dir="runs"`` (as examples/digits.yaml writes it) with ``compile=True``: the
+    first forward compiles (Inductor compiles from a folder of its own, where a relative cache
+    folder failed: ``g++ runs/inductor_cache/...cpp: No such file or directory``), and the cache
+    lies under the run's own ``runs/``, named by its absolute path."""
+    work, done = compiled_run
     assert done.returncode == 0, done.stderr[-3000:]
     assert "LOG_DIR runs/version_0" in done.stdout
     cache = work / "runs" / "inductor_cache" / "rank_0"
     assert cache.is_dir() and any(cache.iterdir())
     assert f"compilation cache {cache}:" in done.stdout + done.stderr
+
+
+def test_compiled_kernels_a_killed_compiler_left_incomplete_are_built_again(compiled_run):
+    """A process killed while the C++ compiler wrote its kernels leaves them cut short in the
+    cache beside the run (the compiler writes in place; Inductor takes any file that exists for a
+    finished build, and failed to load it: ``OSError: ...so: file too short``). The next run
+    removes them, builds them again and trains."""
+    work, done = compiled_run
+    assert done.returncode == 0, done.stderr[-3000:]
+    cache = work / "runs" / "inductor_cache" / "rank_0"
+    built = [p for p in cache.rglob("*") if p.suffix in (".so", ".o") and p.is_file()]
+    assert built, sorted(str(p) for p in cache.rglob("*"))
+    for path in built:  # as a kill in the middle of the compiler's write leaves them
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+    again = subprocess.run([sys.executable, "fit.py"], cwd=work, env=_env(), capture_output=True, text=True,
+                           timeout=subprocess_timeout(600))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{len(built)} incomplete compiled files (a process killed while compiling) removed" in \
+        again.stdout + again.stderr
+    assert all(p.stat().st_size > 64 for p in built if p.exists())
 
 
 def test_the_compilation_cache_folders_are_absolute_when_set(tmp_path, monkeypatch):

@@ -42,7 +42,9 @@ runtimes (the PJRT C API client) load serialized executables; not tried here (no
 
 from __future__ import annotations
 
+import fcntl
 import os
+import struct
 import threading
 from typing import Any
 
@@ -58,6 +60,9 @@ _lock = threading.Lock()
 _MARK = "XTRAINER_COMPILATION_CACHE"
 #: What ``activate`` did in this process: ``{"path": ..., "note": ...}``.
 _state: dict[str, Any] = {}
+#: The Inductor cache folders this process holds (their lock file's descriptor, ``flock``ed for the
+#: process's life): a folder another live process holds is never cleaned under it.
+_held: dict[str, int] = {}
 #: torch.compile's (Inductor's) cache folder, for the native strategies; set with ``_INDUCTOR_MARK``
 #: when xtrainer chose it, as above.
 _INDUCTOR, _INDUCTOR_MARK = "TORCHINDUCTOR_CACHE_DIR", "XTRAINER_INDUCTOR_CACHE"
@@ -104,6 +109,7 @@ def process_folder(root: str, replicas_in_process: int, global_rank: int, proces
 def activate(trainer: "TrainerView") -> None:
     """At the start of each replica, before its first compilation: give this process its cache
     folder (or make sure it has none when the run asks for none). Host-side only."""
+    _state.pop("dropped", None)
     if not trainer.strategy.runtime.compiles_with_xla:
         _activate_inductor(trainer)
         return
@@ -156,7 +162,7 @@ def _activate_inductor(trainer: "TrainerView") -> None:
     with _lock:
         if given and given != os.environ.get(_INDUCTOR_MARK) and given != default_cache_dir():
             os.environ[_INDUCTOR] = given = absolute(given)  # the user's own, from the environment
-            _state.update(path=given, note="")
+            _state.update(path=given, note="", dropped=drop_incomplete_builds(given))
             return
         root = _default_root(trainer.runs_root, "inductor_cache") if setting in (None, True) else \
             None if setting is False else absolute(setting)
@@ -168,7 +174,67 @@ def _activate_inductor(trainer: "TrainerView") -> None:
             return
         path = process_folder(root, 1, trainer.strategy.global_rank, 0)
         os.environ[_INDUCTOR] = os.environ[_INDUCTOR_MARK] = path
-        _state.update(path=path, note="")
+        _state.update(path=path, note="", dropped=drop_incomplete_builds(path))
+
+
+def _hold(folder: str) -> bool:
+    """Takes ``folder``'s lock for the life of this process (released when it ends, however it
+    ends); False where another live process holds it (two runs at once into one root)."""
+    if folder in _held:
+        return True
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, ".xtrainer-lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _held[folder] = fd
+    return True
+
+
+def _complete_elf(path: str) -> bool:
+    """Whether the object file or shared library at ``path`` holds every byte its ELF header
+    promises (its program and section header tables: a linker writes the section table last). A
+    file of another kind is taken as complete."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return True  # gone meanwhile, or unreadable: Inductor's own error names it
+    if len(head) < 64 or head[:4] != b"\x7fELF":
+        return False  # a compiler killed before it wrote the header
+    if head[4] != 2:
+        return True  # not ELF64: not checked
+    order = "<" if head[5] == 1 else ">"
+    (phoff, shoff), (phentsize, phnum, shentsize, shnum) = (struct.unpack_from(order + "QQ", head, 32),
+                                                            struct.unpack_from(order + "HHHH", head, 54))
+    return phoff + phentsize * phnum <= size and shoff + shentsize * shnum <= size
+
+
+def drop_incomplete_builds(folder: str) -> int:
+    """Removes the compiled kernels (``.o``, ``.so``) in Inductor's cache ``folder`` that a
+    process killed while its C++ compiler wrote them left incomplete, so that Inductor builds them
+    again (it takes any such file that exists for a finished build and fails to load a truncated
+    one; its sources, graphs and wrapper modules it writes whole, by rename). Skipped where another
+    live process holds the folder. Host-side, before this process compiles; returns the count."""
+    if not os.path.isdir(folder) or not _hold(folder):
+        return 0
+    dropped = 0
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if name.endswith((".o", ".so")) and not _complete_elf(path):
+                try:
+                    os.remove(path)
+                    dropped += 1
+                except OSError:
+                    pass
+    return dropped
 
 
 def inductor_counts() -> dict[str, int]:
@@ -192,9 +258,12 @@ def describe(before: dict[str, int], after: dict[str, int]) -> tuple[dict[str, A
         return figures, f"compilation cache {note}"
     hits, misses, unloadable = counts["hits"], counts["misses"], counts["unloadable"]
     lookups = hits + misses + unloadable
+    dropped = _state.get("dropped") or 0
+    left = (f"; {dropped} incomplete compiled files (a process killed while compiling) removed and built again"
+            if dropped else "")
     if not lookups:
-        return figures, f"compilation cache {path}: nothing was compiled in this fit"
-    text = f"compilation cache {path}: {hits} of {lookups} graphs loaded"
+        return figures, f"compilation cache {path}: nothing was compiled in this fit{left}"
+    text = f"compilation cache {path}: {hits} of {lookups} graphs loaded{left}"
     if unloadable:
         text += (f"; {unloadable} found but NOT loadable (compiled again: "
                  + ("the XLA CPU runtime cannot load cached executables)" if _xla.requested_device_type() == "CPU"
