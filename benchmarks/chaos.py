@@ -173,6 +173,7 @@ QUICK = [
     Scenario("native", 1, "trainer", "KILL", "launcher", 0, "save", 6, root="file"),
     Scenario("native_ddp", 2, "trainer", "USR1", "rank", 1, "resume", 5),
     Scenario("xla_native", 1, "trainer", "KILL", "launcher", 0, "save", 4, async_=True, damage="truncate"),
+    Scenario("native", 1, "trainer", "KILL", "launcher", 0, "save", 6, env="pid1"),
 ]
 
 

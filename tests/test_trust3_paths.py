@@ -91,8 +91,8 @@ def test_torch_compile_with_a_relative_default_root_dir_compiles_and_caches_unde
 def test_compiled_kernels_a_killed_compiler_left_incomplete_are_built_again(compiled_run):
     """A process killed while the C++ compiler wrote its kernels leaves them cut short in the
     cache beside the run (the compiler writes in place; Inductor takes any file that exists for a
-    finished build, and failed to load it: ``OSError: ...so: file too short``). The next run
-    removes them, builds them again and trains."""
+    finished build, and the next run failed, here with g++ errors while it built a kernel beside the
+    cut files). The next run removes them, builds them again and trains."""
     work, done = compiled_run
     assert done.returncode == 0, done.stderr[-3000:]
     cache = work / "runs" / "inductor_cache" / "rank_0"
