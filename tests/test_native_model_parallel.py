@@ -238,6 +238,27 @@ def test_a_module_built_on_the_meta_device_gets_memory_after_configure_model(tmp
     _assert_bitwise(_weights(model), one_process)
 
 
+class FailsOnce(TensorParallelModule):
+    failed = False
+
+    def configure_model(self):
+        if not FailsOnce.failed:
+            FailsOnce.failed = True
+            raise RuntimeError("configure_model failed")
+        super().configure_model()
+
+
+def test_a_configure_model_that_fails_leaves_no_mesh_and_no_group_behind(tmp_path, one_process):
+    import torch.distributed as dist
+
+    model = FailsOnce()
+    with pytest.raises(RuntimeError, match="configure_model failed"):
+        fit(ModelParallelStrategy(), 1, str(tmp_path / "a"), model=model)
+    assert model.device_mesh is None and not dist.is_initialized()
+    _, model = fit(ModelParallelStrategy(), 1, str(tmp_path / "b"), model=model)  # the same module, again
+    _assert_bitwise(_weights(model), one_process)
+
+
 def test_a_mesh_that_is_not_the_world_size_is_refused_before_any_process_starts(tmp_path):
     with pytest.raises(ValueError, match=r"makes a mesh of 2 x 2 = 4 processes, but the run has 2: give sizes whose "
                                          r"product is 2"):

@@ -174,8 +174,12 @@ class ModelParallelStrategy(NativeFSDP):
         parallelizes), the module to the device; then a check that it used the mesh."""
         user = module.module
         user._device_mesh = self._device_mesh
-        module = super().setup_module(module)
-        self._check_parallelized(user)
+        try:
+            module = super().setup_module(module)
+            self._check_parallelized(user)
+        except BaseException:  # no teardown follows a module that was never set up: release here
+            self._release(user)
+            raise
         return module
 
     def _wrap(self, module: nn.Module) -> nn.Module:
@@ -273,17 +277,21 @@ class ModelParallelStrategy(NativeFSDP):
         """The module whole again (FSDP2 and tensor parallelism taken off, its parameters and
         buffers plain tensors holding the whole trained values: a collective, at the same point
         on every process), on the CPU; the mesh dropped, and a group of one process destroyed."""
-        user = self.unwrap(wrapped).module
         try:
             if not (failed and self.world_size > 1):
                 _take_off_tensor_parallel(wrapped)
             super().teardown(wrapped, failed)
         finally:
-            user._device_mesh = None
-            self._device_mesh = None
-            if self._own_group and dist.is_initialized():
-                dist.destroy_process_group()
-            self._own_group = False
+            self._release(self.unwrap(wrapped).module)
+
+    def _release(self, user: nn.Module) -> None:
+        """The mesh dropped (from the module too: it would not pickle for a later stage), and a
+        group of one process destroyed."""
+        user._device_mesh = None
+        self._device_mesh = None
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._own_group = False
 
 
 @contextlib.contextmanager
