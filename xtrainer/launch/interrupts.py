@@ -90,7 +90,7 @@ def request(signum: int) -> None:
 
 def adopt(signum: int) -> None:
     """Record the signal another replica received as this process's own request: the replicas'
-    stop vote carries it (``loop/publishing.py``), so that every replica stops on the same path,
+    stop vote carries it (``loop/agreement.py``), so that every replica stops on the same path,
     writes the one checkpoint together and exits with 128 + that signal. Where this process has a
     request of its own, the larger signal number wins (SIGTERM over SIGINT), as the vote's does.
     An adopted SIGINT is no first Ctrl-C: this process's own SIGINT after it still stops

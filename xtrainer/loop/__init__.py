@@ -13,7 +13,8 @@
   schedulers' stepping.
 - ``evaluation.py``: validation, test, predict and the sanity check.
 - ``publishing.py``: the one place logged values reach the host, and the epoch ends;
-  ``nonfinite.py``: the watch for a NaN or infinite training loss.
+  ``nonfinite.py``: the watch for a NaN or infinite training loss; ``agreement.py``: the
+  replicas' agreement on a stop and a time-based validation.
 - ``steps.py``: what the module must have, and the dispatcher that calls its ``*_step`` methods
   inside the strategy's wrappers; the training loss.
 - ``results.py``: values logged with ``self.log``, accumulated on the device;

@@ -48,6 +48,7 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
                        f"{trainer.log_every_n_steps} steps (and the epoch values at each epoch's end), as in Lightning. "
                        "Set a lower log_every_n_steps to see them within each epoch.")
     run.nonfinite.start_fit(trainer)
+    run.agreement.start_fit(trainer)
     run.publisher.start_fit(trainer)
     run.started_at = time.monotonic()
     run.call("on_fit_start")
@@ -57,7 +58,7 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
         run.results.reset_epoch()
     run.call("on_train_start")
     clock = ValidationClock.of(trainer) if val else None  # a time-based val_check_interval, from here on
-    run.publisher.validation_due = clock.due if clock is not None else None
+    run.agreement.validation_due = clock.due if clock is not None else None
     first_epoch, started = loop.current_epoch, False
     while not (stopping(trainer) or limits_reached(trainer)):
         skip, loop.skip_batches = loop.skip_batches, 0
@@ -86,7 +87,7 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
         counted = loop.current_epoch * trainer.num_training_batches \
             if validate_every is not None and trainer.check_val_every_n_epoch is None \
             and not math.isinf(trainer.num_training_batches) else 0
-        last, max_steps, publisher = trainer.num_training_batches, trainer.max_steps, run.publisher
+        last, max_steps, agreement = trainer.num_training_batches, trainer.max_steps, run.agreement
         # What can ask to stop after a batch besides a signal: the platform's notice, max_time.
         watch_stops = trainer.strategy.preempted is not None or trainer.max_time is not None
         step = manual_training_step if not run.optim.automatic else training_step
@@ -113,10 +114,10 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
             loop.batches_done += 1
             if progress is not None:
                 progress[0] = loop.batches_done  # what the hang watchdog's monitor process reads
-            if loop.batches_done == publisher.vote_due:  # the replicas' agreement started a batch ago
-                publisher.settle_vote(trainer)
+            if loop.batches_done == agreement.due:  # the replicas' agreement started a batch ago
+                agreement.settle(trainer)
             if timed and not loop.validation_pending:
-                loop.validation_pending = clock.come(publisher)
+                loop.validation_pending = clock.come(agreement)
             validated = loop.validation_pending
             if validated:
                 validate(trainer, val, clock)
@@ -126,7 +127,7 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
                 break
             # A stop waits for the optimizer step: between micro-batches the accumulated gradients
             # would be lost, and the resumed run would differ.
-            asked = trainer.should_stop or publisher.stop_agreed  # stopping() can say yes only then
+            asked = trainer.should_stop or agreement.stop_agreed  # stopping() can say yes only then
             stops = asked and stopping(trainer) and loop.stepped
             if stops or (max_steps != -1 and loop.global_step >= max_steps):
                 if stops and (validate_every is not None or timed) and not validated and stop_signal(trainer) is None:
@@ -336,8 +337,8 @@ def note_stop_requests(trainer: "TrainerView") -> None:
     preempted = trainer.strategy.preempted
     if not asked and preempted is not None and preempted(trainer.loop.global_step):
         interrupts.request(signal.SIGTERM)  # the preemption notice: every process stops at this step
-        trainer.run.publisher.stop_agreed = asked = True
-        trainer.run.publisher.stop_signal = signal.SIGTERM
+        trainer.run.agreement.stop_agreed = asked = True
+        trainer.run.agreement.stop_signal = signal.SIGTERM
     if asked:
         trainer.should_stop = True
     elif trainer.max_time is not None and time.monotonic() - trainer.run.started_at >= trainer.max_time:
@@ -349,8 +350,8 @@ def stopping(trainer: "TrainerView") -> bool:
     at the next logging step that agrees (``Publisher``) or epoch end, and all stop
     together; stopping on one alone would leave the others waiting in a collective. Before
     ``min_epochs``/``min_steps`` only a signal stops the fit."""
-    publisher = trainer.run.publisher
-    asked = publisher.stop_agreed if publisher.several else trainer.should_stop
+    agreement = trainer.run.agreement
+    asked = agreement.stop_agreed if agreement.several else trainer.should_stop
     if asked and stop_signal(trainer) is None and not minimum_done(trainer):
         return False
     return asked
@@ -361,8 +362,8 @@ def stop_signal(trainer: "TrainerView") -> int | None:
     agreed on (a signal to one replica becomes every replica's, ``interrupts.adopt``), never this
     replica's own request before the vote has carried it, so that every replica takes the same
     path (the signal's checkpoint, or the epoch's end and its collectives); alone, this process's."""
-    publisher = trainer.run.publisher
-    return publisher.stop_signal if publisher.several else interrupts.requested()
+    agreement = trainer.run.agreement
+    return agreement.stop_signal if agreement.several else interrupts.requested()
 
 
 def minimum_done(trainer: "TrainerView") -> bool:
@@ -406,7 +407,7 @@ def validate(trainer: "TrainerView", val: list, clock: "ValidationClock | None")
     """A validation inside the fit; a time-based interval counts from its end, as in Lightning."""
     evaluation.validate_during_fit(trainer, val)
     if clock is not None:
-        clock.validated(trainer.run.publisher)
+        clock.validated(trainer.run.agreement)
 
 
 class ValidationClock:
@@ -417,9 +418,9 @@ class ValidationClock:
 
     One replica reads its clock after every batch (no device sync). Several replicas must agree,
     or they would part ways at a batch where one clock says yes and another no: each one's clock
-    rides in the stop vote the replicas exchange anyway (``Publisher``: at logging steps, their
+    rides in the vote the replicas exchange anyway (``agreement.py``: at logging steps, their
     agreements, and epoch ends; no extra host sync), and validation runs, on every replica, after
-    the batch where the vote that carried a yes is taken (``Publisher.take_validation``)."""
+    the batch where the vote that carried a yes is taken (``Agreement.take_validation``)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -434,16 +435,16 @@ class ValidationClock:
         """This replica's clock: the interval has passed (host clock only)."""
         return time.monotonic() - self.since >= self.seconds
 
-    def come(self, publisher: Any) -> bool:
+    def come(self, agreement: Any) -> bool:
         """Whether to validate after this batch: the agreed vote with several replicas (taken at
         the same batch by all), else this replica's clock."""
-        return publisher.take_validation() if publisher.several else self.due()
+        return agreement.take_validation() if agreement.several else self.due()
 
-    def validated(self, publisher: Any) -> None:
+    def validated(self, agreement: Any) -> None:
         """A validation ended: the interval counts again from now, and a yes voted before or
         during it is spent."""
         self.since = time.monotonic()
-        publisher.take_validation()
+        agreement.take_validation()
 
 
 def check_validation_interval(trainer: "TrainerView") -> None:

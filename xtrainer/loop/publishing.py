@@ -2,28 +2,14 @@
 
 Values logged with ``self.log`` stay on the device; every ``log_every_n_steps`` optimizer steps
 and at the end of each epoch the Trainer hands them here. ``Publisher.publish`` reads them in one
-batched transfer (the interval's one host sync), together with two numbers that ride along:
+batched transfer (the interval's one host sync), together with two things that ride along:
 
-- whether any replica asked to stop (``trainer.should_stop``), and the signal that asked, if one
-  did (the largest signal number: ``stop_vote``): all replicas then stop together, at the same
-  step, since stopping one alone would leave the others waiting in a collective. The vote also
-  carries whether a replica's clock says that a time-based ``val_check_interval`` has passed
-  (``fit.ValidationClock``), so that all of them validate after the same batch. A signal that
-  reached one replica only (one host's launcher) becomes every replica's own request
-  (``interrupts.adopt``), so that all of them take the signal's path: one checkpoint written
-  together, and the exit with 128 + the signal;
+- the replicas' agreement (``agreement.py``): whether any replica asked to stop, on which
+  signal, and whether a time-based validation is due, so that all of them stop or validate at
+  the same batch (where collectives run as they are called, a logging step only starts it, and
+  the loop settles it a batch later);
 - the global step of the first non-finite training loss (``nonfinite.py``), tracked inside each
   step's graph, so that ``detect_nonfinite`` costs no extra host sync.
-
-Where collectives run as they are called (the native strategies on several processes), a logging
-step only starts the replicas' agreement on those two (``agree_later``), and the loop settles it
-after the next batch (``settle_vote``), when it has long arrived: the host never waits for the
-slowest replica there. A stop asked for is then taken one batch later, by every replica at the
-same batch, and a non-finite loss is reported one batch later too. Such an agreement is an
-all-reduce of its own, so logging steps start one only every ``agreement_seconds`` (the
-collectives' setting): each agreement also settles the global step of the next one, the least
-that any replica proposes from its own clock, so that all of them start it at the same step.
-An epoch's end always agrees.
 
 Then it hands the values out: ``trainer.callback_metrics``, ``progress_bar_metrics`` and
 ``logged_metrics``; the ``on_metrics`` hook of every callback (the progress bar and ``XlaHealth``
@@ -33,13 +19,11 @@ Nothing else calls a logger's ``log_metrics``.
 
 from __future__ import annotations
 
-import math
-import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
-from xtrainer.launch import interrupts
+from xtrainer.loop.agreement import STOP_KEY
 from xtrainer.loop.metric_values import as_tensor
 from xtrainer.loop.nonfinite import NonFiniteWatch
 from xtrainer.loop.results import to_floats
@@ -52,23 +36,6 @@ from xtrainer.trainer_view import TrainerView
 LOSS_KEY = "xtrainer/loss"
 #: ``Publisher.previewing`` while a training batch's end hooks run (``fit.batch_end``).
 STEP_VALUES = "train-step"
-_STOP_KEY = "xtrainer/should_stop"
-_NEXT_KEY = "xtrainer/next_agreement_step"
-
-
-def stop_vote(trainer: "TrainerView") -> int:
-    """This replica's stop vote: four times the number of the signal that asked this process to
-    stop (0: none), plus 2 where ``should_stop`` is set, plus 1 where its clock says a time-based
-    validation is due (``Publisher.validation_due``). The largest over the replicas (one
-    reduction, the one the read makes anyway) says whether any replica asked to stop (2 or more),
-    the largest signal number among those that asked (a quarter of it, rounded down), and, where
-    none asked, whether any replica's validation is due (1). A stop outranks the validation bit
-    without losing it: a stop that no signal asked for validates first anyway."""
-    publisher = trainer.run.publisher
-    due = publisher.validation_due is not None and publisher.validation_due()
-    return 4 * (interrupts.requested() or 0) + (2 if trainer.should_stop else 0) + (1 if due else 0)
-
-
 def automatic_lr_names(optimizers: list[Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     """The names every parameter group's learning rate is logged under without a
     ``LearningRateMonitor``: ``lr-<Optimizer>/pg<i>``, and ``lr-<Optimizer>-<n>/pg<i>`` for the
@@ -92,33 +59,10 @@ class Publisher:
 
     def __init__(self) -> None:
         self._previewed: dict[str, Any] = {}  # per-step values callback_metrics has, in a batch's end hooks
-        self.stop_agreed = False
-        # The signal the replicas agreed to stop on (None: none, or a stop not asked for by one);
-        # with several replicas the loop takes the signal's path on this, never on a replica's own
-        # request not yet voted on, so that all of them take the same path.
-        self.stop_signal: int | None = None
-        self.several = False  # the fit has more than one replica (set at its start)
-        # A time-based val_check_interval (fit.ValidationClock): this replica's clock, which the
-        # stop vote carries, and whether a vote the replicas took said that one was due.
-        self.validation_due: Callable[[], bool] | None = None
-        self.validation_agreed = False
         self.loop_loss: float | None = None  # the latest read of the step's training loss (LOSS_KEY)
-        # The replicas' agreement started at a logging step: what finishes it, and the count of
-        # batches done after which the loop settles it (-1: none under way).
-        self._vote: Callable[[], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] | None = None
-        self.vote_due = -1
-        # The global step from which a logging step starts the next agreement, and the host clock
-        # and global step where the last one started (None: none yet in this fit).
-        self._next_vote = 0
-        self._voted: tuple[float, int] | None = None
 
     # ---- a fit's beginning and end ---------------------------------------------------------
     def start_fit(self, trainer: "TrainerView") -> None:
-        self._vote, self.vote_due = None, -1
-        self._next_vote, self._voted = 0, None
-        self.stop_signal = None
-        self.several = trainer.world_size > 1
-        self.validation_due, self.validation_agreed = None, False
         self.loop_loss = None
         if trainer.is_global_zero and trainer.module._log_hyperparams:
             for logger in trainer.loggers:
@@ -148,8 +92,9 @@ class Publisher:
         epoch's end), replicas whose collectives run as called only start their agreement here,
         and at a ``logging_step`` only once its time has come (see the module's docstring).
         ``local``: this replica's read alone, with no agreement (a read other replicas may not make)."""
-        if self._vote is not None and not local:  # any read settles the agreement under way first
-            self.settle_vote(trainer)
+        agreement = trainer.run.agreement
+        if agreement.under_way and not local:  # any read settles the agreement under way first
+            agreement.settle(trainer)
         several = trainer.world_size > 1 and not local
         shares_stop = several and trainer.state == "fit"
         nonfinite = trainer.run.nonfinite
@@ -157,28 +102,21 @@ class Publisher:
         if watched and not several:
             tensors = {**tensors, **nonfinite.watch.local_tensors()}
         stop: torch.Tensor | int = 0
-        if several and logging_step and trainer.global_step < self._next_vote:
+        if several and logging_step and trainer.global_step < agreement.next_step:
             shares_stop = watched = False  # not yet: the next agreement's step was agreed on
         if shares_stop or (watched and several):  # the replicas agree on both in one reduction
-            first = nonfinite.watch.local_first() if watched else None
-            vote = stop_vote(trainer) if shares_stop else 0
-            collectives = trainer.strategy.collectives
-            finish = collectives.agree_later(vote, first, self._propose(trainer, collectives.agreement_seconds)) \
-                if check_loss else None
-            if finish is not None:
-                self._vote, self.vote_due = finish, trainer.loop.batches_done + 2  # after the next batch
+            started, stop, first = agreement.agree(trainer, shares_stop,
+                                                   nonfinite.watch.local_first() if watched else None, check_loss)
+            if started:
                 watched = False
-            else:
-                stop, first = trainer.strategy.collectives.agree(vote, first)
-                stop = stop if shares_stop else 0
-                if first is not None:
-                    tensors = {**tensors, NonFiniteWatch._FIRST: first}
+            elif first is not None:
+                tensors = {**tensors, NonFiniteWatch._FIRST: first}
         if isinstance(stop, torch.Tensor):  # rides along with the values read
-            tensors = {**tensors, _STOP_KEY: stop}
+            tensors = {**tensors, STOP_KEY: stop}
         values = to_floats(tensors, trainer.strategy.runtime.to_cpu) if tensors else {}  # host sync: the only place logged values reach the host
         if isinstance(stop, torch.Tensor):
-            stop = values.pop(_STOP_KEY)
-        self._take_vote(trainer, stop)
+            stop = values.pop(STOP_KEY)
+        agreement.take(trainer, stop)
         if watched:
             nonfinite.report(trainer, nonfinite.watch.first_step(values))
         loop_loss = values.pop(LOSS_KEY, None)
@@ -257,53 +195,6 @@ class Publisher:
         collective and one host sync, where there are any)."""
         if self.previewing == STEP_VALUES and trainer.world_size > 1:
             self._preview_step(trainer, synced=True)
-
-    def settle_vote(self, trainer: "TrainerView") -> None:
-        """Finish the agreement a logging step started: stop with the others if any replica
-        asked to, report a non-finite loss any of them saw."""
-        finish, self._vote, self.vote_due = self._vote, None, -1
-        stop, first, next_vote = finish()
-        tensors = {_STOP_KEY: stop, _NEXT_KEY: next_vote}
-        if first is not None:
-            tensors[NonFiniteWatch._FIRST] = first
-        values = to_floats(tensors, trainer.strategy.runtime.to_cpu)  # host sync: of a reduction started a batch ago
-        self._next_vote = int(values.pop(_NEXT_KEY))
-        vote = values.pop(_STOP_KEY)
-        if trainer.state == "fit":
-            self._take_vote(trainer, vote)
-        if first is not None:
-            trainer.run.nonfinite.report(trainer, trainer.run.nonfinite.watch.first_step(values))
-
-    def take_validation(self) -> bool:
-        """Whether a vote the replicas took since the last call said a time-based validation was
-        due (then spent)."""
-        agreed, self.validation_agreed = self.validation_agreed, False
-        return agreed
-
-    def _take_vote(self, trainer: "TrainerView", vote: float) -> None:
-        """The replicas' agreed stop vote (the largest ``stop_vote``): stop, on the signal it
-        carries, if any, taken as this process's own request; note a validation that is due."""
-        vote = int(vote)
-        if vote % 2:
-            self.validation_agreed = True
-        if vote < 2:
-            return
-        signum = vote // 4
-        if signum:
-            interrupts.adopt(signum)  # a no-op where this process has the signal already
-            self.stop_signal = max(self.stop_signal or 0, signum)
-        trainer.should_stop = self.stop_agreed = True
-
-    def _propose(self, trainer: "TrainerView", seconds: float) -> int:
-        """The global step this replica proposes for the next agreement: ``seconds`` on, at the
-        pace of the steps since the last one (by the host clock; its logging steps read the
-        device, so that pace is the device's). Without a pace yet, the next logging step."""
-        now, step = time.perf_counter(), trainer.global_step
-        last, self._voted = self._voted, (now, step)
-        if not seconds or last is None or step <= last[1] or now <= last[0]:
-            return step + 1
-        ahead = seconds / ((now - last[0]) / (step - last[1]))
-        return step + max(1, math.ceil(ahead)) if ahead < NonFiniteWatch.NEVER else NonFiniteWatch.NEVER
 
     def _hand_out(self, trainer: "TrainerView", logged: dict[str, float]) -> None:
         """The values read to the callbacks' ``on_metrics`` (which may add their own, as

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from torch import nn
 
 from xtrainer.launch.interrupts import TrainingInterrupted
+from xtrainer.loop.agreement import Agreement
 from xtrainer.loop.hooks import HookTable
 from xtrainer.loop.loaders import num_batches
 from xtrainer.loop.nonfinite import NonFinite
@@ -43,7 +44,8 @@ class Run:
     ``optim``: the optimizers and how they step. ``results``: where ``self.log`` puts values now
     (``train_results`` during training, an evaluation's during it). ``publisher``: reads them to
     the host and hands them out. ``nonfinite``: the watch for a NaN or infinite training loss
-    (``detect_nonfinite``). ``hooks``: who overrides which hook (``call``). ``stage_data``:
+    (``detect_nonfinite``). ``agreement``: the replicas' agreement on a stop and a time-based
+    validation. ``hooks``: who overrides which hook (``call``). ``stage_data``:
     the stage's loaders, as the strategy delivers them; ``train_data``: the fit's training data;
     ``restored_data_state``: the data order a resumed epoch continues (set by ``restore``, taken
     by the loop at the epoch's start). ``num_training_batches``: the batches of a training epoch
@@ -61,6 +63,7 @@ class Run:
         self.trainer = trainer
         self.publisher = Publisher()
         self.nonfinite = NonFinite(detect_nonfinite)
+        self.agreement = Agreement()
         self.hooks = HookTable()
         self.module: XModule | None = None
         self.last_module: XModule | None = None

@@ -200,7 +200,7 @@ def run_stage(trainer: "TrainerView", stage: str, module: "XModule", sources: di
         if own is not None and own != trainer.log_dir:
             remove_if_empty(own)
     trainer.strategy.runtime.seed_replica(trainer.loop.seed, trainer.global_rank, trainer.strategy.launcher.runs_in_caller)
-    run.state, trainer.should_stop, run.publisher.stop_agreed = stage, False, False
+    run.state, trainer.should_stop, run.agreement.stop_agreed = stage, False, False
     module.trainer = trainer
     run.module = module
     in_process, error = trainer.strategy.launcher.runs_in_caller, None

@@ -61,7 +61,7 @@ class Collectives:
 
     def any_replica(self, vote: int) -> torch.Tensor | int:
         """The largest replica's ``vote`` (a small number, 0 or more: the stop vote of
-        ``loop/publishing.py``, which carries a signal's number): a device value recorded in the
+        ``loop/agreement.py``, which carries a signal's number): a device value recorded in the
         graph (read with the values it rides along with), or an int where the replicas agree on
         the host."""
         raise RuntimeError("The strategy has no device before setup_environment().")
