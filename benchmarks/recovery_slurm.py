@@ -5,8 +5,8 @@ recovered by requeueing the job, on a real SLURM cluster on this machine
     python benchmarks/recovery_slurm.py [--trials 3] [--steps 300] [--seed 0]
 
 A two-node job (one task per node, ``native_ddp`` over gloo, ``benchmarks/recovery_slurm_job.py``:
-the fit of ``recovery.py``'s torchrun contender, a checkpoint every 10 steps) whose batch script requeues it when ``srun`` fails
-(``srun ... || scontrol requeue $SLURM_JOB_ID``). One task is SIGKILLed at a random step; the
+the fit of ``recovery.py``'s torchrun contender, a checkpoint every 10 steps) whose batch script
+requeues it when ``srun`` fails (``srun ... || scontrol requeue $SLURM_JOB_ID``). One task is SIGKILLed at a random step; the
 requeued job is released as soon as SLURM lets it start (``PENDING`` plus 2 s:
 ``scontrol update jobid=J StartTime=now``) and resumes from ``last``. Measured per trial: the
 time from the kill to the first step the resumed job trains, and its parts (the survivor's
@@ -97,7 +97,8 @@ def trial(cluster: slurm_cluster.Cluster, folder: Path, steps: int, rng: random.
     t_next, first_step = max(row[0] for row in firsts), firsts[0][1]
     done = cluster.wait_state(job, ("COMPLETED", "FAILED"), 300)
     if done["JobState"] != "COMPLETED":
-        raise RuntimeError(f"job {job} {done['JobState']} after its requeue: {(folder / 'job.out').read_text()[-2000:]}")
+        log = (folder / "job.out").read_text()[-2000:]
+        raise RuntimeError(f"job {job} {done['JobState']} after its requeue: {log}")
     return {"killed_after_step": before, "kill_to_next_step_s": round(t_next - t_kill, 2),
             "steps_lost": before - (first_step - 1), "shards_skipped": 0,
             "kill_to_pending_s": round(t_pending - t_kill, 2), "pending_to_release_s": round(t_release - t_pending, 2),

@@ -1,12 +1,14 @@
-"""The fit of ``native_run.py`` (``ExactNet``: bitwise equal at any world size) as a SLURM task runs
-it: started by ``srun``, its ranks and master from SLURM's variables, no torch variable set::
+"""The fit of ``native_run.py`` (``ExactNet``: exact sums, so a resumed run is bitwise equal to one
+never stopped) as a SLURM task runs it: started by ``srun``, its ranks and master from SLURM's
+variables, no torch variable set (or by the batch script itself, starting ``--devices`` processes)::
 
     srun -N 2 --ntasks-per-node=2 python slurm_run.py --root ROOT --out OUT.pt [--steps N]
         [--pause SECONDS] [--ready FILE] [--devices D|auto] [--num-nodes N] [--no-requeue]
 
-``OUT.pt`` (rank 0): the final weights, the step, the world size, the run folder, and the
-cluster environment's view (``SLURM_RESTART_COUNT``, the requeue signal). Exits 128 + signal when
-a signal stopped the fit (after a line ``rank R: Stopped by ... at step N ...``), 2 with the error's one line on stderr when the Trainer refused the job.
+``OUT.pt`` (rank 0): the final weights, the step, the world size, the run folder, the job's
+``SLURM_RESTART_COUNT`` and the checkpoint the fit resumed from. Exits 128 + signal when a signal
+stopped the fit (after a line ``rank R: Stopped by ... at step N ...``), 2 with the error's one
+line on stderr (``refused: ...``) when the Trainer refused the job.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def main() -> None:
     parser.add_argument("--no-requeue", action="store_true")
     args = parser.parse_args()
     devices = args.devices if args.devices == "auto" else int(args.devices)
-    world = int(os.environ.get("SLURM_NTASKS", "1"))
+    # srun's tasks are the replicas; the batch script's own process starts devices processes
+    world = int(os.environ["SLURM_NTASKS"]) if "SLURM_STEP_ID" in os.environ else int(devices)
     plugins = [SLURMEnvironment(auto_requeue=False)] if args.no_requeue else None
     try:
         trainer, model = native_run.fit("native_ddp", devices, args.root, args.steps, 8, None, args.pause,

@@ -2,8 +2,8 @@
 nodes ``n1``/``n2`` on 127.0.0.1, munged): ``srun`` tasks running ``native_ddp`` in place over gloo,
 a job that requeues itself on its signal and resumes bitwise, ``scancel`` mid-run, a node's tasks
 killed, and an allocation that does not match ``devices``/``num_nodes``. Each fit is
-``slurm_run.py`` (``ExactNet``, bitwise equal at any world size), compared with the same fit of 4
-local processes (``Trainer(devices=4)``)."""
+``slurm_run.py`` (``ExactNet``: its sums exact, so a resumed run is bitwise equal to one never
+stopped), compared with the same fit of as many local processes (``Trainer(devices=N)``)."""
 
 from __future__ import annotations
 
@@ -100,6 +100,15 @@ def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     return native_run.whole_weights(model)
 
 
+@pytest.fixture(scope="module")
+def reference2(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The weights of the fit on 2 local processes (the sums of 16 steps are exact at one world
+    size, not across world sizes)."""
+    root = tmp_path_factory.mktemp("local2")
+    _, model = native_run.fit("native_ddp", 2, str(root), STEPS, 8)
+    return native_run.whole_weights(model)
+
+
 def assert_equal_weights(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert found.keys() == expected.keys()
     for name in expected:
@@ -167,6 +176,39 @@ def test_signalled_job_requeues_itself_and_resumes_bitwise(slurm, tmp_path, refe
     out = torch.load(root / "out.pt", weights_only=False)
     assert out["restarts"] == 1 and out["resumed_from"] and out["global_step"] == STEPS
     assert_equal_weights(out["weights"], reference)
+
+
+def test_the_batch_script_itself_requeues_on_the_signal_it_passes_on(slurm, tmp_path, reference2):
+    """``python`` run by the batch script without ``srun`` (one task, ``devices=2``: it starts its
+    second process itself), signalled as ``--signal=B:USR1`` does (the batch shell only, whose
+    trap passes it on): both processes stop at one step, the job requeues itself, and resumes
+    from last to the weights of the run never stopped."""
+    root = tmp_path / "run"
+    root.mkdir()
+    job = slurm.sbatch("\n".join([
+        "#!/bin/bash",
+        "#SBATCH --nodes=1 --ntasks=1 --requeue --open-mode=append",
+        f"#SBATCH --output={root}/job.out",
+        f"{sys.executable} {HERE / 'slurm_run.py'} --root {root} --out {root}/out.pt --steps {STEPS} --devices 2 "
+        f"--pause 0.3 --ready {root}/READY &",
+        "pid=$!",
+        "trap 'kill -USR1 $pid' USR1",
+        "wait $pid",
+        "wait $pid",
+        "",
+    ]), cwd=tmp_path)
+    wait_for_file(root / "READY", 60, slurm, job)
+    slurm.run(["scancel", "--signal=USR1", "--batch", job])  # what --signal=B:USR1@N sends
+    slurm.wait_state(job, ("PENDING",), subprocess_timeout(30))
+    time.sleep(2.5)
+    slurm.run(["scontrol", "update", f"jobid={job}", "StartTime=now"])
+    info = slurm.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), subprocess_timeout(60))
+    log = read(root / "job.out")
+    assert info["JobState"] == "COMPLETED" and log.count("requeued SLURM job") == 1, log[-3000:]
+    assert re.search(r"rank 0: Stopped by SIGUSR1 at step \d+", log), log[-3000:]
+    out = torch.load(root / "out.pt", weights_only=False)
+    assert (out["restarts"], out["world_size"], out["global_step"]) == (1, 2, STEPS)
+    assert_equal_weights(out["weights"], reference2)
 
 
 def test_scancel_mid_run_stops_cleanly(slurm, tmp_path):
