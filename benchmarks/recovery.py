@@ -271,7 +271,7 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def steady_state(steps: int = 400, skip: int = 50) -> dict:
+def steady_state(steps: int = 500, skip: int = 50) -> dict:
     """Per-step wall and CPU time, steps ``skip`` to ``steps`` (start-up excluded), of
     ``native_ddp`` x2 and ``native_ft`` x2 (with its lighthouse's CPU)."""
     from conftest import torchrun
@@ -280,8 +280,11 @@ def steady_state(steps: int = 400, skip: int = 50) -> dict:
     figures = {}
     with tempfile.TemporaryDirectory(prefix="xt-steady-ddp-") as tmp:
         folder = Path(tmp)
-        subprocess.run(torchrun("--nproc-per-node=2", __file__, "--worker", str(folder), str(steps), "--pause", "0"),
-                       env=_env(True), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(folder / "log.txt", "w") as log:
+            done = subprocess.run(torchrun("--nproc-per-node=2", __file__, "--worker", str(folder), str(steps),
+                                           "--pause", "0"), env=_env(True), stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            raise RuntimeError(f"native_ddp failed ({done.returncode}): {(folder / 'log.txt').read_text()[-1500:]}")
         per = [[r for r in _rows(folder, k) if r[2] > skip] for k in (0, 1)]
         n = per[0][-1][2] - per[0][0][2]
         figures["native_ddp"] = {"wall_ms": (per[0][-1][0] - per[0][0][0]) / n * 1e3,
@@ -289,12 +292,15 @@ def steady_state(steps: int = 400, skip: int = 50) -> dict:
     with tempfile.TemporaryDirectory(prefix="xt-steady-ft-") as tmp, running_lighthouse() as lighthouse:
         folder = Path(tmp)
         groups = [_ft_group(folder, g, lighthouse.address, steps, 0.0, False, True) for g in (0, 1)]
-        _wait(lambda: all(any(r["step"] > skip for r in _ft_records(folder, g)) for g in (0, 1)), 300, "warm-up")
+        _wait(lambda: all(_ft_records(folder, g) for g in (0, 1)), 300, "both groups' first steps")
         house_0 = _cpu_of(lighthouse.process.pid)
         for proc in groups:
             proc.wait(timeout=600)
         house = _cpu_of(lighthouse.process.pid) - house_0
-        per = [[r for r in _ft_records(folder, g) if r["step"] > skip] for g in (0, 1)]
+        # the steps both groups trained (one may have trained alone before the other came up)
+        common = set.intersection(*({r["step"] for r in _ft_records(folder, g)} for g in (0, 1)))
+        start = min(common) + skip
+        per = [[r for r in _ft_records(folder, g) if r["step"] in common and r["step"] > start] for g in (0, 1)]
         n = per[0][-1]["step"] - per[0][0]["step"]
         figures["native_ft"] = {"wall_ms": (per[0][-1]["time"] - per[0][0]["time"]) / n * 1e3,
                                 "cpu_ms": (sum(rows[-1]["cpu"] - rows[0]["cpu"] for rows in per) + house) / n * 1e3,
@@ -329,7 +335,7 @@ def table(results: dict[str, list[dict]], steady: dict | None, args: argparse.Na
         for name, rows in results.items() if not isinstance(rows, str))]
     if steady:
         ddp, ft = steady["native_ddp"], steady["native_ft"]
-        lines += ["", "Steady state, 2 workers, no pause (steps 50 to 400):", "",
+        lines += ["", "Steady state, 2 workers, no pause (500 steps; the first 50 the two trained together not counted):", "",
                   "| | native_ddp | native_ft | ratio |", "| --- | --- | --- | --- |",
                   f"| wall per step (ms) | {ddp['wall_ms']:.2f} | {ft['wall_ms']:.2f} | {ft['wall_ms'] / ddp['wall_ms']:.2f} |",
                   f"| CPU per step, all processes (ms) | {ddp['cpu_ms']:.2f} | {ft['cpu_ms']:.2f} "
@@ -367,7 +373,12 @@ def main() -> None:
             except (ImportError, RuntimeError, OSError) as err:  # e.g. SLURM's packages missing
                 results[contender.name] = f"not run: {str(err).splitlines()[0][:120]}"
             print(f"{contender.name} ({time.monotonic() - started:.0f} s): {results[contender.name]}", flush=True)
-    steady = steady_state() if "steady" in names else None
+    steady = None
+    if "steady" in names:
+        try:
+            steady = steady_state()
+        except RuntimeError as err:
+            print(f"steady state not measured: {err}", flush=True)
     text = table(results, steady, args)
     print(text)
     if args.write:

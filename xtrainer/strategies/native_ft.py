@@ -90,7 +90,8 @@ class NativeFaultTolerant(NativeSingle):
             ``--heartbeat_timeout_ms`` decides when a silent group is dropped).
         hostname: the name the other groups reach this one by (its store, its state for a
             healing peer); default ``socket.gethostname()``, as torchft's.
-        compile, compile_kwargs: as ``native``.
+        compile: run the module's ``forward`` through ``torch.compile``, as ``native``.
+        compile_kwargs: passed to ``torch.compile``.
     """
 
     name = "native_ft"
