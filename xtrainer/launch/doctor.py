@@ -105,7 +105,8 @@ def plan(strategies: str, devices: int | None, full: bool = False) -> list[tuple
             pairs.append((name, int(count) if count else most[name]))
         pairs = list(dict.fromkeys(pairs))
     else:
-        candidates = [(name, count) for name in STRATEGIES for count in dict.fromkeys((most[name], 1))]
+        candidates = [(name, count) for name, cls in STRATEGIES.items() if cls.runs_standalone
+                      for count in dict.fromkeys((most[name], 1))]
         pairs, kinds = [], set()
         for name, count in candidates:
             kind = type(_launcher(name, count))

@@ -70,6 +70,9 @@ class Strategy(abc.ABC):
     #: Gradients are reduced only for the parameters that needed them when the module was
     #: wrapped (DDP's reducer): a layer unfrozen later would train apart on each replica.
     reduces_wrapped_trainable_only: ClassVar[bool] = False
+    #: The strategy trains with nothing but this host's processes (``xtrainer doctor`` checks
+    #: every such strategy); False: it needs a service started first (``native_ft``: a lighthouse).
+    runs_standalone: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.devices: int | None = 1

@@ -95,6 +95,7 @@ class NativeFaultTolerant(NativeSingle):
     """
 
     name = "native_ft"
+    runs_standalone = False  # it needs a lighthouse started first
 
     def __init__(self, lighthouse: str | None = None, replica_group: int | None = None,
                  num_replica_groups: int | None = None, min_replica_groups: int = 1,
@@ -103,22 +104,10 @@ class NativeFaultTolerant(NativeSingle):
                  compile: bool = False, compile_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__(compile=compile, compile_kwargs=compile_kwargs, timeout_seconds=timeout_seconds)
         self.lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
-        if not self.lighthouse:
-            raise ValueError(f"{type(self).__name__}: give lighthouse='http://host:port' (or set ${LIGHTHOUSE_ENV}), "
-                             "the address of a running torchft_lighthouse.")
-        group = replica_group if replica_group is not None else os.environ.get(GROUP_ENV)
-        groups = num_replica_groups if num_replica_groups is not None else os.environ.get(GROUPS_ENV)
-        try:
-            self.replica_group, self.num_replica_groups = int(group), int(groups)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise ValueError(f"{type(self).__name__}: give replica_group= and num_replica_groups= (or set "
-                             f"${GROUP_ENV} and ${GROUPS_ENV}) as ints, not {group!r} and {groups!r}.") from None
-        if not 0 <= self.replica_group < self.num_replica_groups:
-            raise ValueError(f"{type(self).__name__}(replica_group={self.replica_group}, num_replica_groups="
-                             f"{self.num_replica_groups}): give 0 <= replica_group < num_replica_groups.")
-        if not 1 <= min_replica_groups <= self.num_replica_groups:
-            raise ValueError(f"{type(self).__name__}(min_replica_groups={min_replica_groups}): give 1 to "
-                             f"num_replica_groups ({self.num_replica_groups}).")
+        self._given = (replica_group if replica_group is not None else os.environ.get(GROUP_ENV),
+                       num_replica_groups if num_replica_groups is not None else os.environ.get(GROUPS_ENV))
+        self.replica_group, self.num_replica_groups = 0, 1  # checked and set by configure()
+        self._min_replica_groups = min_replica_groups
         self.min_replica_groups = min_replica_groups
         self.quorum_timeout_seconds, self.connect_timeout_seconds = quorum_timeout_seconds, connect_timeout_seconds
         self.heartbeat_ms = heartbeat_ms
@@ -139,6 +128,27 @@ class NativeFaultTolerant(NativeSingle):
         self._wrapped: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_seen = 0  # the loop's step of the coming optimizer step (for uncommitted_steps)
+
+    def _check_accelerator(self, accelerator: str, num_nodes: int) -> None:
+        """As ``native``, then this strategy's own settings (when the Trainer is made): the
+        lighthouse's address and this group's place, each refused in one line."""
+        super()._check_accelerator(accelerator, num_nodes)
+        if not self.lighthouse:
+            raise ValueError(f"{type(self).__name__}: give lighthouse='http://host:port' (or set ${LIGHTHOUSE_ENV}), "
+                             "the address of a running torchft_lighthouse.")
+        group, groups = self._given
+        try:
+            self.replica_group, self.num_replica_groups = int(group), int(groups)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(f"{type(self).__name__}: give replica_group= and num_replica_groups= (or set "
+                             f"${GROUP_ENV} and ${GROUPS_ENV}) as ints, not {group!r} and {groups!r}.") from None
+        if not 0 <= self.replica_group < self.num_replica_groups:
+            raise ValueError(f"{type(self).__name__}(replica_group={self.replica_group}, num_replica_groups="
+                             f"{self.num_replica_groups}): give 0 <= replica_group < num_replica_groups.")
+        if not 1 <= self._min_replica_groups <= self.num_replica_groups:
+            raise ValueError(f"{type(self).__name__}(min_replica_groups={self._min_replica_groups}): give 1 to "
+                             f"num_replica_groups ({self.num_replica_groups}).")
+        self.min_replica_groups = self._min_replica_groups
 
     # ---- the environment --------------------------------------------------------------------
     def setup_environment(self) -> None:
