@@ -123,7 +123,7 @@ class NoData(HelloWorld):
         return None
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy", sorted(n for n, c in STRATEGIES.items() if c.runs_standalone))
 def test_data_built_in_setup_at_one_device(tmp_path, strategy):
     trainer = Trainer(strategy=strategy, devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=1,
                       num_sanity_val_steps=1, enable_checkpointing=False, **quiet(tmp_path))

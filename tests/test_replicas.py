@@ -122,7 +122,9 @@ def reference(tmp_path_factory):
 # Every MPMD strategy (FSDP as ZeRO-3) at 2 replicas; at 4, DDP (the channel-id collectives and the thread pool at 4 are
 # the same for every strategy, which agree with each other at 2 here).
 # Every MPMD strategy at 2 replicas (``native`` is one device only; SPMD ones are in test_spmd.py).
-CASES = [(s, 2) for s, cls in STRATEGIES.items() if not issubclass(cls, XlaSPMD) and s != "native"] + [("xla_ddp", 4)]
+# (native_ft: replica groups under a lighthouse, tests/test_fault_tolerance.py)
+CASES = [(s, 2) for s, cls in STRATEGIES.items()
+         if not issubclass(cls, XlaSPMD) and s != "native" and cls.runs_standalone] + [("xla_ddp", 4)]
 IDS = [f"{s}-{n}" for s, n in CASES]
 
 

@@ -19,7 +19,9 @@ from xtrainer.strategies import XlaDDP, XlaFSDP, XlaSPMD
 ZERO3 = lambda: XlaFSDP(reshard_after_forward=True)  # noqa: E731
 ZERO2 = lambda: XlaFSDP(reshard_after_forward=False)  # noqa: E731
 # Every registered strategy of MPMD replicas (the SPMD ones: test_spmd.py), and FSDP as ZeRO-2 too.
-STRATEGIES = {**{name: cls for name, cls in REGISTRY.items() if not issubclass(cls, XlaSPMD)}, "xla_fsdp_zero2": ZERO2}
+# (a strategy that needs a service started first, native_ft's lighthouse, has tests of its own)
+STRATEGIES = {**{name: cls for name, cls in REGISTRY.items() if not issubclass(cls, XlaSPMD) and cls.runs_standalone},
+              "xla_fsdp_zero2": ZERO2}
 DEVICES = [1]  # at 2 replicas, test_replicas compares every strategy with one replica, accumulating and clipping
 
 

@@ -49,6 +49,7 @@ from torch import nn
 from xtrainer import stepping
 from xtrainer.strategies.data import DeviceData, distribute_dataloader
 from xtrainer.strategies.native import NativeSingle
+from xtrainer.strategies.parallel import ParallelStrategy
 
 #: The environment variables the strategy reads where its arguments are not given (torchft's name
 #: for the lighthouse's address; the group index as torchtitan's fault-tolerance scripts name it).
@@ -67,7 +68,7 @@ def _cloned(state: Any) -> Any:
     return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
 
 
-class NativeFaultTolerant(NativeSingle):
+class NativeFaultTolerant(NativeSingle, ParallelStrategy):
     """Fault-tolerant data parallel over replica groups of one process each (torchft 0.2).
 
     Start one process per group, each with ``strategy=NativeFaultTolerant(replica_group=g, ...)``
@@ -149,6 +150,12 @@ class NativeFaultTolerant(NativeSingle):
             raise ValueError(f"{type(self).__name__}(min_replica_groups={self._min_replica_groups}): give 1 to "
                              f"num_replica_groups ({self.num_replica_groups}).")
         self.min_replica_groups = self._min_replica_groups
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """This group's share, for a ``DistributedSampler`` the module builds itself: the groups
+        are the replicas (each process is a world of one)."""
+        return {"num_replicas": self.num_replica_groups, "rank": self.replica_group}
 
     # ---- the environment --------------------------------------------------------------------
     def setup_environment(self) -> None:

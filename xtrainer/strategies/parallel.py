@@ -3,7 +3,8 @@
 A Lightning project asks ``isinstance(trainer.strategy, ParallelStrategy)`` and then divides its
 batch size by ``trainer.strategy.num_processes`` (Lightning's ImageNet template does, in
 ``setup``), since each process loads its own share. Every multi-replica strategy here derives from
-it: ``xla_native``, ``xla_ddp``, ``xla_fsdp``, ``native_ddp``, ``native_fsdp``, and the SPMD ones,
+it: ``xla_native``, ``xla_ddp``, ``xla_fsdp``, ``native_ddp``, ``native_fsdp``, ``native_ft`` (its replica
+groups), and the SPMD ones,
 whose one process per host loads the host's whole batch (``num_processes`` is 1). ``native`` (one
 device, as Lightning's ``SingleDeviceStrategy``) does not.
 """
