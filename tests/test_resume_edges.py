@@ -24,7 +24,19 @@ def start(spec):
     return done.returncode, done.stderr
 
 
+_STRAIGHT = {}
+
+
 def straight(tmp_path, **spec):
+    """The outcome of ``spec`` never stopped (computed once per spec: several tests compare with
+    the same run)."""
+    key = json.dumps(spec, sort_keys=True)
+    if key not in _STRAIGHT:
+        _STRAIGHT[key] = _straight(tmp_path, **spec)
+    return _STRAIGHT[key]
+
+
+def _straight(tmp_path, **spec):
     spec = {**spec, "root": str(tmp_path / "straight"), "event": None}
     if spec.get("devices", 1) == 1:
         return edge_run.outcome(*edge_run.run(spec))
@@ -35,13 +47,18 @@ def straight(tmp_path, **spec):
 
 
 def stopped_then_resumed(tmp_path, event, expect=143, check=None, **spec):
-    """Run ``spec`` until ``event`` stops it (exit status ``expect``), then (after ``check(stderr)``)
-    resume it from ``last`` to the end; the resumed run's outcome and the stopped run's stderr."""
+    """Run ``spec`` in a process of its own until ``event`` stops it (exit status ``expect``), then
+    (after ``check(stderr)``) resume it from ``last`` to the end; the resumed run's outcome and the
+    stopped run's stderr. One replica resumes in this process (``edge_run.run`` seeds everything
+    it draws from, so only the checkpoint carries the stopped run's state, as in a fresh process);
+    several in a process of their own, as the stopped run."""
     root = str(tmp_path / "run")
     code, err = start({**spec, "root": root, "event": event})
     assert code == expect, err[-3000:]
     if check is not None:
         check(err)
+    if spec.get("devices", 1) == 1:
+        return edge_run.outcome(*edge_run.run({**spec, "root": root, "resume": True})), err
     out = str(tmp_path / "resumed.pt")
     code, resumed_err = start({**spec, "root": root, "resume": True, "out": out})
     assert code == 0, resumed_err[-3000:]
