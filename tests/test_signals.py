@@ -43,9 +43,16 @@ def straight(tmp_path, devices):
 
 
 def resume_and_compare(tmp_path, root, devices):
-    code, err = finish(start(root, devices, "resume", tmp_path / "resumed.pt"))
-    assert code == 0, err[-2000:]
-    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    """Resume ``root`` from ``last`` and compare with an uninterrupted run, bitwise. One replica
+    resumes in this process (``signal_run.run`` seeds everything it draws from, so only the
+    checkpoint carries the stopped run's state, as in a fresh process); several in a process of
+    their own."""
+    if devices == 1:
+        resumed = signal_run.run(str(root), devices, "none", "last")[1].state_dict()
+    else:
+        code, err = finish(start(root, devices, "resume", tmp_path / "resumed.pt"))
+        assert code == 0, err[-2000:]
+        resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
     for name, tensor in straight(tmp_path, devices).items():
         assert torch.equal(resumed[name], tensor), name
 
