@@ -246,7 +246,10 @@ def test_the_strategy_leaves_the_device_to_its_runtime():
     device_members = {"sync", "to_cpu", "rng_state", "set_rng_state", "rng_state_kept", "add_step_closure",
                       "device_counters", "compile_count", "memory_info", "batches_on_device", "lazy"}
     assert not device_members & set(public)
-    assert len(public) <= 30, public
+    # 30 after the runtime split; since then the distribution gained Lightning's tensor_init_context
+    # (model_parallel's meta-device init), requires_grad_changed (fine-tuning under sharding), and
+    # native_ft's live peers (step_starts, join_live_peers) and runs_standalone (the doctor)
+    assert len(public) <= 34, public
     own = {name for name in vars(NativeSingle) if name in dir(Strategy)
            and name not in ("__doc__", "__module__", "__init__", "__annotations__", "__abstractmethods__", "_abc_impl", "name")}
     assert len(own) <= 8, sorted(own)
