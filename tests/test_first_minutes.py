@@ -385,12 +385,12 @@ def test_dev_installs_what_each_command_needs_once_per_pyproject(dev):
     assert "installing xtrainer[xla,examples] into" in example.stderr
     again = dev("example")
     assert again.returncode == 0 and again.stderr == "" and installed() == []
-    assert dev("test").returncode == 0 and installed() == [".[test,hf]"]  # what the earlier commands lacked
+    assert dev("test").returncode == 0 and installed() == [".[test,hf,ft]"]  # what the earlier commands lacked
     assert dev("bench").returncode == 0 and dev("docs").returncode == 0 and installed() == []
     with open(dev.venv.parent / "pyproject.toml", "a") as f:
         f.write("# changed\n")
     assert dev("example").returncode == 0 and installed() == [".[xla,examples]"]  # once per change of pyproject.toml
-    assert dev("test").returncode == 0 and installed() == [".[test,hf,docs]"]
+    assert dev("test").returncode == 0 and installed() == [".[test,hf,docs,ft]"]
     assert dev("example").returncode == 0 and installed() == []
 
 
