@@ -63,6 +63,15 @@ def _paused_run(tmp_path, common: list[str], wait_for: str = "ready", pause: str
     return process, marker
 
 
+def _reference(tmp_path, strategy: str, devices: int, steps: int, **kwargs) -> None:
+    """The uninterrupted run that ``_resumed_bitwise`` compares with, fitted in this process (rank 0
+    here, the other ranks in processes of their own, as ``native_run.py`` would run them; ``kwargs``:
+    the Trainer's, as its ``--clip``), saved as ``native_run.py --out`` saves it: ``tmp_path/ref.pt``."""
+    trainer, model = native_run.fit(strategy, devices, str(tmp_path / "ref"), steps, 8, **kwargs)
+    assert trainer.global_step == steps
+    torch.save({"weights": _weights(model), "global_step": trainer.global_step}, tmp_path / "ref.pt")
+
+
 def _resumed_bitwise(tmp_path, common: list[str], steps: int) -> subprocess.CompletedProcess:
     """Resume ``tmp_path/run`` from its last checkpoint; its final weights must be those of the
     uninterrupted run's ``tmp_path/ref.pt``, bitwise, at ``steps``."""
@@ -185,8 +194,7 @@ def test_resuming_inside_an_epoch_with_another_global_batch_warns(tmp_path, capf
 @pytest.mark.multi_device
 def test_sigterm_stops_both_processes_at_one_step_and_the_run_resumes_bitwise(tmp_path):
     steps, common = 24, ["--strategy", "native_ddp", "--devices", "2", "--steps", "24"]
-    reference = _script(*common, "--root", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    _reference(tmp_path, "native_ddp", 2, steps)
     process, _ = _paused_run(tmp_path, common)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=subprocess_timeout(120))
@@ -274,9 +282,7 @@ def test_torchrun_restarts_after_a_killed_worker_and_resumes_bitwise(tmp_path):
     """A worker killed (SIGKILL) mid-fit under torchrun --max-restarts: the group restarts,
     resumes from last, and ends with the weights of an uninterrupted run."""
     steps = "16"
-    reference = _script("--strategy", "native_ddp", "--devices", "2", "--steps", steps, "--root",
-                        str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    _reference(tmp_path, "native_ddp", 2, int(steps))
     ready = tmp_path / "ready"
     job = subprocess.Popen(_torchrun("--nproc_per_node=2", "--max-restarts=2", "--monitor-interval=0.2",
                                      os.path.join(HERE, "native_run.py"), "--strategy", "native_ddp", "--steps", steps,
