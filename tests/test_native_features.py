@@ -25,7 +25,7 @@ import native_run
 from conftest import subprocess_timeout
 from xtrainer import XModule
 from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE
-from test_native import _assert_bitwise, _env, _paused_run, _resumed_bitwise, _weights
+from test_native import _assert_bitwise, _env, _paused_run, _reference, _resumed_bitwise, _weights
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -198,11 +198,6 @@ def test_a_checkpoint_resumes_under_another_native_strategy(tmp_path, one_proces
 # ---------------------------------------------------------------------------------------------
 # Attacks.
 # ---------------------------------------------------------------------------------------------
-def _script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(HERE, "native_run.py"), *args], env=_env(),
-                          capture_output=True, text=True, timeout=subprocess_timeout(300))
-
-
 @pytest.mark.multi_device
 def test_sigterm_mid_fit_under_fsdp_with_clipping_then_resume_is_bitwise(tmp_path):
     """native_fsdp on two processes, clipping by norm (a collective in every step): a SIGTERM
@@ -210,8 +205,7 @@ def test_sigterm_mid_fit_under_fsdp_with_clipping_then_resume_is_bitwise(tmp_pat
     weights of an uninterrupted one, bitwise."""
     steps = 16
     common = ["--strategy", "native_fsdp", "--devices", "2", "--steps", str(steps), "--clip", "0.5"]
-    reference = _script(*common, "--root", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    _reference(tmp_path, "native_fsdp", 2, steps, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
     process, _ = _paused_run(tmp_path, common, pause="0.3")
     time.sleep(0.4)  # a step later: not on a checkpoint's step
     process.send_signal(signal.SIGTERM)
@@ -395,8 +389,7 @@ def test_a_replica_killed_by_sigkill_is_named_and_the_run_resumes(tmp_path):
     last checkpoint and ends as an uninterrupted one, bitwise."""
     steps = 16
     common = ["--strategy", "native_ddp", "--devices", "2", "--steps", str(steps)]
-    reference = _script(*common, "--root", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"))
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    _reference(tmp_path, "native_ddp", 2, steps)
     process, rank1 = _paused_run(tmp_path, common, wait_for="ready-1", pause="0.3")
     time.sleep(0.2)
     os.kill(int(rank1.read_text()), signal.SIGKILL)
