@@ -275,3 +275,16 @@ def test_the_checkpoint_a_fit_resumed_from_is_never_removed_as_it_leaves_the_top
     names = sorted(os.listdir(tmp_path / "ck"))
     assert names == ["epoch=0-step=8.ckpt", "epoch=2-step=24.ckpt", "last.ckpt"]  # the resumed-from one, the newest
     assert Regressor.load_from_checkpoint(first).hparams == Regressor().hparams
+
+
+def test_a_full_disk_under_a_distributed_checkpoint_is_the_one_line_disk_full_error(small_disk):
+    """torch.distributed.checkpoint reports the ranks' failures as a ``CheckpointException``, a
+    ``BaseException``: a full disk under ``native_fsdp`` came out as its raw traceback. It is the
+    same one-line error as a whole file's (found by the chaos harness, a full tmpfs under
+    ``native_fsdp``)."""
+    from xtrainer.checkpoint import distributed
+
+    disk = small_disk("64k")
+    state = {"state_dict": {"w": torch.zeros(64 * 1024)}, "optimizer_states": []}  # 256 KiB: does not fit
+    with pytest.raises(CheckpointError, match="The disk is full: could not write"):
+        distributed._save_state(state, os.path.join(disk, "step=2"), 0, spmd=False)

@@ -111,7 +111,7 @@ def _save_state(state: dict[str, Any], folder: str, rank: int, spmd: bool = True
         with _quiet_dcp():
             dcp.save(state, storage_writer=_writer(target), planner=planner,
                      no_dist=not dist.is_initialized())
-    except Exception as err:
+    except (Exception, dcp.api.CheckpointException) as err:  # torch's is a BaseException, not an Exception
         raise storage.write_error(err, target) from err
     # torch.distributed.checkpoint names each process's files __<rank>_<n>.distcp; process 0
     # writes .metadata.

@@ -163,7 +163,12 @@ def write_error(err: BaseException, path: str, needed: int = 0, advice: str = TR
     if isinstance(err, CheckpointError):
         return err
     free = _free_bytes(path)
-    causes = [c for c in (err, *failures_in(err), err.__cause__, err.__context__) if c is not None]
+    causes, todo = [], [err]
+    while todo:  # the error, the ranks' failures torch.distributed.checkpoint collected, and their causes
+        cause = todo.pop()
+        if cause is not None and cause not in causes:
+            causes.append(cause)
+            todo += [*failures_in(cause), cause.__cause__, cause.__context__]
     os_errors = [c for c in causes if isinstance(c, OSError) and c.errno is not None]
     # A full disk shows as ENOSPC; inside torch's serializer only as a failed write, where the
     # free space decides. Any other OS error (no such folder, permission, read-only) is itself.
