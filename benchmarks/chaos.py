@@ -2,7 +2,7 @@
 invariants checked after every run.
 
     python benchmarks/chaos.py --soak 200 [--seed 0]     # 200 random scenarios, a table at the end
-    python benchmarks/chaos.py --quick                   # the fixed set CI runs (tests/test_chaos.py)
+    python benchmarks/chaos.py --quick                   # the fixed set CI runs (tests/stories/signals/test_chaos.py)
     python benchmarks/chaos.py --seed N --only K         # replay scenario K of seed N
     python benchmarks/chaos.py --quick --only K          # one scenario of the fixed set
 

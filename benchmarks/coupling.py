@@ -13,7 +13,7 @@
   and imports inside functions (the files in the largest one);
 - ``long``: modules over 500 lines (those in ``loop/``).
 
-``tests/test_contract.py`` asserts the ones that must stay at zero.
+``tests/stories/project/test_contract.py`` asserts the ones that must stay at zero.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ benchmark of xtrainer against a hand-written loop, Lightning and the Hugging Fac
     python benchmarks/gpu_check.py --out DIR --tiny     # the same on the CPU, tiny (CI)
     python benchmarks/gpu_check.py --out DIR --skip-tests --contenders hand xtrainer
 
-**Tests**: ``tests/test_gpu.py`` under pytest (``native``, ``native_fsdp`` at world size 1,
+**Tests**: ``tests/stories/native/test_gpu.py`` under pytest (``native``, ``native_fsdp`` at world size 1,
 ``torch.compile``, ``bf16-mixed``, a checkpoint round trip, a resume compared bitwise), on
 ``accelerator="cuda"`` where PyTorch sees a CUDA device.
 
@@ -396,8 +396,9 @@ def run_one(contender: str, cfg: dict[str, Any], device_type: str) -> dict[str, 
 
 # ---- the whole check ------------------------------------------------------------------------------
 def run_tests(out: str, device_type: str, timeout: float) -> dict[str, Any]:
-    """``tests/test_gpu.py`` under pytest in a process of its own; its output to ``gpu_tests.log``."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests", "test_gpu.py")]
+    """``tests/stories/native/test_gpu.py`` under pytest in a process of its own; its output to ``gpu_tests.log``."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests", "stories",
+                                                                                            "native", "test_gpu.py")]
     started = time.perf_counter()
     log = os.path.join(out, "gpu_tests.log")
     try:
@@ -483,7 +484,8 @@ def table(report: dict[str, Any]) -> str:
     if tests:
         verdict = "passed" if tests["returncode"] == 0 else "FAILED" if tests["returncode"] is not None else "TIMED OUT"
         counts = ", ".join(f"{tests[k]} {k}" for k in ("passed", "failed", "error", "errors", "skipped") if k in tests)
-        lines += [f"Tests (`tests/test_gpu.py`, accelerator {tests['accelerator']}): {verdict} ({counts}; "
+        lines += [f"Tests (`tests/stories/native/test_gpu.py`, accelerator {tests['accelerator']}): {verdict} "
+                  f"({counts}; "
                   f"{tests['seconds']:.0f} s; `{tests['log']}`).", ""]
     lines += ["| contender | what | status | tokens/s | ms/step | MFU | final loss | peak memory (GB) | first step (s) |",
               "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -562,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(table(report))
 
     if not args.skip_tests:
-        print(f"gpu_check: tests/test_gpu.py on {accelerator} ...", flush=True)
+        print(f"gpu_check: tests/stories/native/test_gpu.py on {accelerator} ...", flush=True)
         report["tests"] = run_tests(args.out, device_type, timeout=max(60.0, min(240.0, deadline - time.perf_counter())))
         write()
     for contender in args.contenders:

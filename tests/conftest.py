@@ -2,7 +2,7 @@ import importlib.util
 import os
 
 # Every test runs on torch_xla's CPU runtime: real compilation, real execution (the native
-# strategies' tests, tests/test_native.py, also run where torch_xla is not installed).
+# strategies' tests, tests/stories/native/test_native.py, also run where torch_xla is not installed).
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 

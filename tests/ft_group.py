@@ -1,4 +1,4 @@
-"""One replica group of a ``native_ft`` fit, as tests/test_fault_tolerance.py and
+"""One replica group of a ``native_ft`` fit, as tests/stories/native/test_fault_tolerance.py and
 benchmarks/recovery.py start it: ``python tests/ft_group.py OUT_DIR GROUP GROUPS [options]``.
 
 The module is a tiny linear regressor over samples that carry their index. It notes, in

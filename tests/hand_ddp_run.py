@@ -1,5 +1,5 @@
 """The training loop of PyTorch's DDP tutorial, written by hand with no xtrainer: the reference the
-native strategies are held to (tests/test_native_scale.py)::
+native strategies are held to (tests/stories/native/test_native_scale.py)::
 
     python hand_ddp_run.py --world-size 4 --out OUT.pt [--steps N] [--global-batch B]
 

@@ -1,5 +1,5 @@
 """A script written with Lightning's ``LightningCLI``, its imports changed: the suite's module
-(``conftest.Regressor``) and a data module, for tests/test_lightning_cli.py, and a command line for
+(``conftest.Regressor``) and a data module, for tests/stories/lightning/test_lightning_cli.py, and a command line for
 the runs that need their own processes::
 
     python lightning_cli_run.py fit --trainer.strategy native_ddp --trainer.devices 2 ...

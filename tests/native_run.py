@@ -1,4 +1,4 @@
-"""A tiny fit under a native strategy: the module of tests/test_native.py, and a script for the
+"""A tiny fit under a native strategy: the module of tests/stories/native/test_native.py, and a script for the
 runs that need their own processes (torchrun, signals)::
 
     python native_run.py --strategy native_ddp --devices 2 --root ROOT --out OUT.pt [--ckpt last]

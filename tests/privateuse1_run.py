@@ -1,4 +1,4 @@
-"""A chipless stand-in for TorchTPU and TorchNeuron, for tests/test_runtimes.py.
+"""A chipless stand-in for TorchTPU and TorchNeuron, for tests/stories/strategies/test_runtimes.py.
 
 Registers PrivateUse1 under a name (``tpu``, ``neuron``, or any other) through torch's public
 registration API (``torch.utils.rename_privateuse1_backend``, ``torch._register_device_module``,

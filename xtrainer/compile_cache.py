@@ -36,7 +36,7 @@ only the newer ``LoadSerializedExecutable``, so ``DeserializeExecutable`` is ``P
 default, ``UNIMPLEMENTED: Deserializing serialized executable not supported.``. torch_xla logs
 ``Failed to deserialize executable``, counts ``PersistentCacheDeserializeFailure`` and compiles
 the graph again. Every lookup of a second process finds its file and fails to load it
-(``tests/test_goodput.py`` checks exactly that), so the default leaves the cache off there. TPU
+(``tests/stories/performance/test_goodput.py`` checks exactly that), so the default leaves the cache off there. TPU
 runtimes (the PJRT C API client) load serialized executables; not tried here (no TPU).
 """
 

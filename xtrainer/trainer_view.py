@@ -3,7 +3,7 @@
 
 A leaf module (it imports nothing of xtrainer), so that a module can name the Trainer's type
 without importing ``xtrainer/trainer.py``, which imports the loop, the callbacks and the
-strategies: no import circle, type-only imports counted (``tests/test_contract.py``). The
+strategies: no import circle, type-only imports counted (``tests/stories/project/test_contract.py``). The
 ``Trainer`` satisfies it; the names are Lightning's (``docs/lightning.md``) plus xtrainer's own
 settings. ``run`` is the replica's ``Run`` (``xtrainer/loop/run.py``): the loop's own parts
 (the wrapped module, the optimizers, the logged results, the publisher), for the loop and for

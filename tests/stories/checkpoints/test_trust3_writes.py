@@ -1,0 +1,263 @@
+"""Writes that must not be lost or leaked: a save after an asynchronous fit is complete when it
+returns (also in a process that exits at once); what a killed writer left is removed at the next
+start even when the restarted process has the same PID (a container's PID 1)."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import conftest
+import pytest
+from conftest import Regressor, make_loader
+
+from xtrainer import Trainer
+from xtrainer.callbacks import ModelCheckpoint
+from xtrainer.checkpoint import background, load_checkpoint, storage
+
+TESTS = os.path.dirname(os.path.abspath(conftest.__file__))
+ENV = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.pathsep.join([TESTS, os.path.dirname(TESTS)])}
+
+
+# ---- a save after an asynchronous fit ---------------------------------------------------------
+SAVE_AND_EXIT = textwrap.dedent("""
+    import os, sys, time
+    import conftest
+    from xtrainer import Trainer
+    from xtrainer.callbacks import ModelCheckpoint
+    from xtrainer.checkpoint import storage
+
+    strategy, root, path = sys.argv[1:4]
+    write = storage._HashingWriter.write
+
+    def slow_write(self, data):  # a slow disk: every chunk of every checkpoint write takes 20 ms
+        time.sleep(0.02)
+        return write(self, data)
+
+    storage._HashingWriter.write = slow_write
+    trainer = Trainer(strategy=strategy, max_steps=4, default_root_dir=root, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, async_checkpointing=True,
+                      callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)])
+    trainer.fit(conftest.Regressor(), conftest.make_loader(64, 8))
+    trainer.save_checkpoint(path)
+    print("saved", os.path.exists(path), flush=True)
+""")
+
+
+@pytest.mark.parametrize("strategy", ["native", "xla_native"])
+def test_a_save_after_an_asynchronous_fit_is_written_before_the_process_exits(tmp_path, strategy):
+    path = tmp_path / "out" / "fitted.ckpt"
+    done = subprocess.run([sys.executable, "-c", SAVE_AND_EXIT, strategy, str(tmp_path / "run"), str(path)],
+                          capture_output=True, text=True, timeout=300, env=ENV, cwd=TESTS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "saved True" in done.stdout, done.stdout[-2000:]  # complete when save_checkpoint returned
+    assert path.is_file() and not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
+    assert set(load_checkpoint(str(path))["state_dict"]) == set(Regressor().state_dict())
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"  # the fit's own, written in the background
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    assert load_checkpoint(str(checkpoints / "last.ckpt"))["loops"]["global_step"] == 4
+
+
+def test_background_writes_are_on_only_while_a_stage_runs(tmp_path):
+    assert not background.enabled()
+    seen = []
+
+    class Watch(ModelCheckpoint):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append(background.enabled())
+
+    trainer = Trainer(max_steps=2, default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, async_checkpointing=True, callbacks=[Watch()])
+    trainer.fit(Regressor(), make_loader(32, 8))
+    assert seen == [True, True] and not background.enabled()
+
+    class Fails(ModelCheckpoint):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            raise RuntimeError("a callback fails")
+
+    trainer = Trainer(max_steps=2, default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, async_checkpointing=True, callbacks=[Fails()])
+    with pytest.raises(RuntimeError, match="a callback fails"):
+        trainer.fit(Regressor(), make_loader(32, 8))
+    assert not background.enabled()  # off again after a failed stage too
+
+
+PENDING_AT_EXIT = textwrap.dedent("""
+    import os, sys, time
+    from xtrainer.checkpoint import background, storage
+
+    path = sys.argv[1]
+
+    def write():
+        time.sleep(0.5)
+        storage.write_bytes(b"written", path)
+
+    def fail():
+        raise OSError("the disk went away")
+
+    background.submit(write, save=True)  # queued, and the process ends at once
+    background.submit(fail)
+""")
+
+
+def test_a_write_still_queued_at_exit_is_finished_and_reported():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "late.bin")
+        done = subprocess.run([sys.executable, "-c", PENDING_AT_EXIT, path], capture_output=True, text=True,
+                              timeout=120, env=ENV)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert open(path, "rb").read() == b"written"
+        assert "waiting for 2 background checkpoint write(s) still queued at exit" in done.stderr, done.stderr
+        assert "a background checkpoint write failed" in done.stderr and "the disk went away" in done.stderr
+
+
+# ---- what a dead writer left, when its successor has its PID ----------------------------------
+def instance_of(pid, start=None, boot=None):
+    """The instance name of process ``pid`` as ``writers`` writes it, its start time or boot id
+    replaced where given."""
+    from xtrainer.checkpoint import writers
+
+    real_start, real_boot = writers.start_time(pid), writers._boot()
+    if real_start is None or real_boot is None:
+        pytest.skip("no /proc here: instances are drawn, not read")
+    return f"{pid}.{real_start if start is None else start}x{real_boot if boot is None else boot}"
+
+
+def test_a_dead_writer_with_this_process_pid_is_told_from_the_live_one(tmp_path):
+    from xtrainer.checkpoint import writers
+
+    host, me = socket.gethostname(), os.getpid()
+    mine = instance_of(me)
+    assert writers.instance() == mine
+    # What a restarted container leaves: its process has the dead one's PID, started later.
+    before_restart = instance_of(me, start=writers.start_time(me) - 5)
+    other_boot = instance_of(me, boot="00000000" if writers._boot() != "00000000" else "11111111")
+    sleeper = subprocess.Popen(["sleep", "120"])
+    try:
+        for _ in range(100):  # its start time is read from /proc: wait until it is sleep itself
+            if open(f"/proc/{sleeper.pid}/cmdline", "rb").read().startswith(b"sleep"):
+                break
+            time.sleep(0.02)
+        live_other = instance_of(sleeper.pid)
+        reused_pid = instance_of(sleeper.pid, start=writers.start_time(sleeper.pid) + 3)
+        dirpath = tmp_path / "ckpts"
+        dirpath.mkdir()
+        dead = [f".tmp-{host}-{before_restart}-abcd1234-epoch=0-step=3.ckpt",
+                f".tmp-{host}-{other_boot}-abcd1234-epoch=0-step=4.ckpt",
+                f".tmp-{host}-{reused_pid}-abcd1234-epoch=0-step=5.ckpt",
+                f".tmp-{host}-{me}-abcd1234-epoch=0-step=7.ckpt"]  # an older version's name with this PID
+        for name in dead:
+            (dirpath / name).write_bytes(b"partial")
+        staging = dirpath / f".tmp-{host}-{before_restart}-abcd1234-epoch=0-step=6.ckpt"  # a staging folder
+        staging.mkdir()
+        (staging / "rank-0-of-2.pt").write_bytes(b"a shard")
+        dead.append(staging.name)
+        complete = dirpath / f".tmp-{host}-{before_restart}-abcd1234-epoch=0-step=8.ckpt"  # killed between renames
+        complete.mkdir()
+        (complete / "manifest.json").write_text("{}")
+        alive = [storage.temp_name("epoch=0-step=9.ckpt"),  # this process, saving now
+                 f".tmp-{host}-{live_other}-abcd1234-epoch=0-step=10.ckpt",  # another run, still saving
+                 f".tmp-{host}-{sleeper.pid}-abcd1234-epoch=0-step=11.ckpt",  # an older version's, still running
+                 f".tmp-{host}-1-{before_restart}-abcd1234-x.ckpt",  # host {host}-1's: left alone
+                 f".tmp-elsewhere-{before_restart}-abcd1234-x.ckpt"]  # another host's: left alone
+        for name in alive:
+            (dirpath / name).write_bytes(b"in progress")
+        with pytest.warns(UserWarning, match="already holds checkpoints of another run"):  # the one put in place
+            Trainer(max_steps=2, default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=str(dirpath))]
+                    ).fit(Regressor(), make_loader(32, 8))
+        left = sorted(p.name for p in dirpath.iterdir() if p.name.startswith("."))
+        assert left == sorted(alive), left
+        assert alive[0].startswith(f".tmp-{host}-{mine}-")  # this process names its writes by its instance
+        assert sorted(p.name for p in dirpath.iterdir() if not p.name.startswith(".")) == ["epoch=0-step=2.ckpt",
+                                                                                    "epoch=0-step=8.ckpt", "last.ckpt"]
+        assert (dirpath / "epoch=0-step=8.ckpt" / "manifest.json").is_file()  # put in place, not removed
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_launch_folder_of_a_dead_caller_with_this_process_pid_is_removed():
+    import tempfile
+
+    from xtrainer.checkpoint import writers
+    from xtrainer.strategies import launchers
+
+    me, root = os.getpid(), tempfile.gettempdir()
+    dead = [os.path.join(root, f"{launchers._LAUNCH_PREFIX}{instance_of(me, start=writers.start_time(me) - 5)}-a1b2c3"),
+            os.path.join(root, f"{launchers._LAUNCH_PREFIX}{me}-d4e5f6")]  # an older version's name
+    live = os.path.join(root, f"{launchers._LAUNCH_PREFIX}{writers.instance()}-g7h8i9")
+    try:
+        for folder in (*dead, live):
+            os.mkdir(folder)
+            open(os.path.join(folder, "result.pt"), "wb").close()
+        launchers._remove_stale_launch_folders()
+        assert [os.path.exists(folder) for folder in dead] == [False, False] and os.path.isdir(live)
+    finally:
+        for folder in (*dead, live):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+PID_ONE_RUN = textwrap.dedent("""
+    import json, os, sys, time
+    import conftest
+    from xtrainer import Trainer
+    from xtrainer.callbacks import ModelCheckpoint
+    from xtrainer.checkpoint import storage
+
+    dirpath, mode = sys.argv[1:3]
+    print("pid", os.getpid(), flush=True)
+    if mode == "die":  # the write of step 4 stops midway, and the container is killed there
+        write = storage._HashingWriter.write
+        def stuck_write(self, data):
+            written = write(self, data)
+            if self.size > 64 and any("step=4" in name for name in os.listdir(dirpath) if name.startswith(".tmp-")):
+                print("writing", json.dumps(sorted(os.listdir(dirpath))), flush=True)
+                time.sleep(600)
+            return written
+        storage._HashingWriter.write = stuck_write
+    Trainer(strategy="native", max_steps=6 if mode == "die" else 2, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=os.path.dirname(dirpath),
+            callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)]
+            ).fit(conftest.Regressor(), conftest.make_loader(64, 8))
+    print("left", json.dumps(sorted(os.listdir(dirpath))), flush=True)
+""")
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def test_a_container_restarted_as_pid_1_removes_what_its_killed_predecessor_left(tmp_path):
+    import json
+    import signal
+
+    if shutil.which("unshare") is None or subprocess.run([*UNSHARE, "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --pid is not permitted here")
+    dirpath = tmp_path / "ckpts"
+    dirpath.mkdir()
+    run = [*UNSHARE, sys.executable, "-c", PID_ONE_RUN, str(dirpath)]
+    first = subprocess.Popen([*run, "die"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                             cwd=TESTS)
+    try:
+        assert first.stdout.readline().split() == ["pid", "1"]
+        line = first.stdout.readline()
+        assert line.startswith("writing"), line + first.stderr.read()[-3000:]
+        os.kill(first.pid, signal.SIGKILL)  # unshare, and with it the container's PID 1
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    time.sleep(0.5)
+    leftovers = [n for n in os.listdir(dirpath) if n.startswith(".tmp-") and n.endswith("epoch=0-step=4.ckpt")]
+    host = socket.gethostname()
+    assert len(leftovers) == 1 and leftovers[0].startswith(f".tmp-{host}-1"), os.listdir(dirpath)  # PID 1's
+    second = subprocess.run([*run, "restart"], capture_output=True, text=True, env=ENV, cwd=TESTS, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.splitlines()[0] == "pid 1"  # the same PID as the killed writer
+    left = json.loads(next(line for line in second.stdout.splitlines() if line.startswith("left"))[5:])
+    assert not [n for n in left if n.startswith(".tmp-")], left  # the killed write is gone
+    assert "epoch=0-step=2.ckpt" in left and load_checkpoint(str(dirpath / "epoch=0-step=2.ckpt"))
+    assert leftovers[0].startswith(f".tmp-{host}-1.")  # named by its instance: PID 1, started then

@@ -1,0 +1,1 @@
+"""Unit tests: what one module does, nothing trained; the folders mirror ``xtrainer/``."""

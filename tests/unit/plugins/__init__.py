@@ -1,0 +1,1 @@
+"""The unit tests of ``xtrainer/plugins/``: ``test_<module>.py`` for ``<module>.py``."""
