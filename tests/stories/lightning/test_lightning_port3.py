@@ -175,7 +175,7 @@ def test_shards_parameters_is_the_strategys_to_say():
     from xtrainer.strategies import STRATEGIES
 
     assert {name for name, cls in STRATEGIES.items() if cls.shards_parameters} == {
-        "xla_fsdp", "xla_fsdpv2", "native_fsdp"}
+        "xla_fsdp", "xla_fsdpv2", "native_fsdp", "model_parallel"}
 
 
 class Summarized(LightningModule):

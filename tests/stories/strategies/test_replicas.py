@@ -22,7 +22,7 @@ from torch import nn
 from xtrainer import Trainer, _xla
 from xtrainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from xtrainer.checkpoint import CheckpointError, consolidate
-from xtrainer.strategies import STRATEGIES, XlaFSDP, XlaSPMD, shared_process
+from xtrainer.strategies import STRATEGIES, ModelParallelStrategy, XlaFSDP, XlaSPMD, shared_process
 from xtrainer.strategies.launchers import CpuThreadReplicas, ReplicaFailure
 
 pytestmark = pytest.mark.multi_device
@@ -123,9 +123,11 @@ def reference(tmp_path_factory):
 # Every MPMD strategy (FSDP as ZeRO-3) at 2 replicas; at 4, DDP (the channel-id collectives and the thread pool at 4 are
 # the same for every strategy, which agree with each other at 2 here).
 # Every MPMD strategy at 2 replicas (``native`` is one device only; SPMD ones are in test_spmd.py).
-# (native_ft: replica groups under a lighthouse, tests/stories/native/test_fault_tolerance.py)
+# (native_ft: replica groups under a lighthouse, tests/stories/native/test_fault_tolerance.py; model_parallel: a
+# module that parallelizes itself in configure_model, tests/stories/native/test_native_model_parallel.py)
 CASES = [(s, 2) for s, cls in STRATEGIES.items()
-         if not issubclass(cls, XlaSPMD) and s != "native" and cls.runs_standalone] + [("xla_ddp", 4)]
+         if not issubclass(cls, (XlaSPMD, ModelParallelStrategy)) and s != "native" and cls.runs_standalone]
+CASES += [("xla_ddp", 4)]
 IDS = [f"{s}-{n}" for s, n in CASES]
 
 
