@@ -28,8 +28,8 @@ from xtrainer.strategies import STRATEGIES
 def test_the_trainers_arguments_and_the_config_schema_are_one_dataclass():
     params = inspect.signature(Trainer.__init__).parameters
     settings = {f.name: f.default for f in dataclasses.fields(TrainerSettings)}
-    objects = ("self", "strategy", "callbacks", "logger")
-    refused = ("plugins", "model_registry", "unexpected")  # taken only to be refused with a message
+    objects = ("self", "strategy", "callbacks", "logger", "plugins")  # plugins: a cluster environment, or refused
+    refused = ("model_registry", "unexpected")  # taken only to be refused with a message
     own = {name: p.default for name, p in params.items() if name not in objects + refused}
     assert own == settings  # same names, same defaults: a new argument is a new field
     assert issubclass(TrainerConfig, TrainerSettings)
