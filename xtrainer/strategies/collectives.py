@@ -155,7 +155,34 @@ class XlaReplicas(Collectives):
         return _xla.broadcast_object(obj)
 
 
-class SpmdHosts(XlaReplicas):
+class HostObjects:
+    """Host rendezvous over ``torch.distributed``'s default process group (none with one
+    process), for collectives whose replicas are processes: ``SpmdHosts`` and the native
+    strategies' ``ProcessGroup``. Put it before the ``Collectives`` base it overrides."""
+
+    world_size: int
+
+    def barrier(self, name: str = "barrier") -> None:
+        del name
+        if self.world_size > 1:
+            dist.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+class SpmdHosts(HostObjects, XlaReplicas):
     """One SPMD program, one process per host (``xla_spmd``, ``xla_fsdpv2``): the replicas are the
     hosts. Host-side agreement goes over the CPU process group: torch_xla's rendezvous is a
     collective of the MPMD replicas, which an SPMD program does not have (untested: no pod)."""
@@ -175,24 +202,6 @@ class SpmdHosts(XlaReplicas):
     @property
     def node_rank(self) -> int:
         return self.global_rank  # one process per host
-
-    def barrier(self, name: str = "barrier") -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
-        return gathered
-
-    def broadcast(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def any_replica(self, vote: int) -> torch.Tensor | int:
         """On the host, over the CPU process group: a host's own vote is not a global value of the

@@ -20,7 +20,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from xtrainer.launch import interrupts
 from xtrainer.runtimes.eager import EagerRuntime, to_host
-from xtrainer.strategies.collectives import Collectives
+from xtrainer.strategies.collectives import Collectives, HostObjects
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -139,7 +139,7 @@ def leave(barrier: bool) -> None:
 # ---------------------------------------------------------------------------------------------
 # Collectives over the default process group.
 # ---------------------------------------------------------------------------------------------
-class ProcessGroup(Collectives):
+class ProcessGroup(HostObjects, Collectives):
     """The replicas of a native run: one process each, agreeing over ``torch.distributed``'s
     default process group (none with one process). Tensor collectives run when called (there is
     no graph to record them in): the loop calls them only where it reads values anyway."""
@@ -216,21 +216,3 @@ class ProcessGroup(Collectives):
 
         return apply_to_collection(data, torch.Tensor, gather)
 
-    def barrier(self, name: str = "barrier") -> None:
-        del name
-        if self.world_size > 1:
-            dist.barrier()
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
-        return gathered
-
-    def broadcast(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
