@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
 
+from unit.clusters.test_slurm import environ  # noqa: F401  (the fixture: os.environ without SLURM's or torch's variables)
 from xtrainer import Trainer
 from xtrainer.clusters import SLURMEnvironment
-
-TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture
-def environ():
-    """os.environ without SLURM's or torch's variables, as it was again afterwards."""
-    saved = dict(os.environ)
-    for name in list(os.environ):
-        if name.startswith("SLURM_") or name in TORCH_VARS:
-            del os.environ[name]
-    yield os.environ
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def test_requeue_options_and_plugins(environ):
