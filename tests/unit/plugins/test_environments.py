@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from unit.clusters.test_slurm import environ  # noqa: F401  (the fixture: os.environ without SLURM's or torch's variables)
+from unit.clusters.test_slurm import environ  # noqa: F401  (a fixture: os.environ without SLURM's or torch's vars)
 from xtrainer import Trainer
 from xtrainer.clusters import SLURMEnvironment
 
