@@ -65,11 +65,12 @@ class ClusterEnvironment:
 
     # ---- what a stage asks ---------------------------------------------------------------------
     def stop_signals(self) -> tuple[int, ...]:
-        """Signals, beyond SIGTERM and SIGINT, that stop a fit gracefully (the agreed stop)."""
+        """Signals, beyond SIGTERM and SIGINT, that stop a fit gracefully (the agreed stop) and end
+        an evaluation at once."""
         return ()
 
     def stopped(self, signum: int) -> None:
-        """A fit stopped on ``signum`` after writing its checkpoint (every rank calls this)."""
+        """A stage stopped on ``signum`` (a fit after writing its checkpoint; every rank calls this)."""
 
     def fit_ckpt_path(self, ckpt_path: Any) -> Any:
         """The ``ckpt_path`` a fit of this job starts from, given the user's."""

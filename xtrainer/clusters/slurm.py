@@ -232,8 +232,9 @@ class SLURMEnvironment(ClusterEnvironment):
         return (int(self.requeue_signal),) if self.auto_requeue else ()
 
     def stopped(self, signum: int) -> None:
-        """After the stop on the requeue signal wrote its checkpoint: rank 0 requeues the job
-        (once; SLURM then ends every task of this run, and starts the job's script again)."""
+        """After the stop on the requeue signal (a fit's, once its checkpoint is written; an
+        evaluation's, at once): rank 0 requeues the job (once; SLURM then ends every task of this
+        run, and starts the job's script again)."""
         if not self.auto_requeue or signum != self.requeue_signal or self._requeued or self.global_rank() != 0:
             return
         job = _requeue_id()
@@ -248,7 +249,7 @@ class SLURMEnvironment(ClusterEnvironment):
         except (OSError, subprocess.TimeoutExpired) as err:
             code, said = -1, str(err)
         if code == 0:
-            print(f"xtrainer: requeued SLURM job {job}; it resumes from the last checkpoint when it starts again.",
+            print(f"xtrainer: requeued SLURM job {job}; when it starts again, a fit resumes from its last checkpoint.",
                   file=sys.stderr, flush=True)
         else:
             print(f"xtrainer: scontrol requeue {job} failed ({said or f'exit {code}'}): the checkpoint is written; "

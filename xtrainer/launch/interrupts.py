@@ -48,8 +48,21 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: The signals beyond SIGTERM and SIGINT that stop a run gracefully (``graceful(also=...)``), as
 #: the processes a run starts inherit them: ``10`` (SIGUSR1) for SLURM's requeue signal.
 STOP_SIGNALS_VAR = "XTRAINER_STOP_SIGNALS"
-_requested: int | None = None
-_adopted = False  # _requested came from another replica (``adopt``), not to this process
+
+
+class StopRequest:
+    """This process's stop request: ``signal``, the signal that asked (None: none yet). One
+    object for the process's life, written by the handler and by ``request``/``adopt``: the fit
+    loop keeps a reference and reads the attribute after every batch (no call)."""
+
+    __slots__ = ("signal",)
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+
+stop = StopRequest()
+_adopted = False  # stop.signal came from another replica (``adopt``), not to this process
 #: A SIGINT this soon after this process's first is the same Ctrl-C, delivered again: a terminal
 #: sends it to the whole foreground process group, and a launcher (torchrun, the calling process
 #: of devices=N) forwards it to each worker too, so a worker gets one Ctrl-C twice.
@@ -77,15 +90,14 @@ class TrainingInterrupted(Exception):
 
 def requested() -> int | None:
     """The signal that asked this process to stop, if one did."""
-    return _requested
+    return stop.signal
 
 
 def request(signum: int) -> None:
     """Record a stop request that came by other means than this process's handler (XLA's
     preemption sync, which owns SIGTERM while it is active)."""
-    global _requested
-    if _requested is None:
-        _requested = signum
+    if stop.signal is None:
+        stop.signal = signum
 
 
 def adopt(signum: int) -> None:
@@ -95,11 +107,11 @@ def adopt(signum: int) -> None:
     request of its own, the larger signal number wins (SIGTERM over SIGINT), as the vote's does.
     An adopted SIGINT is no first Ctrl-C: this process's own SIGINT after it still stops
     gracefully."""
-    global _requested, _adopted
-    if _requested is not None and signum <= _requested:
+    global _adopted
+    if stop.signal is not None and signum <= stop.signal:
         return
-    first = _requested is None
-    _requested, _adopted = signum, _adopted or first
+    first = stop.signal is None
+    stop.signal, _adopted = signum, _adopted or first
     if first and _announce:
         name = signal.Signals(signum).name
         print(f"xtrainer: {name} reached another replica: finishing the current step, then writing a checkpoint.",
@@ -107,15 +119,15 @@ def adopt(signum: int) -> None:
 
 
 def _handle(signum: int, frame: object) -> None:
-    global _requested, _adopted, _first_sigint_at
-    if _requested is not None and not _adopted and signum == signal.SIGINT:
+    global _adopted, _first_sigint_at
+    if stop.signal is not None and not _adopted and signum == signal.SIGINT:
         if _first_sigint_at is not None and time.monotonic() - _first_sigint_at < SAME_CTRL_C_SECONDS:
             return  # the first Ctrl-C again, from the terminal and from the launcher that forwards it
         raise KeyboardInterrupt  # a second Ctrl-C: stop at once
-    first = _requested is None or _adopted  # this process's own first signal
+    first = stop.signal is None or _adopted  # this process's own first signal
     if signum == signal.SIGINT and first:
         _first_sigint_at = time.monotonic()
-    _requested, _adopted = max(signum, _requested or 0), False
+    stop.signal, _adopted = max(signum, stop.signal or 0), False
     for pid in list(_children):
         with contextlib.suppress(OSError):
             os.kill(pid, signum)
@@ -132,7 +144,7 @@ def graceful(announce: bool = True, also: tuple[int, ...] = ()) -> Iterator[None
     (a replicas' process leaves that to its caller). ``also``: more signals that request it (a
     cluster's requeue signal, ``clusters/``), handled as SIGTERM is, and forwarded as they are: the
     replicas' processes started meanwhile handle them too (they inherit ``STOP_SIGNALS_VAR``)."""
-    global _requested, _adopted, _announce, _first_sigint_at
+    global _adopted, _announce, _first_sigint_at
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -143,7 +155,7 @@ def graceful(announce: bool = True, also: tuple[int, ...] = ()) -> Iterator[None
     extra = [str(int(signum)) for signum in handled if signum not in _SIGNALS]
     if extra:
         os.environ[STOP_SIGNALS_VAR] = ",".join(extra)
-    _requested, _adopted, _announce, _first_sigint_at = None, False, announce, None
+    stop.signal, _adopted, _announce, _first_sigint_at = None, False, announce, None
     for signum in handled:
         signal.signal(signum, _handle)
     try:
@@ -155,6 +167,33 @@ def graceful(announce: bool = True, also: tuple[int, ...] = ()) -> Iterator[None
             os.environ.pop(STOP_SIGNALS_VAR, None)
         elif extra:
             os.environ[STOP_SIGNALS_VAR] = before
+
+
+@contextlib.contextmanager
+def ending_stage_on(signals: tuple[int, ...], stage: str) -> Iterator[None]:
+    """While ``validate``/``test``/``predict`` runs: each of ``signals`` (a cluster's requeue
+    signal, SLURM's SIGUSR1, which would otherwise end the process unannounced) ends the stage at
+    once with ``TrainingInterrupted``. An evaluation changes no weights, so nothing is saved; the
+    cluster then requeues the job, which runs the stage again. SIGTERM and SIGINT keep their
+    handlers (they end an evaluation as they would end any program)."""
+    if not signals or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def end(signum: int, frame: object) -> None:
+        del frame
+        name = signal.Signals(signum).name
+        raise TrainingInterrupted(f"Stopped by {name} during {stage}: nothing to save ({stage} changes no weights); "
+                                  f"run {stage} again to get its results.", signum)
+
+    previous = {signum: signal.getsignal(signum) for signum in signals}
+    for signum in signals:
+        signal.signal(signum, end)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextlib.contextmanager
@@ -170,7 +209,7 @@ def ending_at_once() -> Iterator[None]:
         yield
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if _requested == signal.SIGTERM and not _adopted:
+    if stop.signal == signal.SIGTERM and not _adopted:
         os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends now
     try:
         yield
@@ -183,9 +222,9 @@ def forwarding_to(pid: int) -> Iterator[None]:
     """Forward the stop signals this process receives to the process ``pid`` (the replicas')."""
     _children.add(pid)
     try:
-        if _requested is not None:  # it came while the process was starting
+        if stop.signal is not None:  # it came while the process was starting
             with contextlib.suppress(OSError):
-                os.kill(pid, _requested)
+                os.kill(pid, stop.signal)
         yield
     finally:
         _children.discard(pid)

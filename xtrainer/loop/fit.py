@@ -95,6 +95,7 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
         progress = loop.progress
         transfer = run.transfer
         step_starts = trainer.strategy.step_starts
+        stop_request = interrupts.stop  # this process's signal, read after each batch
         for batch_idx, batch in batches:
             if step_starts is not None:
                 step_starts()  # a fault-tolerant strategy's quorum of this step
@@ -121,7 +122,7 @@ def run_epochs(trainer: "TrainerView", train: Any, val: list) -> None:
             validated = loop.validation_pending
             if validated:
                 validate(trainer, val, clock)
-            if watch_stops or interrupts.requested() is not None:
+            if watch_stops or stop_request.signal is not None:
                 note_stop_requests(trainer)
             if is_last:
                 break
@@ -175,7 +176,7 @@ def training_step(trainer: "TrainerView", batch: Any, batch_idx: int, hooks: Bat
     ``accumulate_grad_batches``-th batch the optimizer step (the strategy reduces and clips the
     gradients), the periodic read of logged values, and the graph cut."""
     loop, strategy = trainer.loop, trainer.strategy
-    accumulate = trainer.accumulate_grad_batches
+    accumulate = trainer.settings.accumulate_grad_batches  # trainer.accumulate_grad_batches, without the descriptor
     steps = accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == trainer.num_training_batches
     if steps:  # gradients are reduced as usual: no context to enter
         outputs, loss = forward_backward(trainer, batch, batch_idx, accumulate, hooks)

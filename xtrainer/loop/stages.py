@@ -88,7 +88,15 @@ def evaluate(trainer: TrainerView, stage: str, model: XModule, dataloaders: Any,
     try:
         sources = loaders.for_stage(trainer, model, stage, dataloaders)
         check_eval_step(model, stage)
-        results = launch(trainer, stage, model, sources, ckpt_path)
+        cluster = trainer.cluster_environment
+        # a cluster's requeue signal ends the stage (nothing to save), then the cluster requeues the job
+        with interrupts.ending_stage_on(cluster.stop_signals() if cluster is not None else (), stage):
+            try:
+                results = launch(trainer, stage, model, sources, ckpt_path)
+            except interrupts.TrainingInterrupted as stop:
+                if cluster is not None:
+                    cluster.stopped(stop.signal)
+                raise
     except BaseException as err:
         error = err
         raise

@@ -212,6 +212,35 @@ def test_the_batch_script_itself_requeues_on_the_signal_it_passes_on(slurm, tmp_
     assert_equal_weights(out["weights"], reference2)
 
 
+def test_signal_during_validate_requeues_and_the_job_validates_again(slurm, tmp_path):
+    """USR1 to the tasks of a job running ``trainer.validate`` (not a fit): the tasks end the
+    stage with the one line (nothing to save), rank 0 requeues the job once, and the requeued job
+    validates to the end, with the loss of the whole validation set (Lightning's SLURM handler
+    requeues in every stage; without it the signal's default action ends the task unannounced)."""
+    root = tmp_path / "run"
+    root.mkdir()
+    job = slurm.sbatch(batch_script(root, "--stage", "validate", "--pause", "0.3", "--ready", str(root / "READY")),
+                       cwd=tmp_path)
+    wait_for_file(root / "READY", 60, slurm, job)
+    slurm.run(["scancel", "--signal=USR1", job])
+    info = slurm.wait_state(job, ("PENDING",), subprocess_timeout(30))
+    assert info["Restarts"] == "1", info
+    time.sleep(2.5)
+    slurm.run(["scontrol", "update", f"jobid={job}", "StartTime=now"])
+    info = slurm.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), subprocess_timeout(60))
+    log = read(root / "job.out")
+    assert info["JobState"] == "COMPLETED" and log.count("requeued SLURM job") == 1, log[-3000:]
+    # rank 0 ends the stage and requeues at once (nothing to save): SLURM then ends the tasks
+    # that have not ended theirs yet, so only rank 0's line is sure to be there
+    stopped = re.findall(r"rank (\d): Stopped by SIGUSR1 during validate: nothing to save", log)
+    assert "0" in stopped and "Traceback" not in log, log[-3000:]
+    out = torch.load(root / "out.pt", weights_only=False)
+    x, y = native_run.make_data().tensors
+    with torch.no_grad():
+        expected = ((native_run.ExactNet()(x) - y) ** 2).mean().item()
+    assert out["restarts"] == 1 and abs(out["val_loss"] - expected) <= 1e-6 * abs(expected), (out, expected)
+
+
 def test_scancel_mid_run_stops_cleanly(slurm, tmp_path):
     """``scancel``: SIGTERM to every task, the agreed stop at one step and its checkpoint, every
     task ending by itself within KillWait (30 s, SLURM's default, before its SIGKILL), the job
