@@ -443,7 +443,10 @@ def check_exit(s: Scenario, run: Run, code, out: str) -> None:
         if torchrun:
             if 0 in launchers or codes.get(s.rank) not in ("75", None):
                 raise Violation("exit", f"torchrun exited {code}, ranks {codes}, expected 75 on the hung rank:\n{tail}")
-        elif code not in (75, -signal.SIGKILL):
+        elif code not in (75, -signal.SIGKILL) and not (s.strategy == "xla_ddp" and code == 1
+                                                          and "waits more than" in out):
+            # (xla_ddp's replicas are threads of one process on the CPU runtime: XLA aborts a
+            # collective wait past 10 s, before a longer hang_timeout, and the error says so)
             raise Violation("exit", f"exited {code}, expected 75 (exit_on_hang):\n{tail}")
         if not hung:
             raise Violation("cause", f"a hang that never says so:\n{tail}")
