@@ -6,8 +6,10 @@
 - ``private``: uses of the Trainer's private attributes (``trainer._x``, ``self.trainer._x``,
   ``module.trainer._x``...) outside ``xtrainer/trainer.py``;
 - ``writers``: the files outside ``trainer.py`` that assign an attribute of the Trainer
-  (``trainer.x = ...``), with the attributes they write (Lightning's public settables such as
-  ``should_stop`` are what may remain);
+  (``trainer.x = ...``) other than Lightning's public settables (``LIGHTNING_SETTABLES``), with
+  the attributes they write (target: none);
+- ``settables``: the files that assign Lightning's public settables (``should_stop``...), which
+  Lightning's callbacks and loops write too;
 - ``init``: attributes ``Trainer.__init__`` sets (and how many of them are private);
 - ``circles``: import circles among xtrainer's modules, counting imports under ``if TYPE_CHECKING:``
   and imports inside functions (the files in the largest one);
@@ -26,6 +28,18 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "xtrainer")
 #: names that hold the Trainer where the code reads it
 TRAINER_NAMES = {"trainer", "_trainer"}
+#: The Trainer attributes Lightning 2.6 lets anyone assign: properties with a setter
+#: (``should_stop``, ``ckpt_path``, ``logger``, ``loggers``) and the plain attributes its
+#: ``Trainer.__init__`` sets for callbacks and loops to change (``callbacks``, the flags of
+#: accumulation, clipping, validation and batch limits). Its ``callback_metrics``,
+#: ``logged_metrics``, ``progress_bar_metrics``, ``datamodule``, ``log_dir``, ``max_epochs``...
+#: are read-only properties.
+LIGHTNING_SETTABLES = frozenset({
+    "should_stop", "ckpt_path", "logger", "loggers", "callbacks", "accumulate_grad_batches",
+    "gradient_clip_val", "gradient_clip_algorithm", "val_check_interval", "check_val_every_n_epoch",
+    "num_sanity_val_steps", "log_every_n_steps", "reload_dataloaders_every_n_epochs", "fast_dev_run",
+    "overfit_batches", "limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+})
 
 
 def sources() -> dict[str, str]:
@@ -73,6 +87,14 @@ def trainer_writes(texts: dict[str, str]) -> dict[str, set[str]]:
                     if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and _is_trainer(sub.value):
                         found.setdefault(path, set()).add(sub.attr)
     return found
+
+
+def split_writes(writes: dict[str, set[str]]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """``trainer_writes``' answer in two: file -> the attributes it writes that are not Lightning's
+    public settables, and file -> the settables it writes (files with none left out of each)."""
+    others = {path: attrs - LIGHTNING_SETTABLES for path, attrs in writes.items() if attrs - LIGHTNING_SETTABLES}
+    settables = {path: attrs & LIGHTNING_SETTABLES for path, attrs in writes.items() if attrs & LIGHTNING_SETTABLES}
+    return others, settables
 
 
 def init_attributes(texts: dict[str, str]) -> list[str]:
@@ -180,14 +202,17 @@ def main() -> None:
     args = parser.parse_args()
     texts = sources()
     uses = private_uses(texts)
-    writes = trainer_writes(texts)
+    writes, settables = split_writes(trainer_writes(texts))
     init = init_attributes(texts)
     found = circles(import_graph(texts))
     long = long_modules(texts)
     print(f"private: {len(uses)} uses of the Trainer's private attributes outside trainer.py, "
           f"in {len({u[0] for u in uses})} files")
-    print(f"writers: {len(writes)} files write Trainer attributes: "
-          + ", ".join(sorted({a for attrs in writes.values() for a in attrs})))
+    others = sorted({a for attrs in writes.values() for a in attrs})
+    print(f"writers: {len(writes)} files write Trainer attributes other than Lightning's public settables"
+          + (f": {', '.join(others)}" if others else ""))
+    print(f"settables: {len(settables)} files write Lightning's public settables: "
+          + ", ".join(sorted({a for attrs in settables.values() for a in attrs})))
     print(f"init: {len(init)} attributes set in Trainer.__init__, {sum(a.startswith('_') for a in init)} private")
     print(f"circles: {len(found)} import circles (type-only imports counted), "
           f"largest {max((len(c) for c in found), default=0)} files")
@@ -198,6 +223,8 @@ def main() -> None:
             print(f"  private {path}:{line} {attr}")
         for path, attrs in sorted(writes.items()):
             print(f"  writes {path}: {', '.join(sorted(attrs))}")
+        for path, attrs in sorted(settables.items()):
+            print(f"  settable {path}: {', '.join(sorted(attrs))}")
         print("  init " + ", ".join(init))
         for component in found:
             print("  circle " + ", ".join(sorted(component)))

@@ -7,7 +7,7 @@ import inspect
 import math
 import os
 import signal
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -45,6 +45,16 @@ def _check_weights_only(weights_only: bool | None) -> None:
                          "plain values only; nothing in the file runs); pass weights_only=True or leave it out.")
     if weights_only not in (None, True):
         raise TypeError(f"weights_only must be None, True or False, got {weights_only!r}.")
+
+
+def _read_only(name: str, instead: str, lightning: bool = True) -> Callable[[Any, Any], None]:
+    """The setter of a read-only Trainer property (``lightning``: one Lightning has read-only): a
+    one-line AttributeError saying what to do ``instead``."""
+
+    def refuse(trainer: Any, value: Any) -> None:
+        raise AttributeError(f"trainer.{name} is read-only{', as in Lightning' if lightning else ''}: {instead}.")
+
+    return refuse
 
 
 class _Setting:
@@ -214,7 +224,6 @@ class Trainer:
             # <default_root_dir>/version_N (Lightning's logger=True adds a lightning_logs/ level)
             logger = TensorBoardLogger(name="")
         self.loggers = [] if logger in (None, False) else arguments.as_list(logger)
-        self.datamodule: XDataModule | None = None
         self._fitted_model: XModule | None = None  # for validate()/test()/predict() without a model
 
         #: Where the fit is: what a checkpoint saves and ``fit`` continues from (written by the loop only).
@@ -225,12 +234,6 @@ class Trainer:
         self.should_stop = False
         #: The checkpoint the last fit/validate/test/predict started from (None: none).
         self.ckpt_path: str | None = None
-        #: The resolved configuration of ``xtrainer fit`` (flat keys), logged with the module's
-        #: hyperparameters.
-        self.run_config: dict[str, Any] = {}
-        self.callback_metrics = {}  # values: 0-dim CPU tensors, as in Lightning (MetricValues)
-        self.progress_bar_metrics: dict[str, float] = {}  # floats, as in Lightning
-        self.logged_metrics = {}
 
     # ---- the settings, read from ``settings`` (Lightning's names; a write changes the setting) ---
     fast_dev_run = _Setting()
@@ -311,19 +314,30 @@ class Trainer:
         if self._log_dir is None:
             if not stages.claims_run_folder():  # rank 0's, once the replica starts; until then the likely one
                 return planned_run_folder(self.loggers, self.default_root_dir)
-            self._log_dir = claim_run_folder(self.loggers, self.default_root_dir)
-        return self._log_dir
+        return self.claim_log_dir()
 
-    @log_dir.setter
-    def log_dir(self, value: str) -> None:
-        previous, self._log_dir = self._log_dir, value
-        if value != previous:  # e.g. rank 0's folder, broadcast: the loggers follow
-            move_run_folder(self.loggers, previous, value)
+    log_dir = log_dir.setter(_read_only("log_dir", "choose the folder with default_root_dir, or a logger's "
+                                                  "save_dir, name and version"))
 
     @property
     def log_dir_claimed(self) -> str | None:
         """The run folder this process claimed or was given (None: none yet; ``log_dir`` claims one)."""
         return self._log_dir
+
+    def claim_log_dir(self) -> str:
+        """Claim this Trainer's run folder now, if it has none yet, and return it (``log_dir``
+        does so on first use): the calling process claims it before the replicas start, so that
+        they all write into one."""
+        if self._log_dir is None:
+            self._log_dir = claim_run_folder(self.loggers, self.default_root_dir)
+        return self._log_dir
+
+    def adopt_log_dir(self, folder: str) -> None:
+        """Write into ``folder`` from now on (rank 0's run folder, broadcast to the other hosts'
+        replicas): the folder loggers follow. Before anything is written there."""
+        previous, self._log_dir = self._log_dir, folder
+        if folder != previous:
+            move_run_folder(self.loggers, previous, folder)
 
     # ---- where we are -----------------------------------------------------------------------
     @property
@@ -369,6 +383,7 @@ class Trainer:
     def node_rank(self) -> int:
         return self.strategy.node_rank if self.state != "idle" else 0
 
+    # ---- what was logged (the Run's publisher keeps it; the dicts change in place) -------------
     @property
     def callback_metrics(self) -> MetricValues:
         """The latest logged values, each a 0-dim CPU tensor (``.item()``, ``float()``), as in Lightning.
@@ -376,20 +391,47 @@ class Trainer:
         publisher = self.run.publisher
         if publisher.previewing is not None:
             publisher.preview(self)
-        return self._callback_metrics
+        return publisher.callback_metrics
 
-    @callback_metrics.setter
-    def callback_metrics(self, values: Any) -> None:
-        self._callback_metrics = MetricValues(values)
+    callback_metrics = callback_metrics.setter(_read_only(
+        "callback_metrics", "change its entries in place (trainer.callback_metrics.update(...), del ...[name])"))
 
     @property
     def logged_metrics(self) -> MetricValues:
         """What was sent to the loggers (values: 0-dim CPU tensors)."""
-        return self._logged_metrics
+        return self.run.publisher.logged_metrics
 
-    @logged_metrics.setter
-    def logged_metrics(self, values: Any) -> None:
-        self._logged_metrics = MetricValues(values)
+    logged_metrics = logged_metrics.setter(_read_only(
+        "logged_metrics", "change its entries in place (trainer.logged_metrics.update(...), del ...[name])"))
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """The values logged with ``prog_bar=True``, as floats (what the progress bar shows)."""
+        return self.run.publisher.progress_bar_metrics
+
+    progress_bar_metrics = progress_bar_metrics.setter(_read_only(
+        "progress_bar_metrics", "change its entries in place (trainer.progress_bar_metrics.update(...))"))
+
+    @property
+    def datamodule(self) -> XDataModule | None:
+        """The data module of the stage running, or of the last one (None: none)."""
+        return self.run.datamodule
+
+    datamodule = datamodule.setter(_read_only(
+        "datamodule", "pass the data module to fit, validate, test or predict (datamodule=...)"))
+
+    @property
+    def run_config(self) -> dict[str, Any]:
+        """The resolved configuration of ``xtrainer fit`` (flat keys; empty for a Trainer built in
+        code), logged with the module's hyperparameters (``run_settings``)."""
+        return self.run.config
+
+    run_config = run_config.setter(_read_only("run_config", "call trainer.record_run_config(config)", lightning=False))
+
+    def record_run_config(self, config: Mapping[str, Any]) -> None:
+        """Record ``config`` (flat keys) as the configuration this Trainer's runs were built from:
+        ``run_config``, shown beside the hyperparameters (``xtrainer fit`` records its own)."""
+        self.run.config = dict(config)
 
     @property
     def logger(self) -> Logger | None:

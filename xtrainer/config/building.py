@@ -152,7 +152,7 @@ def build(config: RunConfig, stage: Optional[str] = None) -> Run:
     trainer = _trainer(config, checked, own_only=False)
     model = checked.model.build()
     data = checked.data.build() if checked.data is not None else None
-    trainer.run_config = flatten(config)
+    trainer.record_run_config(flatten(config))
     return Run(trainer, model, data, config.ckpt_path)
 
 

@@ -30,7 +30,7 @@ def prepare(trainer: "TrainerView", stage: str, model: XModule, datamodule: XDat
     if datamodule is not None and given:
         raise ValueError(f"{stage}() got both dataloaders and a datamodule; give one of them.")
     trainer.callbacks = arguments.with_module_callbacks(trainer.callbacks, model)
-    trainer.datamodule = datamodule
+    trainer.run.datamodule = datamodule  # trainer.datamodule reads it
     model.trainer = trainer  # as in Lightning: prepare_data may read the Trainer's properties
     model.prepare_data()
     if datamodule is not None:

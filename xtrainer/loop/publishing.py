@@ -11,20 +11,23 @@ batched transfer (the interval's one host sync), together with two things that r
 - the global step of the first non-finite training loss (``nonfinite.py``), tracked inside each
   step's graph, so that ``detect_nonfinite`` costs no extra host sync.
 
-Then it hands the values out: ``trainer.callback_metrics``, ``progress_bar_metrics`` and
-``logged_metrics``; the ``on_metrics`` hook of every callback (the progress bar and ``XlaHealth``
-listen there; a listener may add host-side figures of its own); and last the loggers, on rank 0.
+Then it hands the values out: ``callback_metrics``, ``progress_bar_metrics`` and
+``logged_metrics``, which the ``Publisher`` keeps (the Trainer's read-only properties of those
+names read them, as Lightning's do); the ``on_metrics`` hook of every callback (the progress bar
+and ``XlaHealth`` listen there; a listener may add host-side figures of its own); and last the
+loggers, on rank 0.
 Nothing else calls a logger's ``log_metrics``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import torch
 
 from xtrainer.loop.agreement import STOP_KEY
-from xtrainer.loop.metric_values import as_tensor
+from xtrainer.loop.metric_values import MetricValues, as_tensor
 from xtrainer.loop.nonfinite import NonFiniteWatch
 from xtrainer.loop.results import to_floats
 from xtrainer.trainer_view import TrainerView
@@ -50,7 +53,10 @@ def automatic_lr_names(optimizers: list[Any]) -> Iterator[tuple[str, dict[str, A
 
 
 class Publisher:
-    """Reads logged values to the host and hands them out (see the module's docstring)."""
+    """Reads logged values to the host and hands them out (see the module's docstring); keeps
+    what it handed out: ``callback_metrics`` and ``logged_metrics`` (values: 0-dim CPU tensors,
+    ``MetricValues``) and ``progress_bar_metrics`` (floats), changed in place by whoever adds to
+    them and replaced only by ``reset_metrics``."""
 
     # The stage whose module's epoch-end hook is running (end_epoch), or STEP_VALUES while a
     # training batch's end hooks run: a read of callback_metrics there reads the values it does
@@ -60,6 +66,16 @@ class Publisher:
     def __init__(self) -> None:
         self._previewed: dict[str, Any] = {}  # per-step values callback_metrics has, in a batch's end hooks
         self.loop_loss: float | None = None  # the latest read of the step's training loss (LOSS_KEY)
+        self.reset_metrics()
+
+    def reset_metrics(self, callback_metrics: Mapping[str, Any] | None = None,
+                      logged_metrics: Mapping[str, Any] | None = None,
+                      progress_bar_metrics: Mapping[str, float] | None = None) -> None:
+        """New dicts of what was handed out: empty as a stage starts (its metrics are its own, as
+        in Lightning), or rank 0's, brought home where the replicas ran in other processes."""
+        self.callback_metrics = MetricValues(callback_metrics or {})
+        self.logged_metrics = MetricValues(logged_metrics or {})
+        self.progress_bar_metrics: dict[str, float] = dict(progress_bar_metrics or {})
 
     # ---- a fit's beginning and end ---------------------------------------------------------
     def start_fit(self, trainer: "TrainerView") -> None:

@@ -1,10 +1,11 @@
 """``Run``: what one replica's run owns, so that the ``Trainer`` is a façade over it.
 
 The wrapped module, the optimizers, the logged results and their publisher, the hook table, the
-run's data (as the strategy delivers it) with the state a resumed epoch restores, and the batch
-transfer. The loop (``xtrainer/loop/``) reads and writes these as ``trainer.run``; hooks and
-callbacks see the Trainer, whose Lightning properties (``model``, ``optimizers``,
-``train_dataloader``, ``num_training_batches``...) read them. Where a fit is, is ``LoopState``
+run's data module and data (as the strategy delivers it) with the state a resumed epoch restores,
+the batch transfer, and the configuration the run was built from. The loop (``xtrainer/loop/``)
+reads and writes these as ``trainer.run``; hooks and callbacks see the Trainer, whose Lightning
+properties (``model``, ``optimizers``, ``train_dataloader``, ``datamodule``,
+``num_training_batches``...) read them. Where a fit is, is ``LoopState``
 (``state.py``), beside it as ``trainer.loop``.
 
 Each replica works on its own copy (the launcher pickles or copies the Trainer with its Run);
@@ -43,10 +44,13 @@ class Run:
     (``loop.steps.batch_transfer``), where the module or data module overrides them.
     ``optim``: the optimizers and how they step. ``results``: where ``self.log`` puts values now
     (``train_results`` during training, an evaluation's during it). ``publisher``: reads them to
-    the host and hands them out. ``nonfinite``: the watch for a NaN or infinite training loss
+    the host, hands them out and keeps what it handed out (``callback_metrics``,
+    ``logged_metrics``, ``progress_bar_metrics``). ``nonfinite``: the watch for a NaN or infinite training loss
     (``detect_nonfinite``). ``agreement``: the replicas' agreement on a stop and a time-based
-    validation. ``hooks``: who overrides which hook (``call``). ``stage_data``:
-    the stage's loaders, as the strategy delivers them; ``train_data``: the fit's training data;
+    validation. ``hooks``: who overrides which hook (``call``). ``datamodule``: the data module
+    of the stage running or the last one (None: none; set by ``loaders.prepare``, read as
+    ``trainer.datamodule``). ``stage_data``: the stage's loaders, as the strategy delivers them;
+    ``train_data``: the fit's training data;
     ``restored_data_state``: the data order a resumed epoch continues (set by ``restore``, taken
     by the loop at the epoch's start). ``num_training_batches``: the batches of a training epoch
     (one owner: ``count_training_batches``). ``loader_hooks``: which ``*_dataloader`` hook made a
@@ -56,7 +60,9 @@ class Run:
     read-only properties of those names). ``checkpoint_compilations``: graphs compiled while
     writing checkpoints, so far in this process.
     ``replica_ready``: the strategy has set up a replica's environment. ``resumed_by_path``: the
-    checkpoint was named by path, not ``"last"`` (``ModelCheckpoint`` keeps it).
+    checkpoint was named by path, not ``"last"`` (``ModelCheckpoint`` keeps it). ``config``: the
+    resolved configuration of ``xtrainer fit`` (flat keys; empty for a Trainer built in code),
+    read as ``trainer.run_config`` and logged beside the hyperparameters.
     """
 
     def __init__(self, trainer: TrainerView, detect_nonfinite: str) -> None:
@@ -69,6 +75,7 @@ class Run:
         self.last_module: XModule | None = None
         self.wrapped: nn.Module | None = None
         self.transfer: Any = None
+        self.datamodule: Any = None
         self.optim = Optimization()
         self.train_results = self.results = Results("train", default_on_step=True)
         self.stage_data: dict[str, list[Any]] = {}
@@ -87,6 +94,7 @@ class Run:
         self.replica_ready = False
         self.resumed_by_path = False
         self.resolved_ckpt: tuple[Any, str | None] | None = None  # Trainer.resolve_ckpt_path's answer, kept once
+        self.config: dict[str, Any] = {}
 
     def call(self, hook: str, *args: Any) -> Any:
         """Call ``hook`` on every callback, in order, then on the module, as Lightning does; the

@@ -114,13 +114,13 @@ def launch(trainer: TrainerView, stage: str, model: XModule, sources: dict[str, 
     trainer.ckpt_path = resolved
     claims = claims_run_folder()
     if claims:
-        trainer.log_dir  # claimed here, in the calling process, so that every replica shares one run folder
+        trainer.claim_log_dir()  # here, in the calling process, so that every replica shares one run folder
     # Decided here, so that every replica agrees: it seeds the samplers' shuffling (with the
     # epoch) and each replica's XLA random generator (with its rank).
     trainer.loop.draw_seed(torch.initial_seed() % 2**31)
     trainer.run.interrupted = False
     # its metrics are its own (Lightning resets them too), and ``model`` is ``lightning_module`` once it is over
-    trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics = {}, {}, {}
+    trainer.run.publisher.reset_metrics()
     trainer.run.last_module = model
     launcher = trainer.strategy.launcher
     try:
@@ -135,9 +135,8 @@ def launch(trainer: TrainerView, stage: str, model: XModule, sources: dict[str, 
         load_home(trainer, stage, model, result["state_dict"])
         trainer.loop.adopt(result["loop"])
         trainer.should_stop = result["should_stop"]
-        trainer.callback_metrics = result["callback_metrics"]
-        trainer.logged_metrics = result["logged_metrics"]
-        trainer.progress_bar_metrics = result["progress_bar_metrics"]
+        trainer.run.publisher.reset_metrics(result["callback_metrics"], result["logged_metrics"],
+                                            result["progress_bar_metrics"])
         for cb in trainer.callbacks:
             cb.load_state_dict(result["callbacks"].get(cb.state_key, {}))
     return result["outputs"]
@@ -204,8 +203,9 @@ def run_stage(trainer: "TrainerView", stage: str, module: "XModule", sources: di
         # claimed for nothing is given back.
         own = trainer.log_dir_claimed
         ours = trainer.log_dir if trainer.is_global_zero else own
-        trainer.log_dir, trainer.loop.seed = trainer.strategy.collectives.broadcast((ours, trainer.loop.seed))
-        if own is not None and own != trainer.log_dir:
+        folder, trainer.loop.seed = trainer.strategy.collectives.broadcast((ours, trainer.loop.seed))
+        trainer.adopt_log_dir(folder)
+        if own is not None and own != folder:
             remove_if_empty(own)
     trainer.strategy.runtime.seed_replica(trainer.loop.seed, trainer.global_rank, trainer.strategy.launcher.runs_in_caller)
     run.state, trainer.should_stop, run.agreement.stop_agreed = stage, False, False
