@@ -7,19 +7,24 @@ callback's state records every group added (its parameters by name, its settings
 parameters were trainable, so that a resumed fit rebuilds the same groups *before* the optimizer
 state is loaded into them, and continues bitwise as the uninterrupted fit would.
 
-Where it cannot work, it refuses when the fit starts:
+Under a strategy that takes the parameters out of their layers (``xla_fsdp``: each becomes a
+shard the wrapper holds) the callback runs its hooks and its state inside the strategy's
+``parameters_in_layers``: there the layers hold their full parameters and the optimizers' groups
+hold them too, as in Lightning; the strategy then maps new groups to the shards and copies each
+layer's ``requires_grad`` to its shards. ``xla_fsdp`` refuses it with ``flatten_parameters=True``
+(a unit's parameters are one flat shard there), when the fit starts.
 
-- ``xla_fsdp``: torch_xla's FSDP flattens the parameters of what it wraps into one per unit, so
-  there is no backbone parameter to unfreeze or to put in a group of its own.
-- ``xla_ddp`` with several replicas: DDP reduces only the parameters that needed gradients when
-  it wrapped the module; layers unfrozen later would train apart on each replica.
-  ``xla_native`` (the same data parallelism, gradients reduced at the optimizer step) works.
+Where it cannot work, it refuses when the fit starts: ``xla_ddp`` with several replicas (DDP
+reduces only the parameters that needed gradients when it wrapped the module; layers unfrozen
+later would train apart on each replica). ``xla_native`` (the same data parallelism, gradients
+reduced at the optimizer step) works.
 
 On XLA each new group (and each new learning rate) compiles the step once more.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable
 
 import torch
@@ -60,6 +65,7 @@ class BaseFinetuning(Callback):
         self._untracked_bn: list[str] | None = None  # BatchNorm modules whose running stats were frozen
         self._pending = False  # state loaded, groups not rebuilt yet
         self._module: Any = None
+        self._trainer: TrainerView | None = None  # during a fit: its strategy hands out the layers' parameters
 
     # ---- what a subclass defines -----------------------------------------------------------------
     def freeze_before_training(self, pl_module: "XModule") -> None:
@@ -147,41 +153,52 @@ class BaseFinetuning(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if strategy.flattens_parameters:
-            raise ValueError(f"{type(self).__name__} cannot run under {strategy.name}: its FSDP flattens the parameters, "
-                             "so no layer can be unfrozen or given a group of its own; use strategy='xla_native' or "
-                             "'xla_fsdpv2'.")
         if strategy.reduces_wrapped_trainable_only and trainer.world_size > 1:
             raise ValueError(f"{type(self).__name__} cannot run under {strategy.name} with several replicas: DDP "
                              "reduces only the parameters that needed gradients when it wrapped the module, so "
                              "unfrozen layers would train apart; use strategy='xla_native' (gradients reduced at the "
                              "optimizer step), or 'native_fsdp'.")
-        self._module = pl_module
+        self._module, self._trainer = pl_module, trainer
         if trainer.ckpt_path is None:  # a fresh fit: nothing to rebuild from an earlier one
             self._internal_optimizer_metadata, self._pending = {}, False
             self._trainable = self._untracked_bn = None
         self.freeze_before_training(pl_module)
 
     def on_fit_start(self, trainer: "TrainerView", pl_module: "XModule") -> None:
-        if self._pending:  # state loaded by a path that did not rebuild the groups first
-            self.restore_param_groups(trainer, pl_module)
+        with self._in_layers(trainer):  # a strategy that cannot hand out the layers' parameters refuses here
+            if self._pending:  # state loaded by a path that did not rebuild the groups first
+                self._rebuild_param_groups(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: "TrainerView", pl_module: "XModule") -> None:
-        for index, optimizer in enumerate(trainer.optimizers):
-            before = len(optimizer.param_groups)
-            self.finetune_function(pl_module, trainer.current_epoch, optimizer)
-            if len(optimizer.param_groups) != before:
-                prefer_foreach(optimizer)  # the new groups take torch's multi-tensor update too
-            self._store(pl_module, index, before, optimizer.param_groups)
+        with self._in_layers(trainer):
+            for index, optimizer in enumerate(trainer.optimizers):
+                before = len(optimizer.param_groups)
+                self.finetune_function(pl_module, trainer.current_epoch, optimizer)
+                if len(optimizer.param_groups) != before:
+                    prefer_foreach(optimizer)  # the new groups take torch's multi-tensor update too
+                self._store(pl_module, index, before, optimizer.param_groups)
+
+    def teardown(self, trainer: "TrainerView", pl_module: "XModule", stage: str) -> None:
+        if stage == "fit":
+            self._trainer = None  # the module is given back unwrapped: its layers hold their parameters
+
+    @staticmethod
+    def _in_layers(trainer: "TrainerView | None") -> contextlib.AbstractContextManager:
+        """The strategy's ``parameters_in_layers`` during a fit: the module's layers and the
+        optimizers' groups hold the parameters as built, even where the strategy shards them."""
+        if trainer is None:
+            return contextlib.nullcontext()
+        return trainer.strategy.parameters_in_layers(trainer.model, trainer.optimizers)
 
     # ---- state: the groups added, rebuilt on resume before the optimizer state is loaded -----------
     def state_dict(self) -> dict[str, Any]:
         module = self._module
         state: dict[str, Any] = {"internal_optimizer_metadata": self._internal_optimizer_metadata}
         if module is not None:
-            state["trainable"] = [n for n, p in module.named_parameters() if p.requires_grad]
-            state["untracked_bn"] = [n for n, m in module.named_modules()
-                                     if isinstance(m, _BatchNorm) and not m.track_running_stats]
+            with self._in_layers(self._trainer):
+                state["trainable"] = [n for n, p in module.named_parameters() if p.requires_grad]
+                state["untracked_bn"] = [n for n, m in module.named_modules()
+                                         if isinstance(m, _BatchNorm) and not m.track_running_stats]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -194,6 +211,10 @@ class BaseFinetuning(Callback):
         """Rebuild each optimizer's groups as saved (those added during the fit included) and the
         saved trainable parameters; the Trainer calls it on resume before loading the optimizer
         states, which need the saved number of groups."""
+        with self._in_layers(trainer):
+            self._rebuild_param_groups(trainer, pl_module)
+
+    def _rebuild_param_groups(self, trainer: "TrainerView", pl_module: "XModule") -> None:
         self._pending = False
         named = dict(pl_module.named_parameters())
         if self._trainable is not None:
@@ -230,7 +251,7 @@ class BaseFinetuning(Callback):
             self._internal_optimizer_metadata[index].extend(by_name(groups[before:]))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_module": None}
+        return {**self.__dict__, "_module": None, "_trainer": None}
 
 
 class BackboneFinetuning(BaseFinetuning):

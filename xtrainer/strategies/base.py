@@ -64,8 +64,10 @@ class Strategy(abc.ABC):
     #: Parameters are split over the replicas (each holds a shard of each, FSDP's way), not each a
     #: whole copy: the model summary counts the shards whole and adds each replica's share.
     shards_parameters: ClassVar[bool] = False
-    #: Parameters are flattened into shards that keep no per-layer tensors (torch_xla's FSDP):
-    #: an optimizer or a callback cannot address a layer's parameters on their own.
+    #: Parameters are taken out of their layers into shards the wrapper holds (torch_xla's FSDP):
+    #: code that reads a layer's parameters outside the strategy (counting a step's FLOPs on a copy
+    #: of the module) finds none; an optimizer over a layer's parameters is mapped to the shards
+    #: by ``setup_optimizers``, a fine-tuning callback's by ``parameters_in_layers``.
     flattens_parameters: ClassVar[bool] = False
     #: Gradients are reduced only for the parameters that needed them when the module was
     #: wrapped (DDP's reducer): a layer unfrozen later would train apart on each replica.
@@ -262,6 +264,17 @@ class Strategy(abc.ABC):
         the optimizers' parameters: a wrapper that computes with copies of them (gathered
         shards) takes the change here. Nothing to do where the optimizers' parameters are the
         ones the forward uses."""
+
+    def parameters_in_layers(self, wrapped: nn.Module,
+                             optimizers: Iterable[torch.optim.Optimizer]) -> contextlib.AbstractContextManager:
+        """A context, between steps, in which the user's module holds its own parameters in its
+        layers and ``optimizers``' groups hold those parameters, so that code can freeze or
+        unfreeze a layer and give its parameters to an optimizer as a new group (the fine-tuning
+        callbacks); on leaving it, a wrapper that took the parameters out of their layers (into
+        shards) takes those changes into what it trains. Nothing to do where the layers hold the
+        parameters that train; a strategy that cannot hand them out refuses here."""
+        del wrapped, optimizers
+        return contextlib.nullcontext()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer,
                        before_step: Callable[[], None] | None = None) -> None:

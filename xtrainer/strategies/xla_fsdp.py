@@ -155,6 +155,49 @@ class XlaFSDP(ParallelStrategy):
             _map_to_shards(optimizer, sharded, message if flattened else None)
         return config
 
+    @contextlib.contextmanager
+    def parameters_in_layers(self, wrapped: nn.Module,
+                             optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[None]:
+        """The user's module as it was built, between steps: each unit's module back in its
+        parent's place, each full parameter FSDP took out of its layer (kept there as a plain
+        attribute, its shard as ``_sharded_param``) back among the layer's parameters, and the
+        optimizers' groups holding the full parameters instead of their shards. On leaving, each
+        shard takes its full parameter's ``requires_grad`` (FSDP's backward reduces the gradient
+        of a full parameter that requires one into its shard, and checks the shards' flags at the
+        end of backward), and every group, new ones included, holds shards again (mapped as
+        ``setup_optimizers`` maps them). No forward may run inside. Refused with
+        ``flatten_parameters=True``: a unit's parameters are then one flat shard."""
+        if wrapped is None or wrapped is not self._root:  # not wrapped (any more): the layers hold their own
+            yield
+            return
+        if self.fsdp_kwargs.get("flatten_parameters", False):
+            raise ValueError("Under xla_fsdp with flatten_parameters=True a unit's parameters are flattened into one "
+                             "shard, so no layer can be frozen, unfrozen or given a parameter group of its own: set "
+                             "XlaFSDP(flatten_parameters=False) (the default).")
+        optimizers = list(optimizers)
+        sharded = {id(p) for p in wrapped.parameters()}
+        user_module = self.unwrap(wrapped).module
+        fsdp = self._fsdp_class()
+        units = [(parent, name, child) for parent in list(user_module.modules())
+                 for name, child in parent._modules.items() if isinstance(child, fsdp)]
+        try:
+            for parent, name, child in units:
+                parent._modules[name] = self.unwrap(child)
+            with _full_parameters_in_place(user_module):
+                full = {id(p._sharded_param): p for p in user_module.parameters() if hasattr(p, "_sharded_param")}
+                _swap_in_groups(optimizers, full)
+                try:
+                    yield
+                finally:
+                    for param in full.values():
+                        param._sharded_param.requires_grad_(param.requires_grad)
+                    _swap_in_groups(optimizers, {id(p): p._sharded_param for p in full.values()})
+        finally:
+            for parent, name, child in units:
+                parent._modules[name] = child
+        for optimizer in optimizers:  # new groups too; a parameter that is not the module's refused
+            _map_to_shards(optimizer, sharded, None)
+
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
         inner = wrapped
         while hasattr(inner, "_fsdp_wrapped_module") or hasattr(inner, "_fpw_module"):
@@ -269,6 +312,14 @@ def _full_parameters_in_place(root: nn.Module) -> Iterator[None]:
     finally:
         for m, name in added:
             m._parameters.pop(name, None)
+
+
+def _swap_in_groups(optimizers: list[torch.optim.Optimizer], replacements: dict[int, torch.Tensor]) -> None:
+    """Replace, in place, each parameter of the optimizers' groups that ``replacements`` names
+    (by id) with its replacement (a shard with its full parameter, or back)."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [replacements.get(id(p), p) for p in group["params"]]
 
 
 def _map_to_shards(optimizer: torch.optim.Optimizer, sharded: set[int], flattened: str | None) -> None:

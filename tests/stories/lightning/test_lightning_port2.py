@@ -589,9 +589,6 @@ def test_finetuning_helpers_and_refusals(tmp_path):
         BaseFinetuning.unfreeze_and_add_param_group(model.backbone, opt)
     assert len(opt.param_groups) == 2
     assert len(BaseFinetuning.flatten_modules(nn.ModuleDict({"a": model.backbone, "b": model.net}))) == 6  # the leaves
-    with pytest.raises(ValueError, match="cannot run under xla_fsdp: .*flattens"):
-        Trainer(strategy="xla_fsdp", max_epochs=1, callbacks=[BackboneFinetuning()],
-                enable_checkpointing=False, **quiet(tmp_path)).fit(WithBackbone())
     with pytest.raises(ValueError, match="an nn.Module attribute 'backbone'"):
         Trainer(max_epochs=1, callbacks=[BackboneFinetuning()], enable_checkpointing=False,
                 **quiet(tmp_path)).fit(HelloWorld())

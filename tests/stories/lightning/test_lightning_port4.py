@@ -253,6 +253,89 @@ def test_xla_fsdp_with_flattened_parameters_says_what_to_do(tmp_path):
         _fit_bug_report(tmp_path, "xla_fsdp", 1, flatten_parameters=True)
 
 
+# ---- xla_fsdp: BackboneFinetuning ---------------------------------------------------------------------
+
+class Pretrained(LightningModule):
+    """Lightning's fine-tuning example: a backbone frozen until ``BackboneFinetuning`` unfreezes
+    it, a head trained throughout, the optimizer over what requires gradients."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
+
+
+class EpochEnds(Callback):
+    """The whole weights at each training epoch's end (gathered from the shards under FSDP)."""
+
+    def __init__(self):
+        self.weights = []
+
+    def on_train_epoch_end(self, trainer, module):
+        whole = trainer.strategy.full_module_state_dict(trainer.model)  # every replica: a collective under FSDP
+        self.weights.append({k: v.cpu().clone() for k, v in whole.items()})  # host sync, once per epoch
+
+    def state_dict(self):  # comes back from the replicas with the callback's state
+        return {"weights": self.weights}
+
+    def load_state_dict(self, state):
+        self.weights = state["weights"]
+
+
+def _fit_pretrained(tmp_path, strategy, devices, name, ckpt_path=None, **strategy_kwargs):
+    from xtrainer.callbacks import BackboneFinetuning
+    from xtrainer.strategies import XlaFSDP
+
+    model, ends = Pretrained(), EpochEnds()
+    chosen = XlaFSDP(**strategy_kwargs) if strategy == "xla_fsdp" else strategy
+    callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1), ends, ModelCheckpoint(save_top_k=-1)]
+    Trainer(strategy=chosen, devices=devices, max_epochs=3, callbacks=callbacks, **quiet(tmp_path / name)).fit(
+        model, DataLoader(make_data(32), batch_size=8 // devices), ckpt_path=ckpt_path)
+    return model, ends.weights
+
+
+@pytest.mark.parametrize("devices, strategy_kwargs", [
+    (1, {}), (1, {"auto_wrap_policy": {nn.Linear}}),  # each Linear a unit: the backbone's shards a unit's own
+    pytest.param(2, {}, marks=pytest.mark.multi_device)], ids=["one", "one-units", "two"])
+def test_backbone_finetuning_under_xla_fsdp_trains_as_xla_native_and_resumes_bitwise(tmp_path, devices,
+                                                                                    strategy_kwargs):
+    """The backbone frozen before the fit keeps its weights through epoch 0 and trains from epoch
+    1, in a group of its own; the head trains throughout; the weights are those of the same fit
+    under xla_native (atol=1e-6, as the optimizer over a submodule's parameters above), and a fit
+    resumed from the checkpoint of epoch 1 (after the unfreeze) ends bitwise where this one did."""
+    initial = Pretrained().state_dict()
+    model, ends = _fit_pretrained(tmp_path, "xla_fsdp", devices, "fsdp", **strategy_kwargs)
+    backbone, head = ["backbone.0.weight", "backbone.0.bias"], ["head.weight", "head.bias"]
+    for name in backbone:
+        assert torch.equal(ends[0][name], initial[name]), name  # frozen in epoch 0
+        assert not torch.equal(ends[1][name], ends[0][name]), name  # unfrozen at epoch 1
+        assert not torch.equal(ends[2][name], ends[1][name]), name
+    for name in head:
+        assert not torch.equal(ends[0][name], initial[name]) and not torch.equal(ends[1][name], ends[0][name]), name
+    trained = model.state_dict()
+    plain, _ = _fit_pretrained(tmp_path, "xla_native", devices, "native")
+    for name, tensor in plain.state_dict().items():
+        assert torch.allclose(trained[name], tensor, atol=1e-6), name
+    resumed, _ = _fit_pretrained(tmp_path, "xla_fsdp", devices, "resumed", ckpt_path=_saved(tmp_path, "fsdp", 1),
+                                 **strategy_kwargs)
+    for name, tensor in resumed.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+
+
+def test_backbone_finetuning_under_xla_fsdp_with_flattened_parameters_says_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="flatten_parameters=True .* no layer can be frozen, unfrozen.*"
+                                         r"set XlaFSDP\(flatten_parameters=False\)"):
+        _fit_pretrained(tmp_path, "xla_fsdp", 1, "flat", flatten_parameters=True)
+
+
 # ---- a time-based val_check_interval ---------------------------------------------------------------
 
 class SlowData(torch.utils.data.Dataset):

@@ -249,8 +249,9 @@ def test_the_strategy_leaves_the_device_to_its_runtime():
     assert not device_members & set(public)
     # 30 after the runtime split; since then the distribution gained Lightning's tensor_init_context
     # (model_parallel's meta-device init), requires_grad_changed (fine-tuning under sharding), and
-    # native_ft's live peers (step_starts, join_live_peers) and runs_standalone (the doctor)
-    assert len(public) <= 34, public
+    # native_ft's live peers (step_starts, join_live_peers), runs_standalone (the doctor) and
+    # parameters_in_layers (fine-tuning under xla_fsdp, whose layers hold no parameters while wrapped)
+    assert len(public) <= 35, public
     own = {name for name in vars(NativeSingle) if name in dir(Strategy)
            and name not in ("__doc__", "__module__", "__init__", "__annotations__", "__abstractmethods__", "_abc_impl", "name")}
     assert len(own) <= 8, sorted(own)
