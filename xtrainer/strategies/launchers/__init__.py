@@ -17,6 +17,7 @@ files of a private folder, and the caller raises that error with the replica's t
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import faulthandler
 import os
@@ -27,7 +28,12 @@ import tempfile
 import threading
 import traceback
 import warnings
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: a launch folder's caller is judged by its name alone
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 
@@ -102,8 +108,7 @@ class _StartedReplicas(Launcher):
     def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
         self.check()
         rng_state = torch.get_rng_state()
-        _remove_stale_launch_folders()
-        with tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_PREFIX}{writers.instance()}-") as tmp:
+        with launch_folder() as tmp:
             job = _ReplicaJob(fn, args, tmp, rng_state, type(self).ranks)
             try:
                 exitcode = self.start(job)
@@ -271,20 +276,56 @@ class ReplicaFailure(Exception):
 _LAUNCH_PREFIX = "xtrainer-launch-"
 
 
+_OWNER_LOCK = "owner.lock"
+
+
+@contextlib.contextmanager
+def launch_folder() -> Iterator[str]:
+    """A launch's private folder (the job, the results, the first error), removed when the
+    launch ends. Its calling process holds an exclusive ``flock`` on ``owner.lock`` in it while
+    it runs, which the kernel releases however that process ends: what tells another process,
+    in this PID namespace or another one sharing the temporary folder (a container's PID 1, a
+    PID that runs again), that the folder's caller is alive. Stale folders are removed first."""
+    _remove_stale_launch_folders()
+    with tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_PREFIX}{writers.instance()}-") as tmp:
+        with open(os.path.join(tmp, _OWNER_LOCK), "wb") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            yield tmp
+
+
+def _owner_alive(folder: str, writer: str) -> bool:
+    """Whether the caller of launch folder ``folder`` may still run: its name's instance may
+    (``writers.alive``, right within this PID namespace), or its lock is held (or cannot be
+    tried): a folder of another namespace whose PID means something else here is judged by its
+    lock. A folder without a lock file (an older version's) is judged by its name alone."""
+    if not writers.is_instance(writer) or writers.alive(writer):
+        return True
+    path = os.path.join(folder, _OWNER_LOCK)
+    if fcntl is None or not os.path.exists(path):
+        return False
+    try:
+        with open(path, "rb") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: nobody holds it
+    except OSError:  # BlockingIOError: held, its caller runs; anything else: cannot tell
+        return True
+    return False
+
+
 def _remove_stale_launch_folders() -> None:
     """Remove the private folders of launches whose calling process is gone (killed before it
-    could clean up): they hold a copy of the fitted weights each. Named by the caller's process
-    instance (``writers``), so that a restarted container's PID 1 removes its predecessor's."""
+    could clean up): they hold a copy of the fitted weights each (``launch_folder``)."""
     root = tempfile.gettempdir()
     try:
         names = os.listdir(root)
     except OSError:
         return
     for name in names:
-        writer = name[len(_LAUNCH_PREFIX):].split("-", 1)[0] if name.startswith(_LAUNCH_PREFIX) else ""
-        if not writers.is_instance(writer) or writers.alive(writer):
+        if not name.startswith(_LAUNCH_PREFIX):
             continue
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        folder = os.path.join(root, name)
+        if not _owner_alive(folder, name[len(_LAUNCH_PREFIX):].split("-", 1)[0]):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class _ReplicaJob:

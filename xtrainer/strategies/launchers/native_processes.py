@@ -9,19 +9,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import tempfile
 import time
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from xtrainer.checkpoint import writers
 from xtrainer.launch import interrupts
 from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE, RunHung
 from xtrainer.strategies import process_group
-from xtrainer.strategies.launchers import (HANG_ENDED, _LAUNCH_PREFIX, Launcher, _killed_error,
-                                           _remove_stale_launch_folders, _ReplicaJob, _StartedReplicas)
+from xtrainer.strategies.launchers import (HANG_ENDED, Launcher, _killed_error, _ReplicaJob, _StartedReplicas,
+                                           launch_folder)
 from xtrainer.strategies.launchers.processes import NewProcesses, end_now, free_port, killed_by_signal, new_processes
 
 
@@ -73,9 +71,7 @@ class NativeProcesses(_StartedReplicas):
     def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
         n = int(self.devices or 1)
         what = f"Trainer(devices={n})"
-        _remove_stale_launch_folders()
-        with tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_PREFIX}{writers.instance()}-") as tmp, \
-                _intra_op_threads_here(n):
+        with launch_folder() as tmp, _intra_op_threads_here(n):
             # Pickled before rank 0 runs here: the other ranks start from the module as it is now.
             job = _ReplicaJob(fn, args, tmp, torch.get_rng_state(), process_group.env_ranks)
             store, port = _serve_store(self.timeout_seconds)
