@@ -9,8 +9,10 @@ nothing of torch_xla: it also runs where torch_xla is not installed.
 
 from __future__ import annotations
 
+import getpass
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +28,7 @@ import native_run
 from conftest import subprocess_timeout
 from xtrainer import XModule
 from xtrainer.launch.hang_monitor import EXIT_CODE as HANG_EXIT_CODE
-from test_native import _assert_bitwise, _env, _paused_run, _reference, _resumed_bitwise, _weights
+from test_native import STEPS, _assert_bitwise, _env, _paused_run, _reference, _resumed_bitwise, _script, _weights
 
 HERE = os.path.dirname(os.path.abspath(conftest.__file__))
 ROOT = os.path.dirname(HERE)
@@ -659,3 +661,29 @@ def test_steps_on_the_cpu_go_on_from_the_hosts_generator_as_in_lightning(tmp_pat
     assert all(torch.equal(drawn, torch.rand(3)) for drawn in module.drawn)
     seed_everything(7)
     assert not torch.equal(module.drawn[0], torch.rand(3))  # what a re-seeded generator gives first
+
+
+@pytest.mark.multi_device
+def test_a_restart_loads_torch_compiles_graphs_from_the_runs_folder(tmp_path):
+    """torch.compile's cache lives beside the runs (``<root>/inductor_cache/rank_0``), not in the
+    temporary folder: each process here gets an empty temporary folder of its own, as a restart
+    on a fresh machine would, and the restart still loads every graph the first run compiled.
+    (Here, in the newest torch's environment only: about a minute and a half of compiling.)"""
+    root, out = tmp_path / "runs", str(tmp_path / "out.pt")
+    lines = []
+    for i, extra in enumerate([(), ("--ckpt", "last", "--steps", str(2 * STEPS))]):
+        tmp = tmp_path / f"tmp{i}"
+        tmp.mkdir()
+        done = _script("--strategy", "native", "--compile", "--steps", str(STEPS), "--root", str(root), "--out", out,
+                       *extra, env={"TMPDIR": str(tmp), "TORCHINDUCTOR_CACHE_DIR": None}, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines.append(next(line for line in done.stdout.splitlines() if "compilation cache" in line))
+        # no compiled graph in the temporary folder (torch keeps its precompiled C++ header there)
+        assert not (tmp / f"torchinductor_{getpass.getuser()}" / "fxgraph").exists()
+    cache = root / "inductor_cache" / "rank_0"
+    assert cache.is_dir() and any(cache.iterdir())
+    first = re.search(r"(\d+) of (\d+) graphs loaded", lines[0]).groups()
+    hits, lookups = map(int, re.search(r"(\d+) of (\d+) graphs loaded", lines[1]).groups())
+    assert str(cache) in lines[1] and first[0] == "0" and int(first[1]) > 0, lines
+    assert hits == lookups > 0, lines  # the restart compiled nothing again
+    assert torch.load(out)["global_step"] == 2 * STEPS
