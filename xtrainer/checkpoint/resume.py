@@ -77,6 +77,9 @@ def resolve(ckpt_path: str, search: list[str], layout: Layout, strategy: str,
         return header
     for dirpath in search:  # the next start in these folders: clear what crashed saves left
         folders.remove_leftovers(dirpath)
+        run_folder = fs.dirname(dirpath)
+        if fs.basename(dirpath) == "checkpoints" and fs.basename(run_folder).startswith("version_"):
+            folders.remove_leftovers(run_folder)  # and the run folder's own files (goodput.json, config.yaml)
     found = candidates(search)
     if not found:
         where = ", ".join([fs.join(root, "version_*", "checkpoints")] * bool(root) + search)
