@@ -145,6 +145,16 @@ def pinned(path: str) -> Iterator[str]:
             storage.remove(pin)
 
 
+def unpin(path: str) -> None:
+    """Let go early of the hold ``pinned`` has on ``path``, the pinned path it gave (any other
+    path: nothing happens), once every reader of it is done: its pin removed."""
+    pin = os.path.dirname(path)
+    parsed = None if fs.is_url(path) else _parse_temp(os.path.basename(pin), socket.gethostname())
+    if parsed is not None and parsed[1] == "pin":
+        with contextlib.suppress(OSError):
+            storage.remove(pin)
+
+
 def _pin_into(source: str, target: str, attempts: int = 3) -> None:
     """Hard-link the checkpoint ``source`` to ``target``. A folder replaced while it is walked
     (removed and written again under its name, as a fit prunes and saves) may have been listed

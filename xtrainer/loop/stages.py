@@ -12,6 +12,7 @@ returns travels to the calling process."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -22,6 +23,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from xtrainer import compile_cache
 from xtrainer.checkpoint import background as ckpt_background
+from xtrainer.checkpoint import folders as ckpt_folders
 from xtrainer.datamodule import XDataModule
 from xtrainer.launch import interrupts
 from xtrainer.loop import checkpoints, evaluation, loaders, metric_sync
@@ -124,7 +126,11 @@ def launch(trainer: TrainerView, stage: str, model: XModule, sources: dict[str, 
     trainer.run.last_module = model
     launcher = trainer.strategy.launcher
     try:
-        result = launcher.launch(functools.partial(run_stage, trainer), stage, model, sources, resolved)
+        # Held still from here until every replica has read it (``run_stage`` lets go): another
+        # run of the lineage resuming at the same moment may prune it meanwhile.
+        with contextlib.ExitStack() as held:
+            readable = held.enter_context(ckpt_folders.pinned(resolved)) if resolved is not None else None
+            result = launcher.launch(functools.partial(run_stage, trainer), stage, model, sources, readable)
     except BaseException as err:
         # (where the replicas ran in other processes, the caller's Trainer learns it here)
         trainer.run.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
@@ -243,13 +249,13 @@ def run_stage(trainer: "TrainerView", stage: str, module: "XModule", sources: di
         # Lightning's order: the checkpoint's module and callback states, then the optimizers
         # (configure_optimizers sees what on_load_checkpoint did), then theirs and the loop's.
         if checkpoint is not None:
-            checkpoints.restore_module(trainer, checkpoint, ckpt_path, stage)
+            checkpoints.restore_module(trainer, checkpoint, trainer.ckpt_path or ckpt_path, stage)
         if stage == "fit":
             run.optim = Optimization()
             run.optim.setup(trainer)
             if checkpoint is not None:
                 run.optim.prepare_resume(trainer, checkpoint)  # parameter groups added during the saved fit
-                checkpoints.restore_training(trainer, checkpoint, ckpt_path)
+                checkpoints.restore_training(trainer, checkpoint, trainer.ckpt_path or ckpt_path)
             # a fault-tolerant strategy's live peers (the fit's state served to them from here on),
             # and the state of one of them to heal from
             live = trainer.strategy.join_live_peers(lambda: checkpoints.build_checkpoint(trainer), checkpoint)
@@ -257,6 +263,11 @@ def run_stage(trainer: "TrainerView", stage: str, module: "XModule", sources: di
                 checkpoints.restore_datamodule(trainer, live)
                 checkpoints.restore_module(trainer, live, "a live peer's state", stage)
                 checkpoints.restore_training(trainer, live, "a live peer's state")
+        if checkpoint is not None:  # every replica has read it: the calling process's hold on it goes
+            checkpoint = None
+            with trainer.strategy.runtime.rng_state_kept():  # (a host rendezvous, which may cut an XLA graph)
+                trainer.strategy.collectives.barrier("checkpoint read")
+            ckpt_folders.unpin(ckpt_path)
         # an explicit metric.compute() in a hook syncs in the graph, on every replica alike
         with metric_sync.synced_through(module, trainer.strategy.collectives.all_gather_tensors, trainer.world_size):
             if stage == "fit":

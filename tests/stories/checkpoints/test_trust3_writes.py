@@ -12,10 +12,11 @@ import time
 
 import conftest
 import pytest
+import torch
 from conftest import Regressor, make_loader
 
 from xtrainer import Trainer
-from xtrainer.callbacks import ModelCheckpoint
+from xtrainer.callbacks import Callback, ModelCheckpoint
 from xtrainer.checkpoint import background, load_checkpoint, storage
 
 TESTS = os.path.dirname(os.path.abspath(conftest.__file__))
@@ -316,3 +317,38 @@ def test_a_container_restarted_as_pid_1_removes_what_its_killed_predecessor_left
     assert not [n for n in left if n.startswith(".tmp-")], left  # the killed write is gone
     assert "epoch=0-step=2.ckpt" in left and load_checkpoint(str(dirpath / "epoch=0-step=2.ckpt"))
     assert leftovers[0].startswith(f".tmp-{host}-1.")  # named by its instance: PID 1, started then
+
+
+class PruneWhatIsResumed(Callback):
+    """What a second run resuming the same lineage at the same moment does: it prunes the
+    checkpoint this run resolved ``"last"`` to, between the resolution and the read (this hook
+    runs in the replica, before the checkpoint is read)."""
+
+    def setup(self, trainer, pl_module, stage):
+        if trainer.ckpt_path is not None:
+            os.remove(os.path.realpath(trainer.ckpt_path))
+
+
+def test_a_checkpoint_pruned_between_resolving_last_and_reading_it_is_still_read(tmp_path):
+    """Found by the chaos harness (two runs resumed into one root at once: one pruned the
+    checkpoint the other was about to read, which then failed with "does not exist"): the
+    checkpoint ``"last"`` chose is held still (hard-linked) until it has been read, and the
+    resumed fit ends bitwise equal to one never stopped; the hold is gone after the read."""
+    def trainer(steps, callbacks=()):
+        return Trainer(max_steps=steps, default_root_dir=str(tmp_path / "runs"), enable_progress_bar=False,
+                       logger=False, enable_model_summary=False,
+                       callbacks=[ModelCheckpoint(every_n_train_steps=2, save_last=True), *callbacks])
+
+    torch.manual_seed(0)
+    straight = Regressor()
+    Trainer(max_steps=8, default_root_dir=str(tmp_path / "straight"), enable_progress_bar=False, logger=False,
+            enable_model_summary=False).fit(straight, make_loader())
+    torch.manual_seed(0)
+    trainer(4).fit(Regressor(), make_loader())
+    resumed = Regressor()
+    second = trainer(8, [PruneWhatIsResumed()])
+    second.fit(resumed, make_loader(), ckpt_path="last")
+    assert second.global_step == 8 and "step=4" in os.path.basename(os.path.realpath(second.ckpt_path))
+    for name, value in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
+    assert not [p for p in (tmp_path / "runs").rglob("*") if p.name.startswith(storage.TEMP_PREFIX)]
