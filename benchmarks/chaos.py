@@ -138,8 +138,6 @@ def draw(seed: int, index: int) -> Scenario:
         fault = "HANG"
     if fault in ("HANG", "HANGC", "FULL"):  # in one rank's data, hook, or the shared disk: at a step
         target, when = "rank", "step"
-    if launcher == "nodes" and target == "launcher" and fault in ("KILL", "USR1"):
-        target = "rank"  # not a node's torchrun killed alone: docs/chaos.md, what it does not cover
     if launcher == "restarts":  # torchrun restarts the workers after one of them failed
         target, fault = "rank", "KILL" if fault == "FULL" else fault
     if env == "pid1" and (launcher != "trainer" or when == "compile"):

@@ -137,6 +137,22 @@ def _handle(signum: int, frame: object) -> None:
               f"{' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''}.", file=sys.stderr, flush=True)
 
 
+def _stop_with_launcher(signum: int) -> bool:
+    """Under torchrun: ``signum`` to this process when its parent, torchrun's agent, ends however
+    it ends (Linux's parent-death signal; 0: none again). A node's torchrun killed alone (SIGKILL,
+    the out-of-memory killer) would otherwise leave its worker training on without a launcher,
+    and the other nodes waiting on the rendezvous store it served; with SIGTERM the worker stops
+    gracefully, and the stop vote takes every replica to one checkpoint and exit 143. Whether it
+    was set."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(signum), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
 @contextlib.contextmanager
 def graceful(announce: bool = True, also: tuple[int, ...] = ()) -> Iterator[None]:
     """While a run lasts: SIGTERM and SIGINT request a graceful stop (main thread only; elsewhere,
@@ -158,9 +174,12 @@ def graceful(announce: bool = True, also: tuple[int, ...] = ()) -> Iterator[None
     stop.signal, _adopted, _announce, _first_sigint_at = None, False, announce, None
     for signum in handled:
         signal.signal(signum, _handle)
+    with_launcher = _stop_with_launcher(signal.SIGTERM)
     try:
         yield
     finally:
+        if with_launcher:
+            _stop_with_launcher(0)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if extra and before is None:

@@ -131,6 +131,37 @@ def test_sigterm_to_one_torchrun_of_two_stops_both_at_one_step_exits_143_and_res
 
 @pytest.mark.slow
 @pytest.mark.multi_device
+@pytest.mark.parametrize("rank", [0, 1], ids=["rank-0s-node", "rank-1s-node"])
+def test_sigkill_to_one_torchrun_of_two_stops_both_workers_at_one_step_and_resumes_bitwise(tmp_path, uninterrupted,
+                                                                                          rank):
+    """One node's torchrun killed alone (SIGKILL: the out-of-memory killer, a person): its worker
+    gets SIGTERM as its parent dies (the parent-death signal set under torchrun) instead of
+    training on without a launcher, and both workers stop at one step with one checkpoint and
+    exit 143; that torchrun is gone (-9), the other fails; a resume ends bitwise."""
+    root = tmp_path / "run"
+    root.mkdir()
+    nodes = _nodes(root, f"killed-{rank}", "--pause", "0.3", "--ready", str(tmp_path / "ready"))
+    marker = tmp_path / f"ready-{rank}"
+    deadline = time.monotonic() + 240
+    while not marker.exists() and all(n.poll() is None for n in nodes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), [n.poll() for n in nodes]
+    with open(f"/proc/{int(marker.read_text())}/stat") as f:
+        launcher = int(f.read().rsplit(")", 1)[1].split()[1])
+    [node] = [n for n in nodes if n.pid == launcher]
+    sent = time.monotonic()
+    node.kill()
+    errs = _wait(nodes, timeout=3 * GRACE)
+    assert time.monotonic() - sent < GRACE, (errs[0][-3000:], errs[1][-3000:])
+    step = _assert_stopped_together(root, signal.SIGTERM, errs)
+    assert 3 <= step < STEPS
+    [other] = [n for n in nodes if n is not node]
+    assert node.returncode == -signal.SIGKILL and other.returncode not in (0, None), (node.returncode, other.returncode)
+    _resume(root, uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.multi_device
 @pytest.mark.parametrize("name, rank, at, where", [("TERM", 1, 8, "train"), ("INT", 0, 4, "validation"),
                                                    ("TERM", 1, 12, "validation")],
                          ids=["sigterm-at-an-epochs-last-batch", "sigint-in-validation", "sigterm-in-validation"])
