@@ -17,7 +17,6 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 
 from xtrainer.loop.optimizers import step_scheduler
-from xtrainer.stepping import clear_gradients
 from xtrainer.trainer_view import TrainerView
 
 
@@ -555,7 +554,7 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
         optimizer.step(closure=optimizer_closure)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
-        clear_gradients(optimizer)  # optimizer.zero_grad(set_to_none=True), as the Trainer's own step clears them
+        optimizer.zero_grad(set_to_none=True)  # as the Trainer's own step clears them
 
     # ---- export (the trained module, on the CPU after fit) --------------------------------------
     #: An input of ``forward`` (a tensor, or a tuple or dict of its arguments): the model summary

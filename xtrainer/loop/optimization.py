@@ -13,7 +13,7 @@ from xtrainer.callbacks.base import Callback
 from xtrainer.loop.optimizers import (SchedulerConfig, StrategyOptimizer, parse_optimizers, prefer_foreach,
                                      step_schedulers)
 from xtrainer.module import XModule
-from xtrainer.stepping import clear_gradients
+from xtrainer.strategies.base import clear_gradients
 from xtrainer.trainer_view import TrainerView
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xtrainer import stepping
+from xtrainer.strategies.base import optimizer_call
 from xtrainer.strategies.data import DeviceData, distribute_dataloader
 from xtrainer.strategies.native import NativeSingle
 from xtrainer.strategies.parallel import ParallelStrategy
@@ -303,7 +303,7 @@ class NativeFaultTolerant(NativeSingle, ParallelStrategy):
         step = self._step_seen
         self._step_seen += 1
         if self._manager.should_commit():
-            stepping.step(optimizer)
+            optimizer_call(optimizer)
         else:
             self.uncommitted_steps.append(step)
         self._quorum_due = True

@@ -1,6 +1,7 @@
-"""The optimizer's step and gradient clearing without torch's profiler ranges (``xtrainer/stepping.py``):
-the same weights, schedules, hooks and warnings as ``optimizer.step()``, the range where a
-profiler records, and the user's own ``step`` where there is one."""
+"""The optimizer's step and gradient clearing without torch's profiler ranges (``optimizer_call``
+and ``clear_gradients`` in ``xtrainer/strategies/base.py``): the same weights, schedules, hooks
+and warnings as ``optimizer.step()``, the range where a profiler records, and the user's own
+``step`` where there is one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from xtrainer import Trainer, XModule
-from xtrainer import stepping
+from xtrainer.strategies.base import optimizer_call
 from xtrainer.strategies import NativeSingle
 
 
@@ -138,7 +139,7 @@ class _OwnClassStep(torch.optim.SGD):
 
 @pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, _OwnClassStep])
 def test_the_fast_step_moves_parameters_as_optimizer_step_does(optimizer):
-    """``stepping.step`` against ``optimizer.step()`` on two copies of the same parameters."""
+    """``optimizer_call`` against ``optimizer.step()`` on two copies of the same parameters."""
     _OwnClassStep.calls = 0
     torch.manual_seed(0)
     a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
@@ -148,7 +149,7 @@ def test_the_fast_step_moves_parameters_as_optimizer_step_does(optimizer):
         for net in (a, b):
             net.zero_grad(set_to_none=True)
             net(torch.ones(4, 3)).square().sum().backward()
-        stepping.step(opt_a)
+        optimizer_call(opt_a)
         opt_b.step()
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
