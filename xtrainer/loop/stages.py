@@ -232,13 +232,13 @@ def run_stage(trainer: "TrainerView", stage: str, module: "XModule", sources: di
             if ckpt_path is not None else None
         if checkpoint is not None:
             checkpoints.restore_datamodule(trainer, checkpoint)
-        # Lightning's order: setup(stage), then the loader hooks (the module may build its
-        # datasets in setup), in every replica.
-        sources = loaders.in_replica(trainer, module, sources)
-        run.wrapped = trainer.strategy.setup_module(StepDispatcher(module, trainer.precision))
+        run.wrapped = trainer.strategy.setup_module(StepDispatcher(module, trainer.precision))  # configure_model()
         run.transfer = batch_transfer(module, trainer.datamodule, trainer.strategy.device)
         trainer.strategy.use_module_hooks(module.backward if type(module).backward is not XModule.backward else None,
                                           moves_batches=run.transfer is not None)
+        # Lightning's order: setup(stage) and configure_model(), then the loader hooks (the module
+        # may build its datasets in setup, its tokenizer in configure_model), in every replica.
+        sources = loaders.in_replica(trainer, module, sources)
         data = run.stage_data = {name: [run.device_data(dl) for dl in dls] for name, dls in sources.items()}
         warn_padded_evaluation(trainer, data)
         if stage == "fit":

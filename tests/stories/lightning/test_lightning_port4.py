@@ -449,3 +449,53 @@ def test_a_time_based_val_check_interval_that_does_not_parse_says_what_to_give(t
         Trainer(val_check_interval="1:00", **quiet(tmp_path))
     with pytest.raises(ValueError, match="val_check_interval=.*a dict takes timedelta's fields"):
         Trainer(val_check_interval={"minute": 1}, **quiet(tmp_path))
+
+
+# ---- configure_model before the loader hooks ----------------------------------------------------
+
+class BuiltInConfigureModel(LightningModule):
+    """A module that builds what its loaders need in ``configure_model`` (a vocabulary, say), as
+    Lightning allows: Lightning calls ``setup``, then ``configure_model``, then the loader hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+        self.calls = []
+        self.scale = None
+
+    def setup(self, stage):
+        self.calls.append("setup")
+
+    def configure_model(self):
+        self.calls.append("configure_model")
+        self.scale = 0.5
+
+    def train_dataloader(self):
+        self.calls.append("train_dataloader")
+        x, y = make_data(32, 0).tensors
+        return DataLoader(list(zip(x * self.scale, y)), batch_size=8)  # fails if configure_model did not run
+
+    def val_dataloader(self):
+        self.calls.append("val_dataloader")
+        x, y = make_data(16, 1).tensors
+        return DataLoader(list(zip(x * self.scale, y)), batch_size=8)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_configure_model_runs_before_the_loader_hooks_as_in_lightning(tmp_path, strategy):
+    model = BuiltInConfigureModel()
+    trainer = Trainer(strategy=strategy, max_steps=4, **quiet(tmp_path))
+    trainer.fit(model)
+    assert trainer.global_step == 4
+    assert model.calls[:4] == ["setup", "configure_model", "train_dataloader", "val_dataloader"], model.calls
