@@ -3,6 +3,7 @@ config files and overrides, ``--optimizer``/``--lr_scheduler``, the saved ``conf
 runs the same fit again, and a config's ``class_path`` admitted only where its type allows."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -240,3 +241,25 @@ def test_a_lightning_cli_script_trains_on_two_processes(tmp_path):
     (folder,) = [os.path.join(tmp_path, d) for d in os.listdir(tmp_path) if d.startswith("version_")]
     assert yaml.safe_load(_read(os.path.join(folder, "config.yaml")))["trainer"]["devices"] == 2
     assert os.path.isfile(os.path.join(folder, "weights.pt"))
+
+
+@pytest.mark.parametrize("class_path", ["lightning.pytorch.plugins.environments.SLURMEnvironment",
+                                        "xtrainer.plugins.environments.SLURMEnvironment"])
+def test_a_slurm_environment_in_the_configs_plugins_is_the_trainers(tmp_path, class_path):
+    """A Lightning SLURM config's ``trainer.plugins`` (a class spec, kept as data by the parser):
+    the cluster environment it names is built with its arguments, the signal given by name;
+    nothing else named there is (``numpy.memmap`` above)."""
+    from xtrainer.clusters import SLURMEnvironment
+
+    spec = {"class_path": class_path, "init_args": {"auto_requeue": False, "requeue_signal": "SIGUSR2"}}
+    config = tmp_path / "slurm.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"plugins": [spec], "max_steps": 1}}))
+    cli = LightningCLI(Regressor, Data, args=["fit", "--config", str(config), *quiet(tmp_path)])
+    environment = cli.trainer.cluster_environment
+    assert isinstance(environment, SLURMEnvironment)
+    assert (environment.auto_requeue, environment.requeue_signal) == (False, signal.SIGUSR2)
+    assert cli.trainer.global_step == 1
+    spec["init_args"]["requeue_signal"] = "SIGNOPE"
+    config.write_text(yaml.safe_dump({"trainer": {"plugins": [spec], "max_steps": 1}}))
+    with pytest.raises(ValueError, match="requeue_signal='SIGNOPE'.*give a signal's name"):
+        LightningCLI(Regressor, Data, args=["fit", "--config", str(config), *quiet(tmp_path / "b")])
