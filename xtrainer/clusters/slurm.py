@@ -248,7 +248,9 @@ class SLURMEnvironment(ClusterEnvironment):
             code, said = done.returncode, done.stderr.strip()
         except (OSError, subprocess.TimeoutExpired) as err:
             code, said = -1, str(err)
-        if code == 0:
+        # scontrol ended by a signal: SLURM's own, sent to this job's processes (scontrol among them)
+        # as it requeues the job, before scontrol could say it had
+        if code == 0 or code in (-signal.SIGTERM, -signal.SIGKILL):
             print(f"xtrainer: requeued SLURM job {job}; when it starts again, a fit resumes from its last checkpoint.",
                   file=sys.stderr, flush=True)
         else:

@@ -138,3 +138,18 @@ def test_the_requeue_signal_asks_for_the_graceful_stop():
             assert interrupts.requested() == signal.SIGUSR1
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
     assert interrupts.STOP_SIGNALS_VAR not in os.environ
+
+
+@pytest.mark.parametrize("how, said", [("kill -TERM $$", "requeued SLURM job 77"),
+                                       ("exit 1", "scontrol requeue 77 failed")])
+def test_an_scontrol_that_slurm_ends_while_it_requeues_the_job_counts_as_requeued(environ, tmp_path, capsys, how,
+                                                                                    said):
+    """SLURM ends a job's processes as it requeues the job, the ``scontrol`` that asked among them
+    (seen on the real cluster: it died by SIGTERM before it could exit 0): that is the requeue
+    done, not a failure to submit the job again. Another ending is one."""
+    fake = tmp_path / "scontrol"  # the real one would requeue this machine's own job: the one line it runs
+    fake.write_text(f"#!/bin/sh\n{how}\n")
+    fake.chmod(0o755)
+    environ.update({"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "PATH": f"{tmp_path}{os.pathsep}{environ['PATH']}"})
+    SLURMEnvironment().stopped(signal.SIGUSR1)
+    assert said in capsys.readouterr().err
