@@ -296,26 +296,6 @@ def test_sigterm_while_waiting_for_the_process_group_ends_the_process_at_once(tm
     assert not (tmp_path / "out.pt").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.multi_device
-@pytest.mark.parametrize("example, needs", [("digits", "sklearn"), ("tiny_llama", "transformers")])
-def test_the_examples_run_under_native_ddp_on_two_processes_from_the_cli(tmp_path, example, needs):
-    """``xtrainer fit --config examples/NAME.yaml trainer.strategy=native_ddp trainer.devices=2``
-    with a few steps: exit 0, a checkpoint written by two processes of native_ddp. Here, not in
-    test_native_features.py: it needs the examples' dependencies, which the main environment has."""
-    pytest.importorskip(needs)
-    from xtrainer.checkpoint import verify
-
-    exe = os.path.join(os.path.dirname(sys.executable), "xtrainer")
-    run = subprocess.run([exe, "fit", "--config", f"examples/{example}.yaml", "trainer.strategy=native_ddp",
-                          "trainer.devices=2", "trainer.max_steps=2", "trainer.limit_val_batches=1",
-                          f"trainer.default_root_dir={tmp_path}"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=subprocess_timeout(400))
-    assert run.returncode == 0, run.stderr[-3000:]
-    header = verify(os.path.join(tmp_path, "version_0", "checkpoints", "last.ckpt"))
-    assert (header.strategy, header.world_size, header.global_step) == ("native_ddp", 2, 2)
-
-
 def test_the_native_strategies_refuse_what_they_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="devices=2: strategy='native' runs on one device"):
         Trainer(strategy="native", devices=2)

@@ -131,7 +131,7 @@ def test_sigterm_to_one_torchrun_of_two_stops_both_at_one_step_exits_143_and_res
 
 @pytest.mark.slow
 @pytest.mark.multi_device
-@pytest.mark.parametrize("rank", [0, 1], ids=["rank-0s-node", "rank-1s-node"])
+@pytest.mark.parametrize("rank", [0], ids=["rank-0s-node"])  # the node whose torchrun serves the rendezvous
 def test_sigkill_to_one_torchrun_of_two_stops_both_workers_at_one_step_and_resumes_bitwise(tmp_path, uninterrupted,
                                                                                           rank):
     """One node's torchrun killed alone (SIGKILL: the out-of-memory killer, a person): its worker
