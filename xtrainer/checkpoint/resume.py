@@ -77,9 +77,9 @@ def resolve(ckpt_path: str, search: list[str], layout: Layout, strategy: str,
         return header
     for dirpath in search:  # the next start in these folders: clear what crashed saves left
         folders.remove_leftovers(dirpath)
-        run_folder = fs.dirname(dirpath)
-        if fs.basename(dirpath) == "checkpoints" and fs.basename(run_folder).startswith("version_"):
-            folders.remove_leftovers(run_folder)  # and the run folder's own files (goodput.json, config.yaml)
+    if root and not fs.is_url(root):  # and the lineage's run folders' own files (goodput.json, config.yaml),
+        for run_folder in glob.glob(os.path.join(glob.escape(root), "version_*")):  # with checkpoints or not
+            folders.remove_leftovers(run_folder)
     found = candidates(search)
     if not found:
         where = ", ".join([fs.join(root, "version_*", "checkpoints")] * bool(root) + search)

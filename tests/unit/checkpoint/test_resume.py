@@ -30,3 +30,22 @@ def test_last_clears_the_dead_writers_temporaries_of_the_earlier_run_folders(tmp
     header = resume.resolve("last", [str(run_folder / "checkpoints")], WholeFile(), "native", 1, root=str(root))
     assert header is not None and header.global_step == 2
     assert not dead.exists() and live.exists() and mine.exists()
+
+
+def test_last_clears_them_also_in_a_run_folder_that_has_no_checkpoints_yet(tmp_path):
+    """A run killed before its first checkpoint (its ``checkpoints/`` folder not made yet) while it
+    rewrote ``goodput.json``: the temporary goes at the next resume all the same (found by the
+    chaos harness: an xla_ddp run killed at step 2, its first save still in the background)."""
+    root = tmp_path / "runs"
+    Trainer(max_steps=2, default_root_dir=str(root), enable_progress_bar=False, logger=False,
+            enable_model_summary=False).fit(Regressor(), make_loader())
+    killed = root / "version_1"
+    killed.mkdir()
+    me = os.getpid()
+    instance = f"{me}.{writers.start_time(me) - 3}x{writers._boot()}"
+    dead = killed / f"{storage.TEMP_PREFIX}{socket.gethostname()}-{instance}-c70ae0cd-goodput.json"
+    dead.write_text("x")
+    search = resume.lineage_dirs(str(root / "version_0"))
+    assert str(killed / "checkpoints") not in search
+    assert resume.resolve("last", search, WholeFile(), "native", 1, root=str(root)) is not None
+    assert not dead.exists()
