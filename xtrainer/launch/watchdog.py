@@ -163,6 +163,8 @@ class _Monitor:
             if EXIT_SIGNAL is not None and threading.current_thread() is threading.main_thread():
                 self._exit_handler = (signal.signal(EXIT_SIGNAL, _exit_on_hang),)
                 exit_signal = EXIT_SIGNAL
+            elif EXIT_SIGNAL is not None and signal.getsignal(EXIT_SIGNAL) is _exit_on_hang:
+                exit_signal = EXIT_SIGNAL  # this process's main thread takes it (``end_here_on_hang``)
             read, self._control = os.pipe()
             self._process = subprocess.Popen(
                 [sys.executable, "-I", "-S", hang_monitor.__file__, str(os.getpid()), str(read), str(memory),
@@ -215,6 +217,15 @@ def _anonymous_file(name: str) -> int:
     fd, path = tempfile.mkstemp(prefix=name)
     os.unlink(path)
     return fd
+
+
+def end_here_on_hang() -> None:
+    """In a process whose fits run on other threads (the CPU runtime's thread replicas), from its
+    main thread before they start: the monitor's signal ends the process with ``EXIT_CODE``
+    (``exit_on_hang``), handled in the main thread as where the fit runs on it, instead of the
+    SIGKILL a process without the handler gets (which its caller could not tell from any kill)."""
+    if EXIT_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(EXIT_SIGNAL, _exit_on_hang)
 
 
 def _exit_on_hang(signum: int, frame: Any) -> None:

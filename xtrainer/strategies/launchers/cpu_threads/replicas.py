@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from xtrainer._lazy_xla import xla as _xla
+from xtrainer.launch import watchdog
 from xtrainer.strategies import shared_process
 from xtrainer.strategies.launchers.processes import end_now
 from xtrainer.strategies.launchers.cpu_threads import collectives
@@ -206,6 +207,7 @@ class _ThreadRank(threading.local):
 def process_main(job: Callable[[], None], devices: int) -> None:
     """The replicas' process: install, then run ``job`` in one thread per device."""
     faulthandler.enable()  # a crash in native code still shows every replica's Python stack
+    watchdog.end_here_on_hang()  # a hung replica thread ends the process with the hang's exit code
     run = install(devices)
     _xla.run_thread_per_device(run.run_replica, (job,))
 
