@@ -50,6 +50,7 @@ import native_run
 from xtrainer import Trainer, TrainingInterrupted
 from xtrainer.callbacks import Callback, ModelCheckpoint
 from xtrainer.launch import interrupts
+from xtrainer.launch.hang_monitor import RunHung
 
 BATCH = 8  # the global batch: 8 steps an epoch of 64 samples
 _local = threading.local()  # the replica's trainer, for the dataset (replicas may be threads of one process)
@@ -307,7 +308,7 @@ def main() -> None:
     code: int | str = 0
     try:
         fit(args)
-    except TrainingInterrupted as err:
+    except (TrainingInterrupted, RunHung) as err:  # as the xtrainer command exits for them
         print(err, file=sys.stderr)
         code = err.exit_code
     except SystemExit as err:
