@@ -625,7 +625,9 @@ def run_scenario(s: Scenario, work: str) -> str:
         run = Run(s, work, resume_root, state, later_cwd, "last", fault=False)
         code, out = run.wait(budget)
         _check_leftovers(run)
-        if only and s.damage == "truncate":  # nothing else to resume from: refused, naming it
+        # nothing else to resume from, and it is damaged (truncated, or a sharded folder that lost a
+        # file; a whole file deleted leaves nothing, and the resume starts afresh): refused, naming it
+        if only and (s.damage == "truncate" or any(os.path.isdir(p) for p in spare)):
             if code == 0 or not any(os.path.basename(p) in out for p in spare):
                 raise Violation("cause", f"the resume from a lineage whose one checkpoint is damaged exited {code} "
                                          f"without naming it:\n{out[-2500:]}")

@@ -178,8 +178,10 @@ class Chaos(Callback):
 
     def _targets(self, trainer) -> list[int]:
         args = self.args
-        if args.target == "rank":
-            return [os.getpid()]
+        if args.target == "rank":  # the scenario's rank, also where another rank's write fires it (a save)
+            if trainer.global_rank == args.rank:
+                return [os.getpid()]
+            return [int(open(os.path.join(args.state, f"rank-{args.rank}.pid")).read())]
         if args.target == "launcher":
             return [_launcher()]
         return sorted(set(_pids(args.state, "rank-") + _pids(args.state, "main-") + [_launcher()]

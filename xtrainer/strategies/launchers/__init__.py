@@ -171,10 +171,14 @@ def _killed_error(rank: int, signum: int, finished: bool) -> RuntimeError:
     """The error of a replica process that a signal ended (``finished``: after rank 0 had
     returned its result)."""
     name = signal.Signals(signum).name if signum in signal.valid_signals() else f"signal {signum}"
+    crashes = {int(getattr(signal, name)) for name in ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL")
+               if hasattr(signal, name)}
     why = ("SIGKILL comes from outside the process: most often the kernel's out-of-memory killer (`dmesg` says so), "
            "a scheduler or a person ending it, or the hang watchdog (exit_on_hang=True; it says so above and leaves "
            "hang-*.txt in the run folder)" if signum == signal.SIGKILL else
-           "a crash in native code; its output above (Python stacks of every thread) may say where")
+           "a crash in native code; its output above (Python stacks of every thread) may say where" if signum in crashes
+           else f"{name} came from outside the process, and nothing in it handles {name} (its default action ends "
+                "a process): a scheduler's notice or a person's kill sent to that process alone")
     return RuntimeError(f"Replica {rank}'s process was ended by {name} (signal {signum})"
                         f"{' after rank 0 had finished' if finished else ''}: {why}. Checkpoints written before are "
                         "intact: resume with fit(..., ckpt_path='last').")
