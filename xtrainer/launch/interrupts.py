@@ -139,11 +139,11 @@ def _handle(signum: int, frame: object) -> None:
 
 def _stop_with_launcher(signum: int) -> bool:
     """Under torchrun: ``signum`` to this process when its parent, torchrun's agent, ends however
-    it ends (Linux's parent-death signal; 0: none again). A node's torchrun killed alone (SIGKILL,
-    the out-of-memory killer) would otherwise leave its worker training on without a launcher,
-    and the other nodes waiting on the rendezvous store it served; with SIGTERM the worker stops
-    gracefully, and the stop vote takes every replica to one checkpoint and exit 143. Whether it
-    was set."""
+    it ends (Linux's parent-death signal, which the agent's main thread, where it starts its
+    workers, triggers; 0: none again). A node's torchrun killed alone (SIGKILL, the out-of-memory
+    killer) would otherwise leave its worker training on without a launcher until the other
+    nodes' torchrun noticed the lost peer; with SIGTERM the worker stops gracefully at once, and
+    the stop vote takes every replica to one checkpoint and exit 143. Whether it was set."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return False
     try:
