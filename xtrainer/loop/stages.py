@@ -128,8 +128,7 @@ def launch(trainer: TrainerView, stage: str, model: XModule, sources: dict[str, 
     try:
         # Held still from here until every replica has read it (``run_stage`` lets go): another
         # run of the lineage resuming at the same moment may prune it meanwhile.
-        with contextlib.ExitStack() as held:
-            readable = held.enter_context(ckpt_folders.pinned(resolved)) if resolved is not None else None
+        with ckpt_folders.pinned(resolved) if resolved is not None else contextlib.nullcontext() as readable:
             result = launcher.launch(functools.partial(run_stage, trainer), stage, model, sources, readable)
     except BaseException as err:
         # (where the replicas ran in other processes, the caller's Trainer learns it here)
