@@ -83,7 +83,7 @@ def count_training_step(module: nn.Module, batch: Any, batch_idx: int, keep: tup
     objects the copy shares instead of copying (the trainer). Raises what the step raises on meta."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from xtrainer.loop.steps import positional_count
+    from xtrainer.strategies.base import positional_count
 
     memo: dict[int, Any] = {id(obj): obj for obj in keep}
     for tensor in list(module.parameters()) + list(module.buffers()):

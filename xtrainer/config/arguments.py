@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
-from xtrainer._lazy_xla import xla as _xla
 from xtrainer.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, XlaHealth
 from xtrainer.callbacks.base import CALLBACK_HOOKS, Callback, check_hook_names
 from xtrainer.config.settings import TrainerSettings, seconds  # noqa: F401  (the Trainer reads arguments.seconds)
@@ -111,36 +110,6 @@ def as_list(items: Any) -> list:
     if isinstance(items, (list, tuple)):
         return list(items)
     return [items]
-
-
-def resolve_devices(devices: int | str) -> int | None:
-    if devices == "auto":
-        if _xla.requested_device_type() == "CPU":
-            return 1  # several replicas on the CPU runtime are opt-in: devices=N
-        return _xla.local_device_count_without_runtime()
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices={devices!r}: give a positive int or 'auto'.")
-    return devices
-
-
-
-
-def check_accelerator(accelerator: str, num_nodes: int) -> None:
-    """``accelerator`` names the XLA device kind: "cpu" is the XLA CPU runtime, "tpu"/"xla" what
-    PJRT_DEVICE names (the settings refused anything else)."""
-    accelerator = accelerator.lower()
-    if accelerator in ("gpu", "cuda", "neuron"):
-        raise ValueError(f"accelerator={accelerator!r}: the XLA strategies run on XLA devices. Use a native strategy "
-                         "(strategy='native', 'native_ddp' or 'native_fsdp') for it, or accelerator='auto', 'tpu' or "
-                         "'cpu' (the XLA CPU runtime).")
-    requested = _xla.requested_device_type()
-    if accelerator == "cpu" and requested != "CPU":
-        raise ValueError(f"accelerator='cpu' asks for the XLA CPU runtime, but PJRT_DEVICE={requested}; "
-                         "unset PJRT_DEVICE (or set it to CPU), or use accelerator='auto'.")
-    if accelerator == "tpu" and requested == "CPU":
-        rank_zero_warn(f"accelerator={accelerator!r}, but PJRT_DEVICE is CPU: running on the XLA CPU runtime.")
-    if num_nodes > 1 and requested == "CPU":
-        raise ValueError(f"num_nodes={num_nodes}: the XLA CPU runtime runs on one host; use devices=N for N replicas.")
 
 
 def note_lightning_only(settings: TrainerSettings) -> None:

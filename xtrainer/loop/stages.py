@@ -31,8 +31,9 @@ from xtrainer.loop import fit as fit_loop
 from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.results import Results
 from xtrainer.loop.run import run_cleanup
-from xtrainer.loop.steps import StepDispatcher, batch_transfer, check_eval_step, check_module
+from xtrainer.loop.steps import batch_transfer, check_eval_step, check_module
 from xtrainer.module import XModule
+from xtrainer.strategies.base import StepDispatcher
 from xtrainer.strategies.data import padded_samples
 from xtrainer.strategies.launchers import SpmdProcess
 from xtrainer.trainer_view import TrainerView

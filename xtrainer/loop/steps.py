@@ -1,57 +1,20 @@
-"""What the Trainer asks of the user's module, and how it calls its steps: the checks a module
-passes before a run, the dispatcher that calls ``*_step`` from ``forward`` (so that wrappers'
-forward hooks, DDP's and FSDP's, run around every step), the batch-transfer hooks, and the loss
-a ``training_step`` must return."""
+"""What the Trainer asks of the user's module: the checks a module passes before a run, the
+batch-transfer hooks, and the loss a ``training_step`` must return. How a step is called (the
+``StepDispatcher`` a strategy wraps) is the strategy's: ``strategies/base.py``."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
-from torch import nn
 
 from xtrainer.callbacks.base import check_hook_names
 from xtrainer.module import MODEL_MODE_HOOKS, MODULE_HOOKS, BatchTransferHooks, XModule
-from xtrainer.strategies.precision import Precision
-
-STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
-                "predict": "predict_step"}
+from xtrainer.strategies.base import STEP_METHODS
 
 #: Lightning's batch-transfer hooks, in the order a batch goes through them.
 TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-
-
-class StepDispatcher(nn.Module):
-    """Calls the user's ``*_step`` from ``forward``, so wrappers' forward hooks (DDP, FSDP)
-    run around every step. Floating-point inputs are cast to the run's precision here."""
-
-    def __init__(self, module: XModule, precision: Precision) -> None:
-        super().__init__()
-        self.module = module
-        self.precision = precision
-        # How many of (batch_idx, dataloader_idx) each step method takes beyond the batch:
-        # Lightning lets training_step(self, batch) leave batch_idx out.
-        self._extra = {stage: max(0, positional_count(getattr(module, name)) - 1)
-                       for stage, name in STEP_METHODS.items()}
-        self.__dict__["_user"] = module  # read on every step without nn.Module's attribute lookup
-        self._plain = precision.name == "32"  # nothing to cast, no autocast
-
-    def forward(self, stage: str, batch: Any, *args: Any) -> Any:
-        step = getattr(self._user, STEP_METHODS[stage])
-        if self._plain:
-            return step(batch, *args[:self._extra[stage]])
-        with self.precision.step_context():
-            return step(self.precision.convert_input(batch), *args[:self._extra[stage]])
-
-    def __call__(self, stage: str, batch: Any, *args: Any) -> Any:
-        """``forward`` straight away when nothing sits on this module (a wrapper's hooks, FSDP2's,
-        or a compilation): ``nn.Module.__call__``'s checks cost more than the rest of the call."""
-        if (self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
-                or self._compiled_call_impl is not None or not self._plain):
-            return super().__call__(stage, batch, *args)
-        return getattr(self._user, STEP_METHODS[stage])(batch, *args[:self._extra[stage]])
 
 
 class BatchTransfer:
@@ -121,14 +84,3 @@ def training_loss(outputs: Any) -> torch.Tensor:
         raise ValueError("training_step returned a loss that does not require grad: it is detached from the "
                          "model's parameters (was it computed under torch.no_grad(), or with .detach()?).")
     return loss if loss.dim() == 0 else loss.reshape(())
-
-
-def positional_count(method: Any) -> int:
-    """Positional arguments a bound step method takes (many for ``*args``)."""
-    try:
-        params = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):
-        return 3
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
-        return 3
-    return sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params)

@@ -12,9 +12,42 @@ from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
+from xtrainer._lazy_xla import xla as lazy_xla
 from xtrainer.runtimes.base import CompilerNames, Runtime
 
 XLA_COMPILER = CompilerNames("xla", "XLA", "run with PT_XLA_DEBUG_LEVEL=2 to see torch_xla's reasons")
+
+
+# ---- the Trainer's device arguments, for the XLA strategies (before any runtime starts) ----------
+def resolve_devices(devices: int | str) -> int | None:
+    """``devices`` as a count of XLA devices on this host (None: every one)."""
+    if devices == "auto":
+        if lazy_xla.requested_device_type() == "CPU":
+            return 1  # several replicas on the CPU runtime are opt-in: devices=N
+        return lazy_xla.local_device_count_without_runtime()
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices={devices!r}: give a positive int or 'auto'.")
+    return devices
+
+
+def check_accelerator(accelerator: str, num_nodes: int) -> None:
+    """``accelerator`` names the XLA device kind: "cpu" is the XLA CPU runtime, "tpu"/"xla" what
+    PJRT_DEVICE names (the settings refused anything else)."""
+    accelerator = accelerator.lower()
+    if accelerator in ("gpu", "cuda", "neuron"):
+        raise ValueError(f"accelerator={accelerator!r}: the XLA strategies run on XLA devices. Use a native strategy "
+                         "(strategy='native', 'native_ddp' or 'native_fsdp') for it, or accelerator='auto', 'tpu' or "
+                         "'cpu' (the XLA CPU runtime).")
+    requested = lazy_xla.requested_device_type()
+    if accelerator == "cpu" and requested != "CPU":
+        raise ValueError(f"accelerator='cpu' asks for the XLA CPU runtime, but PJRT_DEVICE={requested}; "
+                         "unset PJRT_DEVICE (or set it to CPU), or use accelerator='auto'.")
+    if accelerator == "tpu" and requested == "CPU":
+        rank_zero_warn(f"accelerator={accelerator!r}, but PJRT_DEVICE is CPU: running on the XLA CPU runtime.")
+    if num_nodes > 1 and requested == "CPU":
+        raise ValueError(f"num_nodes={num_nodes}: the XLA CPU runtime runs on one host; use devices=N for N replicas.")
 
 
 def _xla_module() -> Any:

@@ -23,7 +23,7 @@ generator, counters, memory figures and the device loader. The loop calls the ru
 The XLA strategies hold an ``XlaRuntime``; the native ones (``strategies/native.py``) an
 ``EagerRuntime`` for the Trainer's ``accelerator``.
 
-Launching is a family of its own (``strategies.launch``), and so are the replicas' collectives
+Launching is a family of its own (``strategies.launchers``), and so are the replicas' collectives
 (``strategies.collectives``), and delivering batches (``strategies.data``). What replicas that
 share one process need (the CPU runtime's thread replicas) strategies ask the process
 (``strategies.shared_process``), never the runtime that runs them. Every member runs on
@@ -48,11 +48,11 @@ from xtrainer.checkpoint import layout as ckpt_layout
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.whole import WholeFile
 from xtrainer.runtimes import Runtime, XlaRuntime
+from xtrainer.runtimes import xla as xla_runtime
 from xtrainer.strategies import launchers, shared_process
 from xtrainer.strategies.collectives import Collectives, XlaReplicas
 from xtrainer.strategies.data import DeviceData, _plain_random, distribute_dataloader
 from xtrainer.strategies.precision import Precision
-from xtrainer.suggest import did_you_mean
 
 
 class Strategy(abc.ABC):
@@ -100,19 +100,15 @@ class Strategy(abc.ABC):
         self.precision = precision
 
     def _check_accelerator(self, accelerator: str, num_nodes: int) -> None:
-        from xtrainer.config import arguments
-
-        arguments.check_accelerator(accelerator, num_nodes)
+        xla_runtime.check_accelerator(accelerator, num_nodes)
 
     def _resolve_devices(self, devices: int | str) -> int | None:
-        from xtrainer.config import arguments
-
-        return arguments.resolve_devices(devices)
+        return xla_runtime.resolve_devices(devices)
 
     # ---- launching ---------------------------------------------------------------------
     @property
     def launcher(self) -> launchers.Launcher:
-        """How ``fit`` runs in every replica (``strategies.launch``): in the calling process with
+        """How ``fit`` runs in every replica (``strategies.launchers``): in the calling process with
         one device; with more, as threads of one new process on the CPU runtime, or started by
         ``torch_xla.launch`` (one process per device on TPU)."""
         return launchers.for_replicas(self.devices)
@@ -155,12 +151,8 @@ class Strategy(abc.ABC):
 
     # ---- the module and the optimizers -------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Move ``module`` to the device (in the strategy's precision) and wrap it.
-
-        ``module`` is a dispatcher whose ``forward`` calls the user's ``*_step`` methods, so a
-        wrapper's forward hooks run around every step; the user's ``configure_model()`` runs
-        first. Returns the module to call.
-        """
+        """The user's ``configure_model()``, then ``module`` (a ``StepDispatcher``) to the device
+        in the strategy's precision, wrapped. Returns the module to call."""
         with self._replica_random_state():
             module.module.configure_model()
             self._materialize(module.module)
@@ -362,19 +354,50 @@ class Strategy(abc.ABC):
         self.unwrap(wrapped).module.to("cpu")
 
 
-def check_wrapper_kwargs(cls: type, kwargs: dict[str, Any], ours: type, theirs: str) -> None:
-    """Refuse keyword arguments that the strategy ``ours`` passes on to the wrapper ``cls`` but
-    ``cls`` does not take: now, not later when a replica builds the wrapper."""
-    params = inspect.signature(cls.__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    known = [*inspect.signature(ours.__init__).parameters, *params]
-    known = [name for name in known if name not in ("self", "kwargs") and not name.endswith("_kwargs")]
-    for key in kwargs:
-        if key not in params:
-            raise ValueError(f"{ours.__name__}({key}=...): neither {ours.__name__} nor {theirs} takes an argument "
-                             f"{key!r}.{did_you_mean(key, known)}")
+# ---- the module as the strategy wraps it --------------------------------------------------
+STEP_METHODS = {"train": "training_step", "validate": "validation_step", "test": "test_step",
+                "predict": "predict_step"}
 
+
+class StepDispatcher(nn.Module):
+    """What ``setup_module`` wraps: calls the user's ``*_step`` from ``forward``, so a wrapper's
+    forward hooks (DDP's, FSDP's) run around every step; floating-point inputs are cast to the
+    run's precision here. ``batch_idx`` and ``dataloader_idx`` are passed as far as the step
+    takes them (Lightning lets ``training_step(self, batch)`` leave them out)."""
+
+    def __init__(self, module: nn.Module, precision: Precision) -> None:
+        super().__init__()
+        self.module, self.precision = module, precision
+        self._extra = {stage: max(0, positional_count(getattr(module, name)) - 1)
+                       for stage, name in STEP_METHODS.items()}
+        self.__dict__["_user"] = module  # read on every step without nn.Module's attribute lookup
+        self._plain = precision.name == "32"  # nothing to cast, no autocast
+
+    def forward(self, stage: str, batch: Any, *args: Any) -> Any:
+        step = getattr(self._user, STEP_METHODS[stage])
+        if self._plain:
+            return step(batch, *args[:self._extra[stage]])
+        with self.precision.step_context():
+            return step(self.precision.convert_input(batch), *args[:self._extra[stage]])
+
+    def __call__(self, stage: str, batch: Any, *args: Any) -> Any:
+        """``forward`` straight away when nothing sits on this module (a wrapper's hooks, FSDP2's,
+        or a compilation): ``nn.Module.__call__``'s checks cost more than the rest of the call."""
+        if (self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
+                or self._compiled_call_impl is not None or not self._plain):
+            return super().__call__(stage, batch, *args)
+        return getattr(self._user, STEP_METHODS[stage])(batch, *args[:self._extra[stage]])
+
+
+def positional_count(method: Any) -> int:
+    """Positional arguments a bound step method takes (many for ``*args``)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return 3
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return 3
+    return sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 # ---- the optimizer's calls in a training step ------------------------------------------------

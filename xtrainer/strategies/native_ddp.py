@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xtrainer.strategies.base import check_wrapper_kwargs
 from xtrainer.strategies.native import AGREEMENT_SECONDS, NativeSingle
-from xtrainer.strategies.parallel import ParallelStrategy
+from xtrainer.strategies.parallel import ParallelStrategy, check_wrapper_kwargs
 
 
 class NativeDDP(NativeSingle, ParallelStrategy):

@@ -19,9 +19,8 @@ from xtrainer.checkpoint.distributed import (Distributed, DistributedEntry, Dist
                                             read_optimizer_state)
 from xtrainer.checkpoint.format import check_fits, shapes_of
 from xtrainer.strategies import dtensors
-from xtrainer.strategies.base import check_wrapper_kwargs
 from xtrainer.strategies.native import AGREEMENT_SECONDS, NativeSingle
-from xtrainer.strategies.parallel import ParallelStrategy
+from xtrainer.strategies.parallel import ParallelStrategy, check_wrapper_kwargs
 
 
 class NativeFSDP(NativeSingle, ParallelStrategy):

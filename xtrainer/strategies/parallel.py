@@ -11,11 +11,13 @@ device, as Lightning's ``SingleDeviceStrategy``) does not.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
 from xtrainer.strategies.base import Strategy
+from xtrainer.suggest import did_you_mean
 
 
 class ParallelStrategy(Strategy):
@@ -38,3 +40,17 @@ class ParallelStrategy(Strategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """What a ``DistributedSampler`` of this replica's share takes: ``num_replicas``, ``rank``."""
         return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+def check_wrapper_kwargs(cls: type, kwargs: dict[str, Any], ours: type, theirs: str) -> None:
+    """Refuse keyword arguments that the strategy ``ours`` passes on to the wrapper ``cls`` but
+    ``cls`` does not take: now, not later when a replica builds the wrapper."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    known = [*inspect.signature(ours.__init__).parameters, *params]
+    known = [name for name in known if name not in ("self", "kwargs") and not name.endswith("_kwargs")]
+    for key in kwargs:
+        if key not in params:
+            raise ValueError(f"{ours.__name__}({key}=...): neither {ours.__name__} nor {theirs} takes an argument "
+                             f"{key!r}.{did_you_mean(key, known)}")

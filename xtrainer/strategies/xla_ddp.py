@@ -13,8 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.strategies import shared_process
-from xtrainer.strategies.base import check_wrapper_kwargs
-from xtrainer.strategies.parallel import ParallelStrategy
+from xtrainer.strategies.parallel import ParallelStrategy, check_wrapper_kwargs
 from xtrainer.strategies.launchers.processes import free_port
 
 

@@ -12,8 +12,7 @@ from torch import nn
 from xtrainer._lazy_xla import xla as _xla
 from xtrainer.checkpoint.format import load_weights
 from xtrainer.checkpoint.fsdp import FsdpShards, consolidate_state_dicts
-from xtrainer.strategies.base import check_wrapper_kwargs
-from xtrainer.strategies.parallel import ParallelStrategy
+from xtrainer.strategies.parallel import ParallelStrategy, check_wrapper_kwargs
 from xtrainer.strategies.wrap_policies import check_wrap_policy, wrap_policy
 
 #: Instance attributes FSDP and activation checkpointing patch onto the user's modules.
