@@ -11,7 +11,9 @@ Background writes are on only while a stage runs (``stage_starts``, ``stage_ends
 outside one (say, ``trainer.save_checkpoint`` after ``fit``) is complete when it returns. At most
 one save is in flight: a newer save waits for the older one to be written. The end of every fit,
 validate, test or predict (also a stop by SIGTERM, after its checkpoint) waits for the queue to
-empty; a failed background write is raised there, or at the next save. The writer is a daemon
+empty; a failed background write is raised there, at the next save, or at the storage work that
+would follow it (``behind_writes``: ``last`` is never pointed at a checkpoint that failed, nor its
+predecessor removed). The writer is a daemon
 thread, so that a hung disk cannot keep a finished process alive: at interpreter exit whatever
 is still queued is waited for, and said on stderr (with a failure of it), never dropped in
 silence.
@@ -93,11 +95,22 @@ def run_or_submit(job: Callable[[], Any], save: bool = False) -> None:
 def behind_writes(job: Callable[[], Any]) -> bool:
     """Queue ``job`` behind the writes in flight, if any (True); False: nothing in flight (or this
     is the background thread itself), so the caller does it now. Writes in flight are waited for
-    whether background writes are on now or not."""
-    if threading.current_thread() is _worker or _jobs.unfinished_tasks == 0:
+    whether background writes are on now or not. A write that failed already is raised here, and
+    ``job`` is not done: what follows a save (``last`` pointed at it, its predecessor removed)
+    must not happen to a checkpoint that was never written."""
+    if threading.current_thread() is _worker:
         return False
+    with _lock:
+        _raise_error()
+        if pending() == 0:
+            return False
     submit(job)
     return True
+
+
+def pending() -> int:
+    """Jobs queued or running in the background thread."""
+    return _jobs.unfinished_tasks
 
 
 def drain(raise_errors: bool = True) -> None:
@@ -125,11 +138,11 @@ def _drain_at_exit() -> None:
     global _error
     if _worker is None or _worker_pid != os.getpid():
         return
-    pending = _jobs.unfinished_tasks
-    if pending:
-        print(f"xtrainer: waiting for {pending} background checkpoint write(s) still queued at exit",
+    queued = pending()
+    if queued:
+        print(f"xtrainer: waiting for {queued} background checkpoint write(s) still queued at exit",
               file=sys.stderr, flush=True)
-        while _jobs.unfinished_tasks and _worker.is_alive():
+        while pending() and _worker.is_alive():
             time.sleep(0.01)
     with _lock:
         error, _error = _error, None

@@ -2,6 +2,7 @@
 returns (also in a process that exits at once); what a killed writer left is removed at the next
 start even when the restarted process has the same PID (a container's PID 1)."""
 
+import errno
 import os
 import shutil
 import socket
@@ -17,7 +18,7 @@ from conftest import Regressor, make_loader
 
 from xtrainer import Trainer
 from xtrainer.callbacks import Callback, ModelCheckpoint
-from xtrainer.checkpoint import background, load_checkpoint, storage
+from xtrainer.checkpoint import background, folders, load_checkpoint, storage
 
 TESTS = os.path.dirname(os.path.abspath(conftest.__file__))
 ENV = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.pathsep.join([TESTS, os.path.dirname(TESTS)])}
@@ -84,6 +85,38 @@ def test_background_writes_are_on_only_while_a_stage_runs(tmp_path):
     with pytest.raises(RuntimeError, match="a callback fails"):
         trainer.fit(Regressor(), make_loader(32, 8))
     assert not background.enabled()  # off again after a failed stage too
+
+
+def _failed_background_write() -> None:
+    """A save whose background write failed (a full disk), done before the training thread goes on."""
+    def full() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    background.submit(full, save=True)
+    deadline = time.monotonic() + conftest.subprocess_timeout(10)
+    while background.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert background.pending() == 0
+
+
+@pytest.mark.parametrize("after_save", ["point_last", "remove"])
+def test_what_follows_a_background_write_that_failed_is_not_done(tmp_path, after_save):
+    """Chaos seed 9000, scenario 188 (xla_ddp, the disk full at step 2, async checkpointing):
+    the write of step 2's checkpoint failed before the training thread came to re-point
+    ``last``, so nothing was in flight and ``last.ckpt`` was pointed at a file that was never
+    written. The failure is raised there instead, and ``last`` and the checkpoint before stay."""
+    previous, failed = tmp_path / "epoch=0-step=1.ckpt", tmp_path / "epoch=0-step=2.ckpt"
+    last = tmp_path / "last.ckpt"
+    storage.write_bytes(b"complete", str(previous))
+    folders.point_last(str(last), str(previous))
+    _failed_background_write()
+    with pytest.raises(OSError, match="No space left"):
+        if after_save == "point_last":
+            folders.point_last(str(last), str(failed))
+        else:
+            storage.remove(str(previous))  # top-k dropping the predecessor of the failed save
+    assert os.path.realpath(last) == str(previous) and previous.read_bytes() == b"complete"
+    assert not failed.exists()
 
 
 PENDING_AT_EXIT = textwrap.dedent("""
