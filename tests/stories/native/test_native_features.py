@@ -399,7 +399,7 @@ def test_a_replica_killed_by_sigkill_is_named_and_the_run_resumes(tmp_path):
     os.kill(int(rank1.read_text()), signal.SIGKILL)
     _, err = process.communicate(timeout=subprocess_timeout(120))
     assert process.returncode == 1, err[-3000:]
-    assert "RuntimeError: Replica 1's process was ended by SIGKILL (signal 9): SIGKILL comes from outside the " \
+    assert "RuntimeError: Rank 1's process was ended by SIGKILL (signal 9): SIGKILL comes from outside the " \
            "process: most often the kernel's out-of-memory killer" in err, err[-3000:]
     _resumed_bitwise(tmp_path, common, steps)
 

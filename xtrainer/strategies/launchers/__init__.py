@@ -179,7 +179,7 @@ def _killed_error(rank: int, signum: int, finished: bool) -> RuntimeError:
            "a crash in native code; its output above (Python stacks of every thread) may say where" if signum in crashes
            else f"{name} came from outside the process, and nothing in it handles {name} (its default action ends "
                 "a process): a scheduler's notice or a person's kill sent to that process alone")
-    return RuntimeError(f"Replica {rank}'s process was ended by {name} (signal {signum})"
+    return RuntimeError(f"Rank {rank}'s process was ended by {name} (signal {signum})"
                         f"{' after rank 0 had finished' if finished else ''}: {why}. Checkpoints written before are "
                         "intact: resume with fit(..., ckpt_path='last').")
 
