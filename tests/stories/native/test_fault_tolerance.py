@@ -126,7 +126,7 @@ def test_a_group_killed_in_the_all_reduce_leaves_the_survivor_training_and_heals
     assert theirs["healed_at"] == back_at > died_at and theirs["uncommitted_steps"] == []
     untrained = check_data_rule(out, 2, stop_at, set(ours["uncommitted_steps"]))
     first = {g: min(r["step"] for r in trained(out, g)) for g in (0, 1)}  # where each first joined the job
-    expected = ({(0, died_at)} | {(g, s) for g in (0, 1) for s in range(first[g])}
+    expected = ({(0, s) for s in ours["uncommitted_steps"]} | {(g, s) for g in (0, 1) for s in range(first[g])}
                 | {(1, s) for s in range(died_at, back_at)})
     assert untrained == expected
 
