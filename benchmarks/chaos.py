@@ -479,14 +479,19 @@ def check_exit(s: Scenario, run: Run, code, out: str) -> None:
 
 
 def _damage(s: Scenario, root: str) -> set[str]:
-    """Truncates or deletes the newest published checkpoint, as a kill mid-write leaves it."""
+    """Truncates or deletes the checkpoint a resume from ``last`` reads first, as a kill mid-write
+    leaves it: the one the newest ``last.ckpt`` names (Lightning's rule: a kill between a step's
+    checkpoint and its ``last`` link leaves ``last`` on the step before, and the newer file unread),
+    else the newest published checkpoint."""
     if s.damage == "none":
         return set()
     found = [p for p in _checkpoints(root) if not os.path.islink(p) and os.path.isfile(p)]
     folders = [p for p in _checkpoints(root) if not os.path.islink(p) and os.path.isdir(p)]
     if not found and not folders:
         return set()
-    newest = max(found + folders, key=os.path.getmtime)
+    lasts = [p for p in _checkpoints(root) if os.path.basename(p) == "last.ckpt" and os.path.exists(p)]
+    newest = (os.path.realpath(max(lasts, key=os.path.getmtime)) if lasts
+              else max(found + folders, key=os.path.getmtime))
     if os.path.isdir(newest):  # a sharded folder: damage its largest file
         files = [os.path.join(d, f) for d, _, fs in os.walk(newest) for f in fs]
         target = max(files, key=os.path.getsize)

@@ -74,3 +74,23 @@ def test_the_published_check_fails_on_a_half_written_checkpoint_and_a_leftover_t
     chaos.check_published(str(tmp_path), set(), resumed=False)  # a faulted run may leave one
     with pytest.raises(chaos.Violation, match="temporary"):
         chaos.check_published(str(tmp_path), set(), resumed=True)
+
+
+def test_the_damage_hits_the_checkpoint_a_resume_from_last_reads_first(tmp_path):
+    """A kill between a step's checkpoint and its ``last`` link leaves ``last`` on the step before
+    and the newer file unread (chaos seed 11000 #7): the damage goes to what ``last`` names, so that
+    the resume has to pass over it and name it; with no ``last``, to the newest checkpoint."""
+    import types
+
+    folder = tmp_path / "version_0" / "checkpoints"
+    folder.mkdir(parents=True)
+    older, newer = folder / "epoch=0-step=6.ckpt", folder / "epoch=0-step=8.ckpt"
+    for age, path in enumerate((newer, older)):
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (1000 - age, 1000 - age))  # step 8 written after step 6
+    truncate = types.SimpleNamespace(damage="truncate")
+    assert chaos._damage(truncate, str(tmp_path)) == {str(newer)}
+    assert newer.stat().st_size == 50 and older.stat().st_size == 100
+    (folder / "last.ckpt").symlink_to(older.name)
+    assert chaos._damage(truncate, str(tmp_path)) == {str(older)}
+    assert older.stat().st_size == 50 and newer.stat().st_size == 50
