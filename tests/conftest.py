@@ -13,12 +13,17 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from xtrainer import XModule  # noqa: E402
 
-if HAS_XLA:
-    from xtrainer import _xla
 
-    # Start the XLA runtime before any CPU backward in a test: PyTorch's autograd engine sizes its
-    # per-device queues on its first backward and would not know the XLA device otherwise.
-    _xla.device()
+def pytest_configure(config):
+    """Start the XLA runtime in the test process before any CPU backward in a test: PyTorch's
+    autograd engine sizes its per-device queues on its first backward and would not know the XLA
+    device otherwise. In a hook, not at import: the child scripts that import this file's helpers
+    (``killable_run.py`` and the others) start no runtime they do not use, and a native child
+    does not pay torch_xla's import (about 7 s of CPU)."""
+    if HAS_XLA:
+        from xtrainer import _xla
+
+        _xla.device()
 
 
 #: How many times its time on an idle machine a child process may take before a test gives up on
