@@ -414,6 +414,19 @@ def _signal_name(fault: str) -> str:
     return f"SIG{fault}"
 
 
+def ended_before_the_stop(s: Scenario, launchers: list, ranks: dict[int, str], finished: bool) -> bool:
+    """Whether a graceful stop fell on the fit's last step, so that the fit ended, as documented:
+    every process exited 0 and rank 0 saved the finished weights. A torchrun that was itself
+    signalled exits 1 all the same (its own ``SignalException``, whatever its workers did): then
+    every rank's 0 is what counts (chaos seed 11000 #69)."""
+    if s.fault not in GRACEFUL or not finished:
+        return False
+    if set(launchers) == {0}:
+        return True
+    torchrun_signalled = s.launcher != "trainer" and s.target in ("launcher", "all")
+    return torchrun_signalled and len(ranks) == s.devices and set(ranks.values()) == {"0"}
+
+
 def check_exit(s: Scenario, run: Run, code, out: str) -> None:
     """The launchers' exit codes and every rank's, as documented for the fault."""
     fault = s.fault
@@ -611,9 +624,9 @@ def run_scenario(s: Scenario, work: str) -> str:
                 raise Violation("exit", f"exited {code} before its fault came:\n{out[-2500:]}")
             return "missed"
         restarted = s.launcher == "restarts" and s.target == "rank"
-        if set(launchers) == {0} and s.fault in GRACEFUL and not restarted and \
-                os.path.exists(os.path.join(state, "weights.pt")):
-            return "missed"  # the agreed stop fell on the fit's last step: it ended, as documented
+        if not restarted and ended_before_the_stop(s, launchers, run.codes(),
+                                                   os.path.exists(os.path.join(state, "weights.pt"))):
+            return "missed"
         check_exit(s, run, code, out)
         if restarted:  # the restarted workers resumed from last themselves
             check_published(local, set(), resumed=True)

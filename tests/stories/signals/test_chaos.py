@@ -94,3 +94,24 @@ def test_the_damage_hits_the_checkpoint_a_resume_from_last_reads_first(tmp_path)
     (folder / "last.ckpt").symlink_to(older.name)
     assert chaos._damage(truncate, str(tmp_path)) == {str(older)}
     assert older.stat().st_size == 50 and newer.stat().st_size == 50
+
+
+def test_a_stop_on_the_fits_last_step_is_a_missed_fault_also_where_torchrun_itself_was_signalled():
+    """The agreed stop fell on the fit's last step: every rank ended the fit and exited 0. A
+    torchrun that was itself signalled still exits 1 (its own SignalException; chaos seed 11000
+    #69): a missed fault, not a wrong exit code. A rank that exited 0 where another stopped is not."""
+    from types import SimpleNamespace as S
+
+    torchrun_term = S(fault="TERM", launcher="torchrun", target="launcher", devices=2)
+    assert chaos.ended_before_the_stop(torchrun_term, [1], {0: "0", 1: "0"}, finished=True)
+    assert not chaos.ended_before_the_stop(torchrun_term, [1], {0: "0", 1: "143"}, finished=True)
+    assert not chaos.ended_before_the_stop(torchrun_term, [1], {0: "0"}, finished=True)  # a rank never ended
+    assert not chaos.ended_before_the_stop(torchrun_term, [1], {0: "0", 1: "0"}, finished=False)
+    rank_term = S(fault="TERM", launcher="torchrun", target="rank", devices=2)  # torchrun was not signalled
+    assert not chaos.ended_before_the_stop(rank_term, [1], {0: "0", 1: "0"}, finished=True)
+    assert chaos.ended_before_the_stop(rank_term, [0], {0: "0", 1: "0"}, finished=True)
+    trainer_int = S(fault="INT", launcher="trainer", target="all", devices=1)
+    assert chaos.ended_before_the_stop(trainer_int, [0], {0: "0"}, finished=True)
+    assert not chaos.ended_before_the_stop(trainer_int, [130], {0: "130"}, finished=True)
+    assert not chaos.ended_before_the_stop(S(fault="KILL", launcher="trainer", target="all", devices=1), [0],
+                                           {0: "0"}, finished=True)
