@@ -292,14 +292,13 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
     def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
         """Every replica's ``data`` (tensors, or a collection of them), stacked on a new first
         dimension of size ``world_size``, inside the graph (no host sync). One replica: the data
-        as it is, without that dimension, as in Lightning."""
+        as it is, without that dimension, as in Lightning. ``sync_grads=True``: the gradient flows
+        back to every replica's own part (the native strategies; refused on XLA's replicas)."""
         if group is not None:
             raise ValueError("self.all_gather(group=...) is not supported: it gathers over every replica.")
-        if sync_grads:
-            raise ValueError("self.all_gather(sync_grads=True) is not supported on XLA; gather outside autograd.")
         if self.trainer.world_size == 1:
             return data
-        return self.trainer.strategy.collectives.all_gather_tensors(data)
+        return self.trainer.strategy.collectives.all_gather_tensors(data, sync_grads=sync_grads)
 
     @class_only
     def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: Any = None,
@@ -505,8 +504,11 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
         if sync_dist_group is not None:
             raise ValueError(f"self.log({name!r}, sync_dist_group=...) is not supported: sync_dist reduces over "
                              "every replica.")
-        trainer = self._trainer if self._trainer is not None else self.trainer  # (the property says what is wrong)
-        trainer.run.results.log(name, value, on_step, on_epoch, prog_bar, sync_dist, reduce_fx, batch_size, logger,
+        if self._trainer is None:  # a *_step called alone (a unit test of the module): warned, as in Lightning
+            rank_zero_warn(f"self.log({name!r}): {type(self).__name__} is not attached to a Trainer; the value is "
+                           "dropped (pass the module to Trainer.fit to log).")
+            return
+        self._trainer.run.results.log(name, value, on_step, on_epoch, prog_bar, sync_dist, reduce_fx, batch_size, logger,
                              add_dataloader_idx)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:

@@ -31,6 +31,7 @@ from xtrainer.loop.run import Run
 from xtrainer.loop.state import LoopState
 from xtrainer.module import XModule
 from xtrainer.strategies import Strategy, resolve_strategy
+from xtrainer.states import TrainerState
 from xtrainer.strategies.precision import Precision
 from xtrainer.suggest import did_you_mean
 
@@ -260,8 +261,9 @@ class Trainer:
         return self.run.num_training_batches
 
     @property
-    def state(self) -> str:
-        """``"fit"``, ``"validate"``, ``"test"`` or ``"predict"`` while one runs, else ``"idle"``."""
+    def state(self) -> TrainerState:
+        """``"fit"``, ``"validate"``, ``"test"`` or ``"predict"`` while one runs, else ``"idle"``; with
+        Lightning's ``fn``, ``stage``, ``status``, ``finished`` and ``stopped`` (``xtrainer.states``)."""
         return self.run.state
 
     @property

@@ -326,13 +326,32 @@ def set_rng_states(states: dict[str, Any] | None, strategy: Any) -> None:
     strategy.runtime.set_rng_state(xla[rank] if len(xla) == world_size else strategy.runtime.derived_rng_state(xla[0], rank))
 
 
-def seed_everything(seed: int, workers: bool = False) -> int:
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed Python's, NumPy's and torch's random generators. A fit then derives its shuffling
-    order and each replica's XLA generator from this seed, so runs repeat exactly. ``workers``
-    is accepted for Lightning's signature: DataLoader workers are seeded from torch's generator."""
-    del workers
+    order and each replica's XLA generator from this seed, so runs repeat exactly. As in
+    Lightning: no seed reads ``PL_GLOBAL_SEED``, else 0 (warned, unless ``verbose=False``), one
+    outside NumPy's range is 0 (warned), and the seed is left in ``PL_GLOBAL_SEED`` (and
+    ``workers`` in ``PL_SEED_WORKERS``) for code that reads them. DataLoader workers are seeded
+    from torch's generator."""
+    if seed is None:
+        given = os.environ.get("PL_GLOBAL_SEED")
+        try:
+            seed = int(given) if given is not None else None
+        except ValueError:
+            seed = None
+        if seed is None:
+            if verbose:
+                rank_zero_warn("seed_everything(): no seed given" + (f" (PL_GLOBAL_SEED={given!r} is not a number)"
+                                                                      if given is not None else "") + "; seed set to 0.")
+            seed = 0
+    seed = int(seed)
+    if not 0 <= seed < 2**32:
+        if verbose:
+            rank_zero_warn(f"seed_everything({seed}): NumPy takes seeds from 0 to {2**32 - 1}; seed set to 0.")
+        seed = 0
+    os.environ["PL_GLOBAL_SEED"], os.environ["PL_SEED_WORKERS"] = str(seed), str(int(workers))
     random.seed(seed)
     if _numpy is not None:
-        _numpy.random.seed(seed % 2**32)
+        _numpy.random.seed(seed)
     torch.manual_seed(seed)
     return seed

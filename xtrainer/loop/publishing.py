@@ -21,6 +21,7 @@ Nothing else calls a logger's ``log_metrics``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -91,7 +92,8 @@ class Publisher:
             hidden = trainer.run.results.hidden_from_loggers()
             final = {k: v for k, v in trainer.callback_metrics.items() if k not in hidden}
             for logger in trainer.loggers:
-                logger.log_hyperparams(trainer.hyperparameters(), final)
+                if _takes_metrics(logger.log_hyperparams):  # Lightning's own loggers, and xtrainer's
+                    logger.log_hyperparams(trainer.hyperparameters(), final)
 
     def close(self, trainer: "TrainerView", failed: bool = False) -> None:
         """Flush what was logged; at the end of every run, also one that failed."""
@@ -299,3 +301,15 @@ def epoch_tensors(trainer: "TrainerView", stage: str, reset: bool = True, local:
     if stage == "train":  # the latest per-step values ride along in the same transfer
         tensors.update(results.step_tensors(collectives.reduce, world_size))
     return tensors
+
+
+def _takes_metrics(log_hyperparams: Any) -> bool:
+    """Whether a logger's ``log_hyperparams`` takes the final metrics after its params: a custom
+    logger written as Lightning's docs write one, ``log_hyperparams(self, params)``, does not
+    (Lightning calls it with the params alone), and then has them from the fit's start only."""
+    try:
+        parameters = list(inspect.signature(log_hyperparams).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) > 1 or any(p.kind == p.VAR_POSITIONAL for p in parameters)

@@ -31,6 +31,7 @@ from xtrainer.loop.optimization import Optimization
 from xtrainer.loop.publishing import Publisher
 from xtrainer.loop.results import Results
 from xtrainer.module import XModule
+from xtrainer.states import TrainerState
 from xtrainer.strategies.data import CombinedData
 from xtrainer.trainer_view import TrainerView
 from xtrainer.utilities.combined_loader import CombinedLoader
@@ -57,7 +58,8 @@ class Run:
     stage's loaders (for reloading). ``predict_batch_indices``: per loader, the sample indices of
     each predicted batch. ``started_at``: the fit's start (monotonic clock, for ``max_time``).
     ``state``, ``interrupted``, ``is_last_batch``, ``sanity_checking``: Lightning's (the Trainer's
-    read-only properties of those names). ``checkpoint_compilations``: graphs compiled while
+    read-only properties of those names; ``state`` a ``TrainerState``, whose status also reads
+    ``ended_by_exception``). ``checkpoint_compilations``: graphs compiled while
     writing checkpoints, so far in this process.
     ``replica_ready``: the strategy has set up a replica's environment. ``resumed_by_path``: the
     checkpoint was named by path, not ``"last"`` (``ModelCheckpoint`` keeps it). ``config``: the
@@ -85,8 +87,8 @@ class Run:
         self.num_val_batches: list[float] = []
         self.loader_hooks: dict[str, Any] = {}
         self.predict_batch_indices: list[list[list[int]]] = []
-        self.state = "idle"
-        self.interrupted = False
+        self.state = TrainerState("idle", None, self)
+        self.interrupted = self.ended_by_exception = False
         self.checkpoint_compilations = 0
         self.is_last_batch = False
         self.sanity_checking = False
@@ -111,6 +113,7 @@ class Run:
         A stop on a signal or Ctrl-C is ``interrupted`` by then, as in Lightning."""
         trainer = self.trainer
         self.interrupted = isinstance(err, (TrainingInterrupted, KeyboardInterrupt))
+        self.ended_by_exception = True
         module = self.module
         if module is None:
             return

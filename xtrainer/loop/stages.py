@@ -33,6 +33,7 @@ from xtrainer.loop.results import Results
 from xtrainer.loop.run import run_cleanup
 from xtrainer.loop.steps import batch_transfer, check_eval_step, check_module
 from xtrainer.module import XModule
+from xtrainer.states import TrainerState
 from xtrainer.strategies.base import StepDispatcher
 from xtrainer.strategies.data import padded_samples
 from xtrainer.strategies.launchers import SpmdProcess
@@ -214,7 +215,8 @@ def run_stage(trainer: "TrainerView", stage: str, module: "XModule", sources: di
         if own is not None and own != folder:
             remove_if_empty(own)
     trainer.strategy.runtime.seed_replica(trainer.loop.seed, trainer.global_rank, trainer.strategy.launcher.runs_in_caller)
-    run.state, trainer.should_stop, run.agreement.stop_agreed = stage, False, False
+    run.state, trainer.should_stop, run.agreement.stop_agreed = TrainerState(stage, stage, run), False, False
+    run.ended_by_exception = False
     module.trainer = trainer
     run.module = module
     in_process, error = trainer.strategy.launcher.runs_in_caller, None
@@ -306,7 +308,7 @@ def run_stage(trainer: "TrainerView", stage: str, module: "XModule", sources: di
         finally:
             ckpt_background.stage_ends(background_writes)  # a save after the stage is written before it returns
             ckpt_background.drain(raise_errors=False)  # one a teardown hook queued
-            run.state = "idle"
+            run.state = TrainerState("idle", run.state.fn, run)
             run.end_stage()
             trainer.strategy.use_module_hooks()
             if trainer.strategy.launcher.group_ends_with_stage:

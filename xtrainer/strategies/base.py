@@ -52,11 +52,13 @@ from xtrainer.runtimes import xla as xla_runtime
 from xtrainer.strategies import launchers, shared_process
 from xtrainer.strategies.collectives import Collectives, XlaReplicas
 from xtrainer.strategies.data import DeviceData, _plain_random, distribute_dataloader
+from xtrainer.strategies.lightning_api import LightningCollectives
 from xtrainer.strategies.precision import Precision
 
 
-class Strategy(abc.ABC):
-    """Base class of all strategies. Subclasses override what differs and nothing else."""
+class Strategy(LightningCollectives, abc.ABC):
+    """Base class of all strategies. Subclasses override what differs and nothing else. Lightning's
+    collectives (``barrier``, ``broadcast``...) come from ``strategies.lightning_api``."""
 
     #: The name ``Trainer(strategy=...)`` accepts for this class.
     name: ClassVar[str]

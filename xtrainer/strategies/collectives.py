@@ -86,8 +86,10 @@ class Collectives:
         del vote, first, next_step
         return None
 
-    def all_gather_tensors(self, data: Any) -> Any:
-        """Every replica's tensors in ``data``, stacked on a new first dimension, in the graph."""
+    def all_gather_tensors(self, data: Any, sync_grads: bool = False) -> Any:
+        """Every replica's tensors in ``data``, stacked on a new first dimension, in the graph;
+        ``sync_grads``: differentiable, each replica's gradient flowing back to its own part."""
+        del sync_grads  # one replica: its own tensor, gradient and all
         return apply_to_collection(data, torch.Tensor, lambda tensor: tensor.unsqueeze(0))
 
     def barrier(self, name: str = "barrier") -> None:
@@ -133,7 +135,11 @@ class XlaReplicas(Collectives):
         # a float: XLA's all-reduce of floats is the one every runtime has; exact for such numbers
         return self.reduce(torch.tensor([float(vote)]).to(self.device), "max")
 
-    def all_gather_tensors(self, data: Any) -> Any:
+    def all_gather_tensors(self, data: Any, sync_grads: bool = False) -> Any:
+        if sync_grads and self.world_size > 1:
+            raise ValueError("self.all_gather(sync_grads=True) is not supported on XLA's replicas; gather outside "
+                             "autograd, or use a native strategy (native_ddp), where the gradient flows back.")
+
         def gather(tensor: torch.Tensor) -> torch.Tensor:
             stacked = tensor.unsqueeze(0)
             return stacked if self.world_size == 1 else _xla.all_gather(stacked, dim=0)

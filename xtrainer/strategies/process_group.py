@@ -206,10 +206,14 @@ class ProcessGroup(HostObjects, Collectives):
 
         return finish
 
-    def all_gather_tensors(self, data: Any) -> Any:
+    def all_gather_tensors(self, data: Any, sync_grads: bool = False) -> Any:
         def gather(tensor: torch.Tensor) -> torch.Tensor:
             if self.world_size == 1:
                 return tensor.unsqueeze(0)
+            if sync_grads:  # backward sends each replica the gradient of its own part
+                from torch.distributed.nn.functional import all_gather
+
+                return torch.stack(all_gather(tensor.contiguous()))
             parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
             dist.all_gather(parts, tensor.contiguous())
             return torch.stack(parts)
