@@ -586,13 +586,12 @@ class Trainer:
         return module
 
     @property
-    def model(self) -> nn.Module:
-        """The module as the strategy wrapped it (DistributedDataParallel, FSDP...), inside a run.
-        ``trainer.strategy.full_module_state_dict(trainer.model)`` gives its whole weights."""
+    def model(self) -> nn.Module | None:
+        """The module as the strategy wrapped it (DistributedDataParallel, FSDP...), inside a run
+        (``trainer.strategy.full_module_state_dict(trainer.model)`` gives its whole weights); after
+        one, the user's module as it is given back, unwrapped; None before any, as in Lightning."""
         wrapped = self.run.wrapped
-        if wrapped is None:
-            raise RuntimeError("The Trainer has no model outside fit/validate/test/predict.")
-        return wrapped
+        return wrapped if wrapped is not None else self.run.last_module
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

@@ -135,12 +135,15 @@ def launch(trainer: TrainerView, stage: str, model: XModule, sources: dict[str, 
     except BaseException as err:
         # (where the replicas ran in other processes, the caller's Trainer learns it here)
         trainer.run.interrupted = isinstance(err, (interrupts.TrainingInterrupted, KeyboardInterrupt))
+        if not launcher.runs_in_caller:  # what ran, and how it ended, for trainer.state
+            trainer.run.state, trainer.run.ended_by_exception = TrainerState("idle", stage, trainer.run), True
         if claims:
             remove_if_empty(trainer.log_dir)  # a run that failed before writing anything leaves no folder
         raise
     if "state_dict" in result:  # replicas ran elsewhere: bring rank 0's results home
         load_home(trainer, stage, model, result["state_dict"])
         trainer.loop.adopt(result["loop"])
+        trainer.run.state, trainer.run.ended_by_exception = TrainerState("idle", stage, trainer.run), False
         trainer.should_stop = result["should_stop"]
         trainer.run.publisher.reset_metrics(result["callback_metrics"], result["logged_metrics"],
                                             result["progress_bar_metrics"])

@@ -266,11 +266,12 @@ def test_trainer_state_has_lightnings_fn_stage_and_status(tmp_path):
     assert trainer.state.status == TrainerStatus.FINISHED and trainer.state.finished and trainer.state.stopped
 
 
-def test_trainer_state_is_interrupted_after_a_run_that_raised(tmp_path):
-    class Fails(Small):
-        def training_step(self, batch, batch_idx):
-            raise RuntimeError("bad batch")
+class Fails(Small):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("bad batch")
 
+
+def test_trainer_state_is_interrupted_after_a_run_that_raised(tmp_path):
     trainer = Trainer(max_epochs=1, logger=False, **_quiet(tmp_path))
     with pytest.raises(RuntimeError, match="bad batch"):
         trainer.fit(Fails(), _loader())
@@ -296,3 +297,26 @@ def test_seed_everything_without_a_seed_reads_pl_global_seed_or_takes_0(monkeypa
     monkeypatch.setenv("PL_GLOBAL_SEED", "abc")
     with pytest.warns(UserWarning, match="PL_GLOBAL_SEED='abc' is not a number"):
         assert seed_everything() == 0
+
+
+@pytest.mark.multi_device
+def test_trainer_state_after_a_run_of_xlas_thread_replicas_is_the_callers_too(tmp_path):
+    """The replicas run on copies of the Trainer (threads of this process): what ran and how it
+    ended still reach the caller's ``trainer.state``."""
+    trainer = Trainer(strategy="xla_native", devices=2, max_steps=2, logger=False, **_quiet(tmp_path))
+    trainer.fit(Small(), _loader())
+    assert trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.FINISHED
+
+    failing = Trainer(strategy="xla_native", devices=2, max_steps=2, logger=False, **_quiet(tmp_path))
+    with pytest.raises(RuntimeError, match="bad batch"):
+        failing.fit(Fails(), _loader())
+    assert failing.state.fn == TrainerFn.FITTING and failing.state.status == TrainerStatus.INTERRUPTED
+
+
+@pytest.mark.parametrize("strategy,devices", [("native", 1), pytest.param("xla_native", 2, marks=pytest.mark.multi_device)])
+def test_trainer_model_is_none_before_a_run_and_the_module_after_one(tmp_path, strategy, devices):
+    trainer = Trainer(strategy=strategy, devices=devices, max_steps=2, logger=False, **_quiet(tmp_path))
+    assert trainer.model is None  # as in Lightning: no module yet
+    model = Small()
+    trainer.fit(model, _loader())
+    assert trainer.model is model  # given back unwrapped, as Lightning's strategies leave it after teardown
