@@ -240,9 +240,19 @@ class Publisher:
             # metrics (in callback_metrics), as Lightning's callbacks log them.
             figures = {k for k in for_loggers if k not in values and k not in trainer.callback_metrics}
             values_only = {k: v for k, v in for_loggers.items() if k not in figures} if figures else for_loggers
+            step = logged_step(trainer)
             for logger in trainer.loggers:
-                logger.log_metrics(for_loggers if getattr(logger, "takes_run_figures", True) else values_only,
-                                   trainer.global_step)
+                logger.log_metrics(for_loggers if getattr(logger, "takes_run_figures", True) else values_only, step)
+
+def logged_step(trainer: "TrainerView") -> int:
+    """The step the loggers are given, Lightning's ``_batches_that_stepped``: in a fit, the
+    optimizer steps before this batch's (a batch's values, a validation after it and an epoch's
+    end are written at ``global_step - 1``: the first batch at step 0, with ``log_every_n_steps=50``
+    steps 49, 99...); in ``validate``/``test``/``predict``, the steps done. (Under manual
+    optimization with several optimizers Lightning counts batches there, this the steps.)"""
+    step = trainer.global_step
+    return max(step - 1, 0) if trainer.state == "fit" else step
+
 
 def _into_callback_metrics(trainer: "TrainerView", values: dict[str, float]) -> None:
     """A preview's values into ``callback_metrics`` (the loop's own loss left out), with
