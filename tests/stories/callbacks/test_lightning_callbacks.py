@@ -395,8 +395,8 @@ def test_learning_rates_under_lightnings_names(tmp_path):
         logger=every_step, log_every_n_steps=1)
     keyed = [(step, m["lr-Adam"]) for step, m in every_step.rows if "lr-Adam" in m]
     # at each logging step, and, without a scheduler, at each epoch's start too (steps 0 and 2, as
-    # Lightning logs them), never the automatic key
-    assert [step for step, _ in keyed] == [0, 1, 2, 2, 3, 4] and {lr for _, lr in keyed} == {0.01}
+    # Lightning logs them: a batch's at the steps before it), never the automatic key
+    assert [step for step, _ in keyed] == [0, 0, 1, 2, 2, 3] and {lr for _, lr in keyed} == {0.01}
     assert not any(key.startswith("lr-Adam/") for _, m in every_step.rows for key in m)
 
     logger, monitor = Recording(), LearningRateMonitor(log_momentum=True, log_weight_decay=True)
@@ -428,7 +428,7 @@ def test_per_step_learning_rates_reach_the_loggers_when_the_module_logs_nothing(
     logger = Recording()
     fit(tmp_path / "a", [LearningRateMonitor(logging_interval="step")], epochs=2, module=LogsNothing(),
         logger=logger, log_every_n_steps=1)
-    assert [(step, m) for step, m in logger.rows] == [(step, {"lr-SGD": 0.05}) for step in (1, 2, 3, 4)]
+    assert [(step, m) for step, m in logger.rows] == [(step, {"lr-SGD": 0.05}) for step in (0, 1, 2, 3)]
     quiet = Recording()
     fit(tmp_path / "b", [], epochs=2, module=LogsNothing(), logger=quiet, log_every_n_steps=1)
     assert quiet.rows == []
