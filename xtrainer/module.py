@@ -296,9 +296,7 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
         back to every replica's own part (the native strategies; refused on XLA's replicas)."""
         if group is not None:
             raise ValueError("self.all_gather(group=...) is not supported: it gathers over every replica.")
-        if self.trainer.world_size == 1:
-            return data
-        return self.trainer.strategy.collectives.all_gather_tensors(data, sync_grads=sync_grads)
+        return self.trainer.strategy.all_gather(data, sync_grads=sync_grads)
 
     @class_only
     def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: Any = None,

@@ -190,7 +190,8 @@ class Contrastive(Small):
 
     def training_step(self, batch, batch_idx):
         x, _ = batch
-        torch.save(x, os.path.join(self.out, f"batch-{self.global_rank}.pt"))  # the shard this replica read
+        if x.device.type != "meta":  # (the step's FLOPs are counted once on a copy on the meta device)
+            torch.save(x, os.path.join(self.out, f"batch-{self.global_rank}.pt"))  # the shard this replica read
         z = self.layer(x)
         everyone = self.all_gather(z, sync_grads=True)
         if self.trainer.world_size > 1:
