@@ -87,6 +87,9 @@ class Regressor(XModule):
         x, y = batch
         self.log("test_loss", nn.functional.mse_loss(self(x), y))
 
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
     def configure_optimizers(self):
         if self.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr)

@@ -526,10 +526,11 @@ class XModule(BatchTransferHooks, HyperparametersMixin, nn.Module):
     def test_step(self, batch: Any, batch_idx: int) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not define test_step(self, batch, batch_idx).")
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        """Default: ``self(batch)`` (or ``self(inputs)`` for an ``(inputs, target)`` batch)."""
-        if isinstance(batch, (tuple, list)) and len(batch) == 2:
-            batch = batch[0]
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Default, as in Lightning: ``self(batch)``, the whole batch as the loader gives it (an
+        ``(inputs, target)`` pair too: a module whose ``forward`` takes the inputs alone defines its
+        own ``predict_step``)."""
+        batch = kwargs.get("batch", args[0] if args else None)
         return self(batch)
 
     def configure_optimizers(self) -> Any:

@@ -6,7 +6,8 @@
 - ``self.all_gather(x, sync_grads=True)`` (contrastive losses), on one process and on two;
 - ``self.log`` in a ``*_step`` called without a Trainer (a unit test of the module);
 - ``trainer.state.fn``, ``.stage``, ``.status`` with Lightning's enums;
-- ``seed_everything()`` without a seed, and ``verbose``.
+- ``seed_everything()`` without a seed, and ``verbose``;
+- the default ``predict_step``: ``self(batch)``, the whole batch.
 """
 
 from __future__ import annotations
@@ -321,3 +322,22 @@ def test_trainer_model_is_none_before_a_run_and_the_module_after_one(tmp_path, s
     model = Small()
     trainer.fit(model, _loader())
     assert trainer.model is model  # given back unwrapped, as Lightning's strategies leave it after teardown
+
+
+class PairForward(Small):
+    """A module whose ``forward`` takes the whole batch, as Lightning's default ``predict_step``
+    hands it over: here an ``(inputs, mask)`` pair."""
+
+    def forward(self, batch):
+        x, mask = batch
+        return self.layer(x) * mask
+
+
+def test_the_default_predict_step_gives_forward_the_whole_batch_as_lightning_does(tmp_path):
+    x, mask = torch.randn(6, 8), torch.tensor([[1.0], [0.0], [1.0], [1.0], [0.0], [1.0]])
+    loader = DataLoader(torch.utils.data.TensorDataset(x, mask), batch_size=2)  # pairs of two rows
+    model = PairForward()
+    out = Trainer(strategy="native", logger=False, **_quiet(tmp_path)).predict(model, loader)
+    with torch.no_grad():  # not the inputs alone: with two rows they would unpack as (row 0, row 1)
+        assert torch.equal(torch.cat(out), model.layer(x) * mask)
+        assert torch.equal(model.predict_step(batch=(x, mask)), model.layer(x) * mask)  # batch= as a keyword
