@@ -469,8 +469,8 @@ def _seen(folder, kind, rank):
 
 
 @pytest.mark.multi_device
-@pytest.mark.parametrize("strategy", ["native_ddp", "xla_ddp"])
-@pytest.mark.parametrize("use_distributed_sampler", [True, False])
+@pytest.mark.parametrize("strategy, use_distributed_sampler", [("native_ddp", True), ("xla_ddp", True),
+                                                               ("native_ddp", False)])  # no sampler: the loop's alone
 def test_the_training_data_order_under_ddp_is_lightnings(tmp_path, strategy, use_distributed_sampler):
     """A training loader built with shuffle=False gets a DistributedSampler(shuffle=True) seeded
     with the run's seed and set to each epoch; evaluation loaders one with shuffle=False; with
