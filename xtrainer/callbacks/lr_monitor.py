@@ -86,8 +86,8 @@ class LearningRateMonitor(Callback):
         self._in_batch = False
 
     def on_train_epoch_start(self, trainer: "TrainerView", module: "XModule") -> None:
-        """The rates the epoch starts with, logged now at the current step, as Lightning logs
-        them (host floats: no sync)."""
+        """The rates the epoch starts with, logged now at the batches stepped so far (Lightning's
+        ``_batches_that_stepped``), as Lightning logs them (host floats: no sync)."""
         if self.logging_interval == "step":
             return
         stats = self._extract(trainer, "epoch" if self.logging_interval is None else "any")
@@ -96,7 +96,7 @@ class LearningRateMonitor(Callback):
         self._record(trainer, stats)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(dict(stats), trainer.global_step)
+                logger.log_metrics(dict(stats), trainer.loop.batches_stepped)
 
     def on_validation_start(self, trainer: "TrainerView", module: "XModule") -> None:
         self._in_validation = True

@@ -15,7 +15,9 @@ key                    what it holds
 ``loops``              ``global_step``, ``epoch``, ``batches_in_epoch``, ``epoch_finished``, ``seed``,
                        ``validation_pending`` (saved between a batch and the validation it
                        triggers), ``epoch_schedulers_due`` (saved at an epoch's end, before the
-                       epoch's scheduler step), ``callback_metrics`` (the logged values, floats)
+                       epoch's scheduler step), ``batches_stepped`` (the loggers' step; absent in
+                       older checkpoints: ``global_step``), ``callback_metrics`` (the logged values,
+                       floats)
 ``rng_states``         Python, NumPy, torch CPU generators; each replica's XLA generator
 ``epoch_results``      per replica: the epoch accumulators of values logged with ``on_epoch``
                        (combined when another number of replicas resumes them)

@@ -193,7 +193,8 @@ def fitted_checkpoint(trainer: "TrainerView", model: Any) -> dict[str, Any]:
         "epoch": trainer.current_epoch, "global_step": trainer.global_step,
         "state_dict": model.state_dict(),
         "loops": {"global_step": trainer.global_step, "epoch": max(0, trainer.current_epoch - 1),
-                  "batches_in_epoch": 0, "epoch_finished": True, "seed": trainer.loop.seed},
+                  "batches_in_epoch": 0, "epoch_finished": True, "seed": trainer.loop.seed,
+                  "batches_stepped": trainer.loop.batches_stepped},
         "hyper_parameters": ckpt_format.plain_hparams(model.hparams),
         "hparams_name": model._hparams_name,
     }

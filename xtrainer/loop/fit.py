@@ -186,6 +186,7 @@ def training_step(trainer: "TrainerView", batch: Any, batch_idx: int, hooks: Bat
     loop.stepped = steps
     read = False
     if steps:
+        loop.batches_stepped += 1
         trainer.run.optim.step(trainer, batch_idx, loss)  # clip, step, global_step, schedulers
         if loop.global_step % trainer.log_every_n_steps == 0:
             # Read once the step's graph is launched, as torch_xla's step closures run: the values
@@ -265,7 +266,6 @@ def manual_training_step(trainer: "TrainerView", batch: Any, batch_idx: int, hoo
     (``self.manual_backward``, ``self.optimizers()``); the graph is still cut once per call."""
     loop = trainer.loop
     results = trainer.run.results
-    before = loop.global_step
     outputs = trainer.model("train", batch, batch_idx)
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -274,9 +274,10 @@ def manual_training_step(trainer: "TrainerView", batch: Any, batch_idx: int, hoo
         results.log(LOSS_KEY, loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False,
                     reduce_fx="mean", batch_size=None)
     loop.stepped = True  # the module stepped (or not) itself: any batch is a boundary
+    loop.batches_stepped += 1  # once per batch, however many optimizers stepped (as Lightning counts)
     trainer.run.optim.forget_pending_clips()
-    read = loop.global_step // trainer.log_every_n_steps > before // trainer.log_every_n_steps
-    if read:  # a logging step was crossed: read as in training_step
+    read = loop.batches_stepped % trainer.log_every_n_steps == 0
+    if read:  # a logging batch: read as in training_step
         trainer.strategy.runtime.add_step_closure(lambda: publish_step_values(trainer))
     trainer.strategy.runtime.sync()  # the graph cut: one execution per training_step call
     loop.batches_in_epoch = batch_idx + 1

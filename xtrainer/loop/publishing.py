@@ -246,12 +246,13 @@ class Publisher:
 
 def logged_step(trainer: "TrainerView") -> int:
     """The step the loggers are given, Lightning's ``_batches_that_stepped``: in a fit, the
-    optimizer steps before this batch's (a batch's values, a validation after it and an epoch's
-    end are written at ``global_step - 1``: the first batch at step 0, with ``log_every_n_steps=50``
-    steps 49, 99...); in ``validate``/``test``/``predict``, the steps done. (Under manual
-    optimization with several optimizers Lightning counts batches there, this the steps.)"""
-    step = trainer.global_step
-    return max(step - 1, 0) if trainer.state == "fit" else step
+    batches that stepped before this one (a batch's values, a validation after it and an epoch's
+    end are written at ``batches_stepped - 1``: the first batch at step 0, with
+    ``log_every_n_steps=50`` steps 49, 99...; under manual optimization one per batch, however many
+    optimizers stepped); in ``validate``/``test``/``predict``, the steps done."""
+    if trainer.state == "fit":
+        return max(trainer.loop.batches_stepped - 1, 0)
+    return trainer.global_step
 
 
 def _into_callback_metrics(trainer: "TrainerView", values: dict[str, float]) -> None:

@@ -20,7 +20,10 @@ class LoopState:
     ``epoch_schedulers_due``: between an epoch's end and its schedulers' epoch step (where epoch-end
     checkpoints are written). ``stepped``: the last training batch ended with an optimizer step
     (a stop waits for one). ``skip_batches``: batches of the resumed epoch already trained.
-    ``seed``: the run's seed (data order, each replica's device generator). ``batches_done``:
+    ``seed``: the run's seed (data order, each replica's device generator). ``batches_stepped``:
+    training batches that ended with an optimizer step, or any batch under manual optimization,
+    once each however many optimizers stepped (Lightning's ``_batches_that_stepped``, the
+    loggers' step; saved). ``batches_done``:
     training batches finished by this replica's fits, counted on the host (not saved).
     ``progress``: while the hang watchdog watches the fit, a one-element view of memory shared
     with its monitor process, where the loop stores ``batches_done`` after each batch
@@ -36,6 +39,7 @@ class LoopState:
     stepped: bool = True
     skip_batches: int = 0
     seed: int = 0
+    batches_stepped: int = 0
     batches_done: int = 0
     progress: Any = None
 
@@ -47,13 +51,15 @@ class LoopState:
         return {"global_step": self.global_step, "epoch": self.current_epoch,
                 "batches_in_epoch": self.batches_in_epoch, "epoch_finished": self.epoch_finished,
                 "seed": self.seed, "validation_pending": self.validation_pending,
-                "epoch_schedulers_due": self.epoch_schedulers_due}
+                "epoch_schedulers_due": self.epoch_schedulers_due, "batches_stepped": self.batches_stepped}
 
     def load_state_dict(self, loops: dict[str, Any]) -> None:
         """Continue from a checkpoint's ``"loops"``: a finished epoch resumes at the next one's
         start, an unfinished one at its next unseen batch (with a validation it still owed)."""
         finished = bool(loops["epoch_finished"])
         self.global_step = int(loops["global_step"])
+        # A checkpoint written before the count was saved: one optimizer step per batch
+        self.batches_stepped = int(loops.get("batches_stepped", self.global_step))
         self.seed = int(loops.get("seed", self.seed))
         self.epoch_finished = finished
         self.current_epoch = int(loops["epoch"]) + (1 if finished else 0)

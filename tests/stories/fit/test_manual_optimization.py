@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from xtrainer import Trainer, XModule, _xla
 from xtrainer.callbacks import Callback, ModelCheckpoint
+from xtrainer.loggers import Logger
 from xtrainer.strategies import XlaDDP
 
 STEPS_PER_EPOCH = 4
@@ -143,6 +144,53 @@ def test_a_gan_resumed_from_a_mid_epoch_checkpoint_equals_an_uninterrupted_run(t
     for name, tensor in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], tensor), name
 
+
+
+class Steps(Logger):
+    """Records the step the loggers are given with each logged value's name."""
+
+    def __init__(self):
+        super().__init__()
+        self.logged = []
+
+    @property
+    def name(self):
+        return "steps"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params):
+        pass
+
+    def log_metrics(self, metrics, step):
+        self.logged.append((step, sorted(metrics)))
+
+
+def _steps_of(logger, key):
+    """The steps at which ``key`` was logged."""
+    return [step for step, keys in logger.logged if key in keys]
+
+
+def test_the_loggers_step_counts_batches_not_the_optimizers_steps_and_a_resume_continues_it(tmp_path):
+    """As Lightning's ``_batches_that_stepped``: two optimizers stepping in every batch are one
+    step of the loggers, not two, and a resumed run logs on from where the checkpoint was."""
+    whole = Steps()
+    trainer = Trainer(max_epochs=2, log_every_n_steps=2, enable_checkpointing=False, logger=whole,
+                      **quiet(tmp_path / "whole"))
+    trainer.fit(GAN(), real_data())
+    assert trainer.global_step == 16  # every optimizer step counts there
+    assert _steps_of(whole, "g_loss") == [1, 3, 5, 7]  # every second batch of 8 (log_every_n_steps counts batches)
+    saver = ModelCheckpoint(every_n_train_steps=6, save_top_k=-1)  # 6 optimizer steps: 3 batches
+    Trainer(max_epochs=1, limit_train_batches=3, callbacks=[saver], logger=False,
+            **quiet(tmp_path / "cut")).fit(GAN(), real_data())
+    (path,) = glob.glob(str(tmp_path / "cut" / "**" / "*step=6*.ckpt"), recursive=True)
+    assert torch.load(path, weights_only=True)["loops"]["batches_stepped"] == 3
+    again = Steps()
+    Trainer(max_epochs=2, log_every_n_steps=2, enable_checkpointing=False, logger=again,
+            **quiet(tmp_path / "resumed")).fit(GAN(), real_data(), ckpt_path=path)
+    assert _steps_of(again, "g_loss") == [3, 5, 7]  # batches 4, 6 and 8 of the uninterrupted run
 
 class Counter(Callback):
     def __init__(self):

@@ -16,9 +16,20 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(conftest.
 
 def test_the_checkpoint_entry_keeps_the_documented_names():
     loop = LoopState(global_step=7, current_epoch=2, batches_in_epoch=3, epoch_finished=False, validation_pending=True,
-                     epoch_schedulers_due=False, seed=11)
+                     epoch_schedulers_due=False, seed=11, batches_stepped=5)
     assert loop.state_dict() == {"global_step": 7, "epoch": 2, "batches_in_epoch": 3, "epoch_finished": False,
-                                 "seed": 11, "validation_pending": True, "epoch_schedulers_due": False}
+                                 "seed": 11, "validation_pending": True, "epoch_schedulers_due": False,
+                                 "batches_stepped": 5}
+
+
+def test_the_loggers_step_of_a_checkpoint_written_before_it_was_saved_is_its_global_step():
+    old = LoopState(global_step=7, batches_stepped=5).state_dict()
+    del old["batches_stepped"]
+    resumed = LoopState()
+    resumed.load_state_dict(old)
+    assert resumed.batches_stepped == 7  # one optimizer step per batch, as such runs stepped
+    resumed.load_state_dict(LoopState(global_step=7, batches_stepped=5).state_dict())
+    assert resumed.batches_stepped == 5
 
 
 def test_a_checkpoint_inside_an_epoch_resumes_at_its_next_unseen_batch_with_the_validation_it_owed():
