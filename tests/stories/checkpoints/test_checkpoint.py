@@ -35,7 +35,7 @@ def test_default_checkpoint_is_a_documented_plain_dict(tmp_path):
     assert ckpt["format"] == "xtrainer" and ckpt["strategy"] == "xla_native" and ckpt["world_size"] == 1
     assert ckpt["loops"] == {"global_step": 16, "epoch": 1, "batches_in_epoch": 8, "epoch_finished": True,
                              "seed": torch.initial_seed() % 2**31, "validation_pending": False,
-                             "epoch_schedulers_due": True,
+                             "epoch_schedulers_due": True, "batches_stepped": 16,
                              "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
     assert [set(ckpt["epoch_results"][0])] == [{"train_loss"}]  # the epoch's accumulators, per replica
     assert set(ckpt["rng_states"]) == {"python", "numpy", "torch", "xla"} and len(ckpt["rng_states"]["xla"]) == 1
