@@ -102,7 +102,8 @@ def _resume(root, uninterrupted) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multi_device
-@pytest.mark.parametrize("rank", [0, 1], ids=["rank-0s-node", "rank-1s-node"])
+# rank 0's node serves the rendezvous; a signal to rank 1's node alone is in the epoch-end story below
+@pytest.mark.parametrize("rank", [0], ids=["rank-0s-node"])
 def test_sigterm_to_one_torchrun_of_two_stops_both_at_one_step_exits_143_and_resumes_bitwise(tmp_path, uninterrupted,
                                                                                             rank):
     root = tmp_path / "run"
